@@ -1,0 +1,35 @@
+# The two commands a fresh machine needs: `make serve` and `make test`.
+# Both create .venv when missing and install torch first (the pinned CPU build).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint bench-step clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/triode serve
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench-step: setup
+	$(BIN)/triode bench step
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

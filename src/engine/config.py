@@ -1,0 +1,96 @@
+"""Engine arguments: the one source of defaults for the CLI, the Python API and TRIODE_* env vars."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from engine.errors import InvalidRequestError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+GiB = 1 << 30
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise InvalidRequestError(f"{attribute.name} must be positive, got {value}", field=attribute.name)
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise InvalidRequestError(
+                f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}",
+                field=attribute.name,
+            )
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class EngineArgs:
+    """Everything that configures one engine. Field names match vLLM's where the meaning matches."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    served_model_name: str | None = None
+    dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
+    device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    kv_cache_memory: int = attrs.field(default=1 * GiB, validator=_positive)  # bytes
+    max_num_seqs: int = attrs.field(default=128, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
+    long_prefill_token_threshold: int | None = attrs.field(default=None, validator=_positive)
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = attrs.field(default="fcfs", validator=_one_of(SCHEDULING_POLICIES))
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    step_timeout: float = attrs.field(default=60.0, validator=_positive)  # seconds
+    shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)
+    max_queued_requests: int = attrs.field(default=1024, validator=_positive)
+    seed: int = 0
+    cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineArgs:
+        """Reads ``TRIODE_<FIELD>`` variables (e.g. ``TRIODE_MODEL``, ``TRIODE_MAX_NUM_SEQS``)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in attrs.fields(cls):
+            raw = environ.get(f"TRIODE_{field.name.upper()}")
+            if raw is not None:
+                values[field.name] = _parse(field, raw)
+        values.update(overrides)
+        return cls(**values)
+
+    def resolved_cache_dir(self) -> str:
+        if self.cache_dir:
+            return self.cache_dir
+        if env := os.environ.get("TRIODE_CACHE"):
+            return env
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "triode")
+
+
+def _parse(field: attrs.Attribute, raw: str) -> Any:
+    kind = str(field.type)
+    name = field.name
+    try:
+        if kind.startswith("bool"):
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return lowered in ("1", "true", "yes", "on")
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise InvalidRequestError(
+            f"TRIODE_{name.upper()}={raw!r} is not a valid {kind}", field=name
+        ) from None
+    return raw

@@ -1,0 +1,109 @@
+"""The model facts triode needs, read from a Hugging Face config.json (v4 and v5 layouts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from engine.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise UnsupportedModelError(
+                f"architecture {architectures or raw.get('model_type')!r} is not supported; "
+                f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)}",
+                path=source,
+            )
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        theta, scaling = _rope(raw, source)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(raw.get("attention_bias", False))
+        sliding = raw.get("sliding_window")
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
+            sliding = None
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers v5's ``rope_parameters`` or v4's
+    ``rope_theta`` + ``rope_scaling``."""
+    params = raw.get("rope_parameters")
+    if params and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; triode supports {', '.join(SUPPORTED_ROPE_TYPES)}",
+            path=source,
+        )
+    return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}

@@ -1,0 +1,39 @@
+"""Architecture name -> model class, and the one place a model is built and loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.errors import UnsupportedModelError
+from engine.worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.worker.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+
+
+def build_model(
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    source: str,
+) -> nn.Module:
+    """Builds the model without initialising parameters (they are overwritten by the load)."""
+    model_class = _MODELS.get(config.architecture)
+    if model_class is None:
+        raise UnsupportedModelError(
+            f"no implementation for {config.architecture}; supported: {', '.join(_MODELS)}",
+            path=source,
+        )
+    with torch.device("meta"):
+        model = model_class(config, max_positions=max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        model.load_weights(weights, source=source)
+    model.init_rope()
+    return model.eval()

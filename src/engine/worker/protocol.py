@@ -1,0 +1,69 @@
+"""The plan/result protocol between the scheduler and the worker ranks.
+
+A plan carries only what changed since the previous step: the worker keeps each sequence's
+token history and block table, so nothing grows with the length of a conversation. Every
+message is pickled on each step, so they hold plain Python values, never tensors.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.sampling_params import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class NewSequence:
+    """A sequence the worker has not seen, or one that restarts after preemption or a worker
+    restart (its KV cache is gone, so ``token_ids`` holds everything to recompute)."""
+
+    seq_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()  # tokens already sampled before a recompute
+    params: SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledChunk:
+    """The work for one sequence in one step: ``token_ids`` are fed at positions
+    ``start_position ..``; ``new_block_ids`` extend its block table first."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    new_block_ids: tuple[int, ...] = ()
+    sample: bool = True  # False for a prefill chunk that does not reach the end of the prompt
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    step_id: int
+    new_sequences: tuple[NewSequence, ...] = ()
+    chunks: tuple[ScheduledChunk, ...] = ()
+    finished_seq_ids: tuple[str, ...] = ()  # forget these before running the step
+
+
+@attrs.frozen(kw_only=True)
+class TokenLogprobs:
+    """Logprobs for one position: the chosen token and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class SampledToken:
+    seq_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    step_id: int
+    sampled: tuple[SampledToken, ...] = ()
+    # seq_id -> logprobs of prompt tokens 1.. computed in this step's chunk
+    prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
+    execute_seconds: float = 0.0

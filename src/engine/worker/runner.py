@@ -1,0 +1,177 @@
+"""The model runner: owns the weights and the paged KV cache of one rank and executes a
+StepPlan. It runs inside a worker process, so it imports neither trio nor the frontend."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+import kernels
+from engine.config import EngineArgs
+from engine.errors import InvalidRequestError, KVCacheTooSmallError
+from engine.sampling_params import SamplingParams
+from engine.worker.loading import iter_safetensors, load_hf_config
+from engine.worker.models.config import ModelConfig
+from engine.worker.models.registry import build_model
+from engine.worker.protocol import ScheduledChunk, SampledToken, StepPlan, StepResult
+from engine.worker.sampler import Sampler, SamplingBatch, SamplingRow, compute_logprobs
+from engine.worker.step_inputs import StepInputs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # bf16 matmul on CPUs without AMX is ~100x slower than fp32, so CPU defaults to fp32.
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
+    limit = config.max_position_embeddings
+    if config.sliding_window is not None:
+        # Attention here is full-context; past the window it would diverge from the model.
+        limit = min(limit, config.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise InvalidRequestError(
+            f"max_model_len {requested} exceeds the model's limit of {limit} positions",
+            field="max_model_len",
+        )
+    return requested
+
+
+@attrs.define
+class _Sequence:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_table: list[int] = attrs.Factory(list)
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_path: str | Path) -> None:
+        path = Path(model_path)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.config = ModelConfig.from_hf(load_hf_config(path), source=str(path / "config.json"))
+        self.max_model_len = resolve_max_model_len(self.config, args.max_model_len)
+        self.block_size = args.block_size
+        self.num_blocks = self._num_blocks(args.kv_cache_memory)
+        self.model = build_model(
+            self.config, iter_safetensors(path), dtype=self.dtype, device=self.device,
+            max_positions=self.max_model_len, source=str(path),
+        )
+        shape = (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.config.num_layers)
+        ]
+        self.sampler = Sampler(args.seed)
+        self.sequences: dict[str, _Sequence] = {}
+
+    def _num_blocks(self, budget_bytes: int) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_block = self.block_size * self.config.kv_bytes_per_token * element
+        num_blocks = budget_bytes // per_block
+        if num_blocks * self.block_size < self.max_model_len:
+            raise KVCacheTooSmallError(
+                f"a KV-cache budget of {budget_bytes} bytes holds {num_blocks * self.block_size} tokens, "
+                f"fewer than max_model_len={self.max_model_len} "
+                f"(raise kv_cache_memory or lower max_model_len)"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        for seq_id in plan.finished_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in plan.new_sequences:
+            self.sequences[new.seq_id] = _Sequence(
+                list(new.prompt_token_ids), list(new.output_token_ids), new.params
+            )
+        # Decodes (one query token) go first: the attention ops batch them together.
+        chunks = sorted(plan.chunks, key=lambda chunk: len(chunk.token_ids) != 1)
+        for chunk in chunks:
+            self.sequences[chunk.seq_id].block_table.extend(chunk.new_block_ids)
+        if not chunks:
+            return StepResult(step_id=plan.step_id)
+        inputs = StepInputs.build(
+            chunks, [self.sequences[c.seq_id].block_table for c in chunks],
+            block_size=self.block_size, device=self.device,
+        )
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        sampled = self._sample(chunks, inputs, hidden)
+        prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
+        return StepResult(
+            step_id=plan.step_id,
+            sampled=sampled,
+            prompt_logprobs=prompt_logprobs,
+            execute_seconds=time.perf_counter() - started,
+        )
+
+    def _sample(self, chunks, inputs: StepInputs, hidden: torch.Tensor) -> tuple[SampledToken, ...]:
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        if not sampling:
+            return ()
+        rows_index = torch.tensor([inputs.last_token_rows[i] for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows_index))
+        sequences = [self.sequences[chunks[i].seq_id] for i in sampling]
+        rows = [
+            SamplingRow(
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                banned_token_ids=self._banned(seq),
+            )
+            for seq in sequences
+        ]
+        batch = SamplingBatch.build(rows, vocab_size=self.config.vocab_size, device=self.device)
+        output = self.sampler.sample(logits, batch)
+        results = []
+        for index, seq, token_id, logprobs in zip(
+            sampling, sequences, output.token_ids, output.logprobs, strict=True
+        ):
+            seq.output_token_ids.append(token_id)
+            results.append(SampledToken(seq_id=chunks[index].seq_id, token_id=token_id, logprobs=logprobs))
+        return tuple(results)
+
+    def _banned(self, seq: _Sequence) -> tuple[int, ...]:
+        # Until min_tokens are out, neither EOS nor a stop token may end the request.
+        params = seq.params
+        if len(seq.output_token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.config.eos_token_ids
+        return tuple(eos) + params.stop_token_ids
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor):
+        results = []
+        for index, chunk in enumerate(chunks):
+            seq = self.sequences[chunk.seq_id]
+            if seq.params.prompt_logprobs is None:
+                continue
+            prompt = seq.prompt_token_ids
+            # Row p predicts prompt[p + 1]; only positions inside the prompt have a target.
+            end = min(chunk.start_position + len(chunk.token_ids), len(prompt) - 1)
+            if end <= chunk.start_position:
+                continue
+            first_row = inputs.first_token_rows[index]
+            rows = hidden[first_row : first_row + end - chunk.start_position]
+            targets = torch.tensor(prompt[chunk.start_position + 1 : end + 1], device=self.device)
+            logprobs = compute_logprobs(
+                self.model.compute_logits(rows), targets, seq.params.prompt_logprobs
+            )
+            results.append((chunk.seq_id, tuple(logprobs)))
+        return tuple(results)

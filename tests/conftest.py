@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random models of each architecture, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import ARCHITECTURES, build_tiny_model, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
+    """Builds (and caches per session) a tiny model: factory(arch, **config_overrides) -> path."""
+    built = {}
+
+    def factory(architecture: str, **overrides):
+        key = (architecture, tuple(sorted(overrides.items(), key=repr)))
+        if key not in built:
+            directory = tmp_path_factory.mktemp(f"tiny-{architecture}")
+            built[key] = build_tiny_model(directory, architecture, tiny_tokenizer, **overrides)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
+def tiny_model(request, tiny_model_factory):
+    return tiny_model_factory(request.param)

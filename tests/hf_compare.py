@@ -1,0 +1,75 @@
+"""Comparing our runner's greedy output with Hugging Face transformers' generate."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from engine.config import EngineArgs
+from engine.sampling_params import SamplingParams
+from engine.worker.protocol import TokenLogprobs
+from engine.worker.runner import ModelRunner
+from tests.driver import Driver
+
+TOP = 5
+
+
+def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int):
+    """(token ids, per-step log-softmax rows) for each prompt, one prompt at a time so that no
+    padding enters the comparison."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Without this, generate merges the model's own EOS back in and stops early.
+    model.generation_config.eos_token_id = None
+    config = GenerationConfig(
+        max_new_tokens=max_tokens, min_new_tokens=None, do_sample=False,
+        eos_token_id=None, pad_token_id=0, bos_token_id=None,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    results = []
+    for prompt in prompts:
+        input_ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+            )
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+        results.append((tokens, logprobs))
+    return results
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
+
+
+def make_driver(path: Path) -> Driver:
+    return Driver(ModelRunner(EngineArgs(model=str(path), kv_cache_memory=64 << 20), path))
+
+
+def ours_greedy(path: Path, prompts, max_tokens: int, **driver_options):
+    return make_driver(path).generate(prompts, greedy_params(max_tokens), **driver_options)
+
+
+def assert_matches_hf(
+    ours: list[tuple[list[int], list[TokenLogprobs | None]]],
+    reference,
+    *,
+    logprob_atol: float = 1e-3,
+) -> None:
+    """Token ids identical; logprobs close; at a mismatch (vLLM's rule) each side's token must
+    be in the other's top-5, which turns a near-tie into a clear message."""
+    for index, ((tokens, logprobs), (hf_tokens, hf_logprobs)) in enumerate(zip(ours, reference, strict=True)):
+        for step, (token, hf_token) in enumerate(zip(tokens, hf_tokens, strict=True)):
+            hf_row = hf_logprobs[step]
+            ours_top = [t for t, _ in logprobs[step].top]
+            hf_top = torch.topk(hf_row, TOP).indices.tolist()
+            assert token == hf_token, (
+                f"prompt {index}, step {step}: ours {token} vs HF {hf_token} "
+                f"(ours in HF top-5: {token in hf_top}, HF in our top-5: {hf_token in ours_top})"
+            )
+            assert abs(logprobs[step].logprob - hf_row[token].item()) < logprob_atol
+            for top_token, top_logprob in logprobs[step].top:
+                assert abs(top_logprob - hf_row[top_token].item()) < logprob_atol

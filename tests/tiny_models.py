@@ -1,0 +1,93 @@
+"""Builders of tiny random Hugging Face models with a locally trained BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Structured concurrency keeps every task inside a nursery that outlives it.",
+    "A paged key-value cache stores attention keys in fixed-size blocks of tokens.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "Numbers like 12345 and 67890 appear in text, as do symbols: #, $, %, &.",
+    "héllo wörld, ça va? 世界 你好 🙂 — unicode splits across byte-level tokens.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 2}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"num_key_value_heads": 1}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"num_key_value_heads": 2}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"num_key_value_heads": 2, "head_dim": 32}),
+}
+
+
+def train_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(
+    directory: Path,
+    architecture: str,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    config_class, model_class, extra = ARCHITECTURES[architecture]
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    settings.update(extra)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings)).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
