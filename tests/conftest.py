@@ -18,7 +18,7 @@ def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
     built = {}
 
     def factory(architecture: str, **overrides):
-        key = (architecture, tuple(sorted(overrides.items(), key=repr)))
+        key = (architecture, repr(sorted(overrides.items())))
         if key not in built:
             directory = tmp_path_factory.mktemp(f"tiny-{architecture}")
             built[key] = build_tiny_model(directory, architecture, tiny_tokenizer, **overrides)

@@ -16,14 +16,17 @@ class Driver:
         self.next_block = 0
         self.step_ids = itertools.count()
         self.tables: dict[str, list[int]] = {}
+        self.sent: dict[str, int] = {}  # how much of each table the worker has seen
 
     def _blocks_for(self, seq_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Grows the table to hold ``num_tokens`` and returns what the worker has not seen."""
         table = self.tables.setdefault(seq_id, [])
         needed = -(-num_tokens // self.runner.block_size) - len(table)
-        new = tuple(range(self.next_block, self.next_block + max(needed, 0)))
-        self.next_block += len(new)
-        table.extend(new)
-        return new
+        table.extend(range(self.next_block, self.next_block + max(needed, 0)))
+        self.next_block += max(needed, 0)
+        unseen = tuple(table[self.sent.get(seq_id, 0):])
+        self.sent[seq_id] = len(table)
+        return unseen
 
     def run(self, plan_chunks, new_sequences=()) -> dict[str, tuple[int, TokenLogprobs | None]]:
         plan = StepPlan(step_id=next(self.step_ids), new_sequences=tuple(new_sequences),

@@ -46,7 +46,8 @@ def greedy_params(max_tokens: int) -> SamplingParams:
 
 
 def make_driver(path: Path) -> Driver:
-    return Driver(ModelRunner(EngineArgs(model=str(path), kv_cache_memory=64 << 20), path))
+    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=512)
+    return Driver(ModelRunner(args, path))
 
 
 def ours_greedy(path: Path, prompts, max_tokens: int, **driver_options):

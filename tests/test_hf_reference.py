@@ -73,3 +73,29 @@ def test_prefill_over_reused_prefix_equals_one_shot(tiny_model_factory, prompts)
         [long_prompt], greedy_params(16), name="seq", prefix_of={"seq-0": ("donor-0", 32)}
     )
     assert reused == donor
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from engine.config import EngineArgs
+    from engine.worker.loading import resolve_model
+
+    return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
+
+
+@pytest.mark.default_model
+def test_default_model_matches_hf(default_model_path):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(default_model_path))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    texts = [
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+        "The history of structured concurrency begins with",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    ]
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    ours = ours_greedy(default_model_path, prompts, MAX_TOKENS)
+    assert_matches_hf(ours, hf_greedy(default_model_path, prompts, MAX_TOKENS))
+    assert tokenizer.decode(ours[0][0]).startswith("The capital of France is Paris.")
