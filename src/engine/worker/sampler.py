@@ -1,0 +1,365 @@
+"""Token sampling for one model step: logits [B, V] in, one token (and its logprobs) per row out.
+
+Runs inside worker processes, so it imports torch and the plain parameter classes, never trio.
+Processing order follows vLLM: logit bias and banned tokens, repetition penalty, frequency and
+presence penalties; then greedy rows take the argmax while random rows go through temperature,
+top-k, top-p and min-p, softmax and an exponential race. Logprobs describe the raw model
+distribution (vLLM v1's default), not the processed one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.worker.protocol import TokenLogprobs
+
+_NEG_INF = float("-inf")
+# Exp(1) noise can be exactly 0; 0/0 would be NaN and argmax picks NaN, so floor it.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@attrs.frozen(kw_only=True)
+class SamplingRow:
+    """One sequence that gets a token this step. ``output_token_ids`` is what it generated so far
+    and its length is the index of the token drawn now, so a seeded row's draw depends on
+    (seed, index) alone. ``banned_token_ids`` get -inf: the stop logic decides which (e.g. EOS and
+    stop ids until ``min_tokens`` is reached), the sampler only applies them."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    banned_token_ids: Sequence[int] = ()
+
+
+@attrs.frozen(kw_only=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where the request asked for no logprobs
+
+
+def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _float(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    return _long(values, device) if values else None
+
+
+def _columns(
+    entries: Sequence[tuple[float, ...]], device: torch.device
+) -> tuple[torch.Tensor, ...] | None:
+    """(row, token id[, value]) entries as one tensor per column: a sparse list of positions."""
+    if not entries:
+        return None
+    rows, tokens, *values = zip(*entries, strict=True)
+    return (_long(rows, device), _long(tokens, device), *(_float(v, device) for v in values))
+
+
+def _bincount_rows(
+    histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Token counts per row, [len(histories), V], by one scatter_add over the flattened histories
+    (flat rather than padded: no pad column, no wasted work on short rows)."""
+    counts = torch.zeros(len(histories) * vocab_size, dtype=torch.float32, device=device)
+    flat = _long(list(itertools.chain.from_iterable(histories)), device)
+    if flat.numel():
+        lengths = _long([len(h) for h in histories], device)
+        rows = torch.repeat_interleave(torch.arange(len(histories), device=device), lengths)
+        ones = torch.ones_like(flat, dtype=torch.float32)
+        counts.scatter_add_(0, rows * vocab_size + flat, ones)
+    return counts.view(len(histories), vocab_size)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SamplingBatch:
+    """The rows of one step as tensors, built once per step. Features that no row uses are None or
+    False so that ``Sampler.sample`` skips them; an all-greedy batch without penalties costs one
+    argmax (plus logprobs where asked)."""
+
+    size: int
+    vocab_size: int
+    device: torch.device
+    greedy_rows: torch.Tensor | None  # None: no greedy row
+    random_rows: torch.Tensor | None  # None: no random row
+    # [B]; greedy rows and disabled features hold neutral values, so masks pass them through
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # V where disabled
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    use_temperature: bool
+    use_top_k: bool
+    max_top_k: int
+    use_top_p: bool
+    use_min_p: bool
+    bias: tuple[torch.Tensor, ...] | None  # rows, token ids, values
+    banned: tuple[torch.Tensor, ...] | None  # rows, token ids
+    penalty_rows: torch.Tensor | None  # the P rows with a penalty; the fields below are [P], [P, V]
+    repetition_penalty: torch.Tensor | None
+    seen_mask: torch.Tensor | None  # in prompt or output: where the repetition penalty applies
+    frequency_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None
+    # positions among the random rows: unseeded ones share the Sampler's generator
+    unseeded_positions: torch.Tensor | None
+    seeded: tuple[tuple[int, int, int], ...]  # (position among random rows, seed, token index)
+    logprob_rows: torch.Tensor | None
+    num_logprobs: tuple[int | None, ...]
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], *, vocab_size: int, device: torch.device
+    ) -> SamplingBatch:
+        device, vocab = torch.device(device), vocab_size
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        params = [r.params for r in rows]
+        # Greedy rows get neutral values so that whole-batch masks leave them alone.
+        temperature = [1.0 if p.greedy else p.temperature for p in params]
+        top_k = [vocab if p.greedy else min(p.effective_top_k or vocab, vocab) for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        random_k = [top_k[i] for i in random]
+        seeded = [(pos, p.seed, len(rows[i].output_token_ids))
+                  for pos, i in enumerate(random) if (p := rows[i].params).seed is not None]
+        unseeded = [pos for pos, i in enumerate(random) if rows[i].params.seed is None]
+        bias = [(i, t, v) for i, p in enumerate(params) for t, v in p.logit_bias]
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+
+        penalized = [
+            i for i, p in enumerate(params)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        ]
+        rep = seen = freq = pres = counts = None
+        if penalized:
+            pen = [params[i] for i in penalized]
+            pen_rows = [rows[i] for i in penalized]
+            history = _bincount_rows([r.output_token_ids for r in pen_rows], vocab, device)
+            if any(p.repetition_penalty != 1.0 for p in pen):
+                prompt = _bincount_rows([r.prompt_token_ids for r in pen_rows], vocab, device)
+                seen = (prompt > 0) | (history > 0)
+                rep = _float([p.repetition_penalty for p in pen], device)
+            if any(p.frequency_penalty or p.presence_penalty for p in pen):
+                counts = history
+                freq = _float([p.frequency_penalty for p in pen], device)
+                pres = _float([p.presence_penalty for p in pen], device)
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return cls(
+            size=len(rows), vocab_size=vocab, device=device,
+            greedy_rows=_index(greedy, device), random_rows=_index(random, device),
+            temperature=_float(temperature, device), top_k=_long(top_k, device),
+            top_p=_float(top_p, device), min_p=_float(min_p, device),
+            use_temperature=any(t != 1.0 for t in temperature),
+            use_top_k=any(k < vocab for k in random_k), max_top_k=max(random_k, default=vocab),
+            use_top_p=any(p < 1.0 for p in top_p), use_min_p=any(p > 0.0 for p in min_p),
+            bias=_columns(bias, device), banned=_columns(banned, device),
+            penalty_rows=_index(penalized, device), repetition_penalty=rep, seen_mask=seen,
+            frequency_penalty=freq, presence_penalty=pres, output_counts=counts,
+            unseeded_positions=_index(unseeded, device), seeded=tuple(seeded),
+            logprob_rows=_index(logprob_rows, device),
+            num_logprobs=tuple(p.logprobs for p in params),
+        )
+
+
+def _check_shape(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if logits.shape != (batch.size, batch.vocab_size):
+        shape = (batch.size, batch.vocab_size)
+        raise ValueError(f"logits have shape {tuple(logits.shape)}, the batch needs {shape}")
+
+
+def _adjust_(x: torch.Tensor, batch: SamplingBatch) -> None:
+    if batch.bias is not None:
+        rows, tokens, values = batch.bias
+        x.index_put_((rows, tokens), values, accumulate=True)
+    if batch.banned is not None:
+        x[batch.banned] = _NEG_INF
+    if batch.penalty_rows is None:
+        return
+    rows = batch.penalty_rows
+    sub = x if rows.numel() == batch.size else x[rows]
+    if batch.seen_mask is not None and batch.repetition_penalty is not None:
+        rep = batch.repetition_penalty[:, None]
+        sub = torch.where(batch.seen_mask, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    counts, freq, pres = batch.output_counts, batch.frequency_penalty, batch.presence_penalty
+    if counts is not None and freq is not None and pres is not None:
+        sub = sub - counts * freq[:, None] - (counts > 0) * pres[:, None]
+    x[rows] = sub
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logit bias, banned tokens and penalties applied to a float32 copy of ``logits``."""
+    _check_shape(logits, batch)
+    x = logits.to(torch.float32, copy=True)
+    _adjust_(x, batch)
+    return x
+
+
+def _truncate(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    *, use_k: bool, max_k: int, use_p: bool, use_min_p: bool,
+) -> torch.Tensor:
+    """Masks with -inf every token outside top-k, top-p (of the distribution renormalized over
+    top-k) and min-p. Each mask is a per-row value cutoff, so tokens tied with the last one kept
+    are all kept: the result never depends on how a sort orders ties."""
+    if not (use_k or use_p or use_min_p):
+        return x
+    cutoff = x.new_full((x.shape[0], 1), _NEG_INF)
+    if use_p:
+        sorted_x = x.sort(dim=-1, descending=True).values
+        if use_k:
+            cutoff = sorted_x.gather(1, (top_k - 1)[:, None])
+            sorted_x = sorted_x.masked_fill(sorted_x < cutoff, _NEG_INF)
+        probs = sorted_x.softmax(dim=-1)
+        # Mass strictly before each position; a true exclusive cumsum stays monotone in floats.
+        before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+        # top_p == 1 keeps all: rounding must not make the sum reach 1 before the tail.
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        cutoff = torch.maximum(cutoff, sorted_x.gather(1, keep.sum(dim=-1, keepdim=True) - 1))
+        row_max = sorted_x[:, :1]
+    elif use_k:
+        top = x.topk(max_k, dim=-1).values  # cheaper than a full sort when k is small
+        cutoff = top.gather(1, (top_k - 1)[:, None])
+        row_max = top[:, :1]
+    else:
+        row_max = x.amax(dim=-1, keepdim=True)
+    if use_min_p:
+        # p_i >= min_p * p_max, in logit space: no softmax needed, and renormalization-invariant.
+        cutoff = torch.maximum(cutoff, row_max + min_p[:, None].log())
+    return x.masked_fill(x < cutoff, _NEG_INF)
+
+
+def mask_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k / top-p / min-p masks of the batch's random rows applied to ``logits`` as given (no
+    temperature); greedy rows come back unchanged."""
+    _check_shape(logits, batch)
+    return _truncate(
+        logits.float(), batch.top_k, batch.top_p, batch.min_p, use_k=batch.use_top_k,
+        max_k=batch.vocab_size if batch.greedy_rows is not None else batch.max_top_k,
+        use_p=batch.use_top_p, use_min_p=batch.use_min_p,
+    )
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_tops: Sequence[int]
+) -> list[TokenLogprobs]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    max_top = min(max(num_tops, default=0), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in num_tops]
+    top_ids: list[list[int]] = [[] for _ in num_tops]
+    if max_top:
+        top = logprobs.topk(max_top, dim=-1)  # one topk for the largest N, sliced per row
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    columns = (token_ids.tolist(), chosen.squeeze(1).tolist(), ranks, top_ids, top_values, num_tops)
+    return [
+        TokenLogprobs(
+            token_id=token, logprob=lp, rank=rank, top=tuple(zip(ids[:n], values[:n], strict=True))
+        )
+        for token, lp, rank, ids, values, n in zip(*columns, strict=True)
+    ]
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], num_top: int
+) -> list[TokenLogprobs]:
+    """log_softmax of ``logits`` [N, V] at ``token_ids`` [N], with each token's rank (1 = most
+    likely) and the ``num_top`` most likely (token id, logprob) pairs; also for prompt logprobs."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
+    if logits.ndim != 2 or ids.shape != (logits.shape[0],):
+        shapes = f"{tuple(logits.shape)} and {tuple(ids.shape)}"
+        raise ValueError(f"logits and token ids do not match: {shapes}")
+    return _logprobs(logits, ids, [num_top] * len(ids))
+
+
+def _derive_seed(seed: int, index: int) -> int:
+    # A stable hash (not Python's hash()) so a seeded draw survives worker restarts and versions.
+    digest = hashlib.blake2b(struct.pack("<qq", seed, index), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Sampler:
+    """Samples one token per row. Unseeded random rows share one generator seeded with
+    ``generator_seed``; each seeded row draws from a generator seeded with (seed, token index)."""
+
+    def __init__(self, generator_seed: int) -> None:
+        self._generator_seed = generator_seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._reseeded: dict[torch.device, torch.Generator] = {}
+
+    def _generator(
+        self, cache: dict[torch.device, torch.Generator], device: torch.device
+    ) -> torch.Generator:
+        if device not in cache:
+            cache[device] = torch.Generator(device=device)
+            cache[device].manual_seed(self._generator_seed)
+        return cache[device]
+
+    def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        if batch.unseeded_positions is not None:
+            shared = self._generator(self._shared, probs.device)
+            if not batch.seeded:
+                noise.exponential_(generator=shared)
+            else:
+                noise[batch.unseeded_positions] = torch.empty(
+                    (batch.unseeded_positions.numel(), probs.shape[1]), device=probs.device
+                ).exponential_(generator=shared)
+        for position, seed, index in batch.seeded:
+            generator = self._generator(self._reseeded, probs.device)
+            generator.manual_seed(_derive_seed(seed, index))
+            # A whole row of V draws from a fresh seed: independent of the row's batch neighbours.
+            noise[position].exponential_(generator=generator)
+        return noise.clamp_min_(_TINY)
+
+    def _sample_random(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature, top_k, top_p, min_p = batch.temperature, batch.top_k, batch.top_p, batch.min_p
+        if batch.greedy_rows is not None and batch.random_rows is not None:
+            rows = batch.random_rows
+            temperature, top_k = temperature[rows], top_k[rows]
+            top_p, min_p = top_p[rows], min_p[rows]
+        if batch.use_temperature:
+            x = x / temperature[:, None]
+        x = _truncate(
+            x, top_k, top_p, min_p, use_k=batch.use_top_k, max_k=batch.max_top_k,
+            use_p=batch.use_top_p, use_min_p=batch.use_min_p,
+        )
+        probs = x.softmax(dim=-1)
+        # Exponential race: argmax(p / Exp(1)) is a draw from p, and each row's noise is its own.
+        return probs.div_(self._noise(probs, batch)).argmax(dim=-1)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        _check_shape(logits, batch)
+        if batch.size == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        x = logits.float()
+        if batch.bias is not None or batch.banned is not None or batch.penalty_rows is not None:
+            x = adjust_logits(logits, batch)  # a copy: logprobs need the raw logits
+        if batch.random_rows is None:
+            tokens = x.argmax(dim=-1)
+        elif batch.greedy_rows is None:
+            tokens = self._sample_random(x, batch)
+        else:
+            tokens = torch.empty(batch.size, dtype=torch.long, device=x.device)
+            tokens[batch.greedy_rows] = x[batch.greedy_rows].argmax(dim=-1)
+            tokens[batch.random_rows] = self._sample_random(x[batch.random_rows], batch)
+
+        logprobs: list[TokenLogprobs | None] = [None] * batch.size
+        if batch.logprob_rows is not None:
+            rows = batch.logprob_rows
+            wanted = [n for n in batch.num_logprobs if n is not None]
+            entries = _logprobs(logits[rows], tokens[rows], wanted)
+            for row, entry in zip(rows.tolist(), entries, strict=True):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
