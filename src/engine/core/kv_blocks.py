@@ -1,0 +1,149 @@
+"""Paged KV blocks: reference counts, a free queue, and the prefix cache.
+
+A block holds ``block_size`` consecutive token positions of one or more sequences. A *full*
+block whose KV has been computed is registered under a hash chained from its parent block's
+hash and its own token ids, so two sequences share a block only when their whole prefixes up to
+and including that block are identical. Blocks are registered only after the step that computed
+them came back (``cache_computed_blocks``), never at allocation: a hit therefore always points
+at KV that exists, and no worker has to order writes and reads of one block within a step.
+
+Free blocks wait in one queue, evicted from the front: blocks that hold nothing reusable go to
+the front, freed cached blocks go to the back (least recently used first) and keep their hash
+until the block is handed out again, so a finished conversation's prefix can still be hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.core.request import Request
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """A 128-bit digest: collisions are negligible, and stable across processes and runs."""
+    data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id, for computed full blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_cache_queries = 0  # in tokens, like vLLM
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence uses, including cached ones that may still be evicted."""
+        return len(self.free_queue)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        """Extends request.block_hashes over its full blocks (tokens never change, only grow)."""
+        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
+        for i in range(len(hashes), len(tokens) // size):
+            hashes.append(hash_block(hashes[-1] if i else b"", tokens[i * size : (i + 1) * size]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of cached full blocks that starts the request's tokens, and how many
+        tokens they cover. Never the whole history: the last token must be computed so that
+        the step produces logits. Pure: nothing changes until ``allocate_slots`` takes them."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in self._hashes(request)[:max_blocks]:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Makes room for ``num_new_tokens`` after the computed ones, first taking the prefix
+        hits ``computed_blocks`` (only for a request that holds no blocks). Returns the block ids
+        appended to the block table, or None, changing nothing, when too few blocks are free."""
+        if computed_blocks:
+            assert not request.block_ids and request.num_computed_tokens == 0
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        total = self.blocks_for(request.num_computed_tokens + num_hit_tokens + num_new_tokens)
+        num_fresh = max(0, total - len(request.block_ids) - len(computed_blocks))
+        # A hit on a free cached block takes it out of the free queue as well.
+        num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
+        if num_fresh + num_revived > len(self.free_queue):
+            return None
+        if not request.block_ids and self.enable_prefix_caching:
+            # Counted on admission only, so a request that waits for blocks is counted once.
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        new_blocks = list(computed_blocks)
+        for block_id in computed_blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+        for _ in range(num_fresh):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            new_blocks.append(block_id)
+        request.block_ids.extend(new_blocks)
+        if computed_blocks:
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_blocks = len(computed_blocks)
+        return new_blocks
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            self.block_hash[block_id] = None
+            if self.cached.get(block_hash) == block_id:
+                del self.cached[block_hash]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Registers the request's full blocks whose KV is now computed (call after a step)."""
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if not self.enable_prefix_caching or num_full <= request.num_cached_blocks:
+            return
+        hashes = self._hashes(request)
+        for i in range(request.num_cached_blocks, num_full):
+            block_id, block_hash = request.block_ids[i], hashes[i]
+            # Another sequence may have computed the same block in the same step: keep the
+            # first copy, this one stays unregistered and is recycled when freed.
+            if self.block_hash[block_id] is None and block_hash not in self.cached:
+                self.block_hash[block_id] = block_hash
+                self.cached[block_hash] = block_id
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Drops the request's references (finish, abort, preemption). Tail blocks are queued
+        before head blocks, so a shared prefix outlives the tail of one conversation."""
+        for block_id in reversed(request.block_ids):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.free_queue.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block: after a worker restart the KV they named is gone."""
+        if len(self.free_queue) != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache needs every block free")
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks

@@ -1,0 +1,189 @@
+"""From step updates to RequestOutputs: detokenization, stop strings, logprobs, metrics.
+
+Sans-IO: the caller passes the clock reading. A stop string is found here, after the
+scheduler has already moved on, so ``process`` returns the sequences the scheduler must
+finish; tokens that still arrive for them (from a step already in flight) are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.scheduler import SequenceUpdate
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import OutputKind, SamplingParams
+from engine.worker.protocol import TokenLogprobs
+
+
+@attrs.define
+class _Sample:
+    seq_id: str
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = attrs.Factory(list)
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # what DELTA outputs have already carried
+    sent_text: int = 0
+    text: str = ""
+
+
+@attrs.define
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: dict[str, float | None]
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@attrs.frozen(kw_only=True)
+class ProcessedStep:
+    outputs: list[RequestOutput]
+    stop_string_finished: list[tuple[str, str]]  # (seq id, stop string): finish in the scheduler
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        seq_ids: Sequence[str],
+        arrival_time: float,
+    ) -> None:
+        samples = [
+            _Sample(
+                seq_id=seq_id,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
+                logprobs=None if params.logprobs is None else [],
+                cumulative_logprob=None if params.logprobs is None else 0.0,
+            )
+            for seq_id in seq_ids
+        ]
+        self.requests[request_id] = _RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=tuple(prompt_token_ids),
+            params=params,
+            samples=samples,
+            metrics={"arrival_time": arrival_time, "first_token_time": None, "last_token_time": None},
+            prompt_logprobs=None if params.prompt_logprobs is None else [],
+        )
+
+    def process(self, updates: Iterable[SequenceUpdate], now: float) -> ProcessedStep:
+        touched: dict[str, _RequestState] = {}
+        stops: list[tuple[str, str]] = []
+        for update in updates:
+            state = self.requests.get(update.request_id)
+            if state is None:
+                continue  # aborted while its step ran
+            sample = state.samples[update.index]
+            if sample.finish_reason is not None:
+                continue
+            touched[state.request_id] = state
+            state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
+            if update.index == 0 and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(update.prompt_logprobs)
+            if not update.new_token_ids:
+                continue
+            self._apply_tokens(state, sample, update, now)
+            if sample.detokenizer.stop_string is not None and update.finish_reason is None:
+                stops.append((sample.seq_id, sample.detokenizer.stop_string))
+        outputs = [out for state in touched.values() if (out := self._output(state, now)) is not None]
+        return ProcessedStep(outputs=outputs, stop_string_finished=stops)
+
+    def _apply_tokens(self, state: _RequestState, sample: _Sample, update: SequenceUpdate, now: float) -> None:
+        if state.metrics["first_token_time"] is None:
+            state.metrics["first_token_time"] = now
+        state.metrics["last_token_time"] = now
+        sample.token_ids.extend(update.new_token_ids)
+        if sample.logprobs is not None:
+            for entry in update.logprobs:
+                if entry is not None:
+                    sample.logprobs.append(entry)
+                    sample.cumulative_logprob += entry.logprob
+        stop_token = update.finish_reason == "stop"
+        sample.text += sample.detokenizer.update(
+            update.new_token_ids,
+            finished=update.finish_reason is not None,
+            stop_terminated=stop_token,
+        )
+        if sample.detokenizer.stop_string is not None:
+            sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_string
+        elif update.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
+
+    def abort(self, request_id: str, now: float, reason: str = "abort") -> RequestOutput | None:
+        """Ends a request that had not finished; returns its final output (None if unknown)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.text += sample.detokenizer.update((), finished=True)
+                sample.finish_reason = reason
+        return self._output(state, now)
+
+    def _output(self, state: _RequestState, now: float) -> RequestOutput | None:
+        finished = state.finished
+        kind = state.params.output_kind
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == OutputKind.DELTA
+        completions = []
+        for index, sample in enumerate(state.samples):
+            if delta and sample.sent_tokens == len(sample.token_ids) and sample.sent_text == len(sample.text) \
+                    and not (finished and sample.finish_reason is not None and sample.sent_tokens == 0):
+                continue
+            start_tokens, start_text = (sample.sent_tokens, sample.sent_text) if delta else (0, 0)
+            completions.append(CompletionOutput(
+                index=index,
+                text=sample.text[start_text:],
+                token_ids=tuple(sample.token_ids[start_tokens:]),
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=None if sample.logprobs is None else tuple(sample.logprobs[start_tokens:]),
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+            ))
+            sample.sent_tokens, sample.sent_text = len(sample.token_ids), len(sample.text)
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_sent):
+            prompt_logprobs = tuple(state.prompt_logprobs)
+            state.prompt_logprobs_sent = True
+        if finished:
+            del self.requests[state.request_id]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=tuple(completions),
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=state.metrics["arrival_time"],
+                first_token_time=state.metrics["first_token_time"],
+                last_token_time=state.metrics["last_token_time"],
+                finished_time=now if finished else None,
+            ),
+            num_cached_tokens=state.num_cached_tokens,
+        )

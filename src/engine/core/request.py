@@ -1,0 +1,198 @@
+"""One sequence's state as the scheduler sees it: tokens, progress, KV blocks, status.
+
+A user request with ``n > 1`` becomes ``n`` sequences (see ``make_requests``) that share the
+prompt. Each sequence is a ``Request`` here; ``parent_id`` and ``index`` map it back to the
+user's request and its output slot. The sequences share the prompt's KV blocks through the
+prefix cache: the scheduler admits the first one, and keeps its siblings waiting while that one
+computes the prompt; once the prompt's full blocks are cached, each sibling's
+``BlockManager.get_computed_blocks`` returns those same block ids, so they end up in every
+sibling's block table with a reference count of ``n``. Only the last, partial prompt block (and
+at least one token, so that logits exist) is computed again per sibling.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+_INT64_MIN = -(2**63)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled yet
+    RUNNING = "running"  # holds KV blocks; the worker knows it
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed from scratch
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or the model's max length
+    FINISHED_ABORTED = "finished_aborted"  # cancelled by the client
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` string, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Mutable state of one sequence; owned by the scheduler, never shared across actors."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+        max_model_len: int,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        if len(prompt_token_ids) > max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {len(prompt_token_ids)} tokens is longer than the model's maximum "
+                f"length of {max_model_len} tokens",
+                field="prompt",
+            )
+        self.request_id = request_id  # the sequence id, unique among live requests
+        self.parent_id = request_id if parent_id is None else parent_id  # the user's request id
+        self.index = index  # which of the parent's n outputs this is
+        self.params = params
+        self.arrival_time = arrival_time  # given by the caller: the core never reads a clock
+        self.priority = priority  # lower value = more important (vLLM's convention)
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        # The whole history (prompt + output): prefix hashing and recompute read from it.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # A prompt of exactly max_model_len tokens still gets one token (as in vLLM): positions
+        # fed to the model stay below max_model_len since the last sampled token is never fed.
+        limit = max(max_model_len, self.num_prompt_tokens + 1)
+        max_new = limit if params.max_tokens is None else params.max_tokens
+        self.max_num_tokens = min(self.num_prompt_tokens + max_new, limit)
+
+        # KV-cache state, reset by preemption (recompute).
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (including prefix hits)
+        self.block_ids: list[int] = []  # the block table
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_cached_tokens = 0  # prefix-cache hit of the first admission (usage stats)
+        # Hashes of the full blocks of all_token_ids, extended lazily by the block manager;
+        # they depend on tokens only, so they survive preemption.
+        self.block_hashes: list[bytes] = []
+        # Worker-sync state: the worker knows this sequence, and the first num_blocks_sent
+        # entries of its block table.
+        self.known_to_worker = False
+        self.num_blocks_sent = 0
+        self.num_prompt_logprobs_sent = 0  # so a recompute does not repeat prompt logprobs
+        self.order = 0  # insertion counter, set by the scheduler: the last tie-breaker
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Stop checks that need only token ids, after a token was appended: the finished status
+        to give the request (the scheduler applies it), setting stop_reason, or None. Stop
+        strings are the detokenizer's job (they need text). A stop token on the last allowed
+        position reports "stop", not "length": the model ended on its own."""
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            last = self.all_token_ids[-1]
+            if not params.ignore_eos and last == self.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED  # stop_reason None for EOS, as in vLLM
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_num_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def reset_for_recompute(self) -> None:
+        """Forgets the KV cache (preemption or worker restart). The caller frees the blocks."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_cached_blocks = 0
+        self.known_to_worker = False
+        self.num_blocks_sent = 0
+
+
+def make_requests(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    arrival_time: float,
+    max_model_len: int,
+    eos_token_id: int | None = None,
+    priority: int = 0,
+) -> list[Request]:
+    """The sequences of one user request: itself when ``n == 1``, else ``n`` children with ids
+    ``"{request_id}-{i}"``, ``n=1`` params, and ``seed + i`` (wrapped to int64) so seeded
+    parallel samples differ yet stay reproducible, as in vLLM."""
+    if params.n == 1:
+        return [
+            Request(
+                request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                max_model_len=max_model_len, eos_token_id=eos_token_id, priority=priority,
+            )
+        ]
+    children = []
+    for i in range(params.n):
+        seed = params.seed
+        if seed is not None:
+            seed = (seed + i - _INT64_MIN) % 2**64 + _INT64_MIN
+        children.append(
+            Request(
+                f"{request_id}-{i}", prompt_token_ids, attrs.evolve(params, n=1, seed=seed),
+                arrival_time=arrival_time, max_model_len=max_model_len,
+                eos_token_id=eos_token_id, priority=priority, parent_id=request_id, index=i,
+            )
+        )
+    return children

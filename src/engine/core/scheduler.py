@@ -1,0 +1,398 @@
+"""Continuous batching in the vLLM v1 style: one token budget per step, no prefill/decode phases.
+
+Each ``schedule()`` hands out up to ``max_num_batched_tokens`` tokens: first to running
+sequences (one token for a decode, or the next chunk of an unfinished prefill), then to waiting
+ones in policy order (FCFS, or priority then arrival). A sequence's chunk is whatever remains of
+its known tokens, cut by the budget and ``long_prefill_token_threshold``; the step samples only
+for chunks that reach the end of the known tokens.
+
+When blocks run out, the least important running sequence (highest priority value, then latest
+arrival) is preempted by recompute: its blocks are freed and it returns to the waiting queue.
+The most important sequence is never the victim while another runs, and each one fits alone
+(checked by ``add_request``), so it always progresses: no deadlock, no livelock, and under FCFS
+the oldest request is never starved. Under the priority policy a stream of more important
+requests may delay a less important one indefinitely, as priorities intend.
+
+One plan is in flight at a time: ``schedule()``, then ``update_from_output()`` with its result
+(or ``requeue_all_running()`` if the worker died). Sequence state advances only when the result
+arrives, so a lost step leaves nothing half-applied.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+import attrs
+
+from engine.config import EngineArgs
+from engine.core.kv_blocks import BlockManager
+from engine.core.request import Request, RequestStatus
+from engine.errors import InvalidRequestError
+from engine.worker.protocol import (
+    NewSequence,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+@attrs.frozen(kw_only=True)
+class SequenceUpdate:
+    """What one step did to one sequence, for the output side (detokenizer, streams)."""
+
+    seq_id: str
+    request_id: str  # the user's request id (the parent of an n > 1 sequence)
+    index: int  # which of the parent's n outputs
+    new_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()  # one per new token, when requested
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # for prompt tokens this step computed
+    finish_reason: str | None = None  # "stop" / "length" once finished by a token-id check
+    stop_reason: int | str | None = None  # the stop token id that ended it (None for EOS)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@attrs.frozen
+class _InFlight:
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int | None = None,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.scheduling_policy = scheduling_policy
+        self.requests: dict[str, Request] = {}  # every unfinished sequence by seq id
+        self.families: dict[str, list[Request]] = {}  # user request id -> unfinished sequences
+        self.waiting: list[Request] = []  # sorted by _key
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+        self._next_order = 0
+        self._step_id = 0
+        self._in_flight: dict[str, _InFlight] | None = None
+        self._finished_seq_ids: list[str] = []  # the worker must forget these
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, *, num_blocks: int) -> Scheduler:
+        return cls(
+            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            scheduling_policy=args.scheduling_policy,
+        )
+
+    def _key(self, request: Request) -> tuple[float, ...]:
+        """Importance order, smallest first: admission follows it, preemption reverses it."""
+        if self.scheduling_policy == "priority":
+            return (request.priority, request.arrival_time, request.order)
+        return (request.arrival_time, request.order)
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a sequence. Raises ``InvalidRequestError`` for a duplicate id, or for one that
+        could not fit in the whole KV cache even alone (it would deadlock the scheduler)."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request_id: {request.request_id!r} is already running", field="request_id"
+            )
+        bm = self.block_manager
+        # The last sampled token is never fed, so at most max_num_tokens - 1 positions hold KV.
+        if bm.blocks_for(request.max_num_tokens - 1) > bm.num_blocks:
+            capacity = bm.num_blocks * bm.block_size
+            field = "prompt" if request.num_prompt_tokens > capacity else "max_tokens"
+            raise InvalidRequestError(
+                f"{field}: the request may grow to {request.max_num_tokens} tokens but the KV "
+                f"cache holds only {capacity}",
+                field=field,
+            )
+        request.order = self._next_order
+        self._next_order += 1
+        self.requests[request.request_id] = request
+        self.families.setdefault(request.parent_id, []).append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Aborts sequences, by sequence id or by user request id (all its sequences). Their
+        blocks are free at once and their ids go to the next plan's ``finished_seq_ids``.
+        Unknown or already finished ids are ignored: aborts race with normal completion."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+        stop_reason: int | str | None = None,
+    ) -> list[Request]:
+        """Finishes sequences from outside the scheduler, e.g. on a stop string found by the
+        detokenizer (``stop_reason`` = the string). Ids as for ``abort``."""
+        assert status.is_finished
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            family = [request] if request is not None else self.families.get(request_id, [])
+            for req in list(family):
+                req.stop_reason = stop_reason
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        family = self.families[request.parent_id]
+        family.remove(request)
+        if not family:
+            del self.families[request.parent_id]
+        if request.known_to_worker:
+            self._finished_seq_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free everything now, back to the waiting queue in key order (the
+        front, unless more important requests wait)."""
+        self.block_manager.free(request)
+        if request.known_to_worker:
+            self._finished_seq_ids.append(request.request_id)
+        request.reset_for_recompute()
+        self._enqueue(request)
+
+    def requeue_all_running(self) -> list[Request]:
+        """After a worker restart: every running sequence lost its KV and is recomputed (not
+        counted as a preemption); the in-flight step is dropped; the prefix cache is emptied,
+        since it named KV of the dead worker; the next plan assumes the worker knows nothing."""
+        requeued = self.running
+        self.running = []
+        for request in requeued:
+            self.block_manager.free(request)
+            request.reset_for_recompute()
+            self._enqueue(request)
+        self._in_flight = None
+        self._finished_seq_ids = []
+        self.block_manager.reset_prefix_cache()
+        return requeued
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan. A plan without chunks needs no result and need not be sent:
+        its ``finished_seq_ids`` are repeated in the next plan that has chunks."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called while a step is in flight")
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold or budget
+        chunks: dict[str, ScheduledChunk] = {}
+        new_sequences: list[NewSequence] = []
+        preempted = False
+
+        # Running sequences first: decodes and unfinished prefills, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, threshold, budget)
+            while bm.allocate_slots(request, num_new) is None:
+                victim = max(self.running, key=self._key)
+                position = self.running.index(victim)
+                del self.running[position]
+                if victim.request_id in chunks:
+                    budget += len(chunks.pop(victim.request_id).token_ids)
+                self._preempt(victim)
+                self.num_preemptions += 1
+                preempted = True
+                if victim is request:
+                    break
+                if position < i:
+                    i -= 1
+            else:
+                chunks[request.request_id] = self._chunk(request, num_new)
+                budget -= num_new
+                i += 1
+
+        # Then waiting ones, unless this step had to preempt (they would only thrash).
+        if not preempted:
+            for request in list(self.waiting):
+                if len(self.running) >= self.max_num_seqs or budget == 0:
+                    break
+                if self._sibling_is_prefilling(request):
+                    continue  # share its prompt blocks once they are cached
+                hits, num_hit_tokens = bm.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit_tokens, threshold, budget)
+                if bm.allocate_slots(request, num_new, hits) is None:
+                    break  # no queue jumping: the head waits for blocks, and gets them
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_hit_tokens
+                self.waiting.remove(request)
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.known_to_worker = True
+                new_sequences.append(
+                    NewSequence(
+                        seq_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=tuple(request.output_token_ids),
+                        params=request.params,
+                    )
+                )
+                chunks[request.request_id] = self._chunk(request, num_new)
+                budget -= num_new
+
+        self._step_id += 1
+        finished = tuple(self._finished_seq_ids)
+        if chunks:
+            self._finished_seq_ids = []
+            self._in_flight = {
+                seq_id: _InFlight(
+                    self.requests[seq_id], chunk.start_position, len(chunk.token_ids), chunk.sample
+                )
+                for seq_id, chunk in chunks.items()
+            }
+        return StepPlan(
+            step_id=self._step_id,
+            new_sequences=tuple(new_sequences),
+            chunks=tuple(chunks.values()),
+            finished_seq_ids=finished,
+        )
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        new_block_ids = tuple(request.block_ids[request.num_blocks_sent :])
+        request.num_blocks_sent = len(request.block_ids)
+        return ScheduledChunk(
+            seq_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_position=start,
+            new_block_ids=new_block_ids,
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _sibling_is_prefilling(self, request: Request) -> bool:
+        """True while another sequence of the same n > 1 request still computes the prompt's
+        full blocks. With prefix caching this one then reuses them instead of recomputing."""
+        bm = self.block_manager
+        if (
+            not bm.enable_prefix_caching
+            or request.params.prompt_logprobs is not None  # never reads the cache
+        ):
+            return False
+        shared_tokens = (request.num_prompt_tokens - 1) // bm.block_size * bm.block_size
+        return any(
+            other.status == RequestStatus.RUNNING and other.num_computed_tokens < shared_tokens
+            for other in self.families[request.parent_id]
+            if other is not request
+        )
+
+    def update_from_output(self, result: StepResult) -> list[SequenceUpdate]:
+        """Applies a step's result: advances computed tokens, caches newly full blocks, appends
+        sampled tokens and runs the token-id stop checks. Finished sequences are freed and
+        listed in the next plan's ``finished_seq_ids``. Sequences aborted while the step ran are
+        skipped."""
+        in_flight = self._in_flight
+        if in_flight is None and result.step_id == self._step_id and not result.sampled:
+            return []  # the result of a plan without chunks, sent anyway
+        if in_flight is None or result.step_id != self._step_id:
+            raise RuntimeError(f"result of step {result.step_id} does not match the plan in flight")
+        self._in_flight = None
+        sampled = {token.seq_id: token for token in result.sampled}
+        prompt_logprobs = dict(result.prompt_logprobs)
+        updates = []
+        for seq_id, step in in_flight.items():
+            request = step.request
+            if self.requests.get(seq_id) is not request:
+                continue  # finished or aborted after the plan was made
+            request.num_computed_tokens += step.num_tokens
+            self.block_manager.cache_computed_blocks(request)
+            plp = self._new_prompt_logprobs(request, step.start, prompt_logprobs.get(seq_id, ()))
+            new_token_ids: tuple[int, ...] = ()
+            logprobs: tuple[TokenLogprobs | None, ...] = ()
+            if step.sample:
+                token = sampled.get(seq_id)
+                if token is None:
+                    raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
+                request.append_output_token(token.token_id)
+                new_token_ids = (token.token_id,)
+                if request.params.logprobs is not None:
+                    logprobs = (token.logprobs,)
+                status = request.check_stop()
+                if status is not None:
+                    self._finish(request, status)
+            if new_token_ids or plp:
+                updates.append(
+                    SequenceUpdate(
+                        seq_id=seq_id,
+                        request_id=request.parent_id,
+                        index=request.index,
+                        new_token_ids=new_token_ids,
+                        logprobs=logprobs,
+                        prompt_logprobs=plp,
+                        finish_reason=request.finish_reason,
+                        stop_reason=request.stop_reason if request.is_finished else None,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+        return updates
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        request: Request, start: int, entries: tuple[TokenLogprobs, ...]
+    ) -> tuple[TokenLogprobs, ...]:
+        """Drops prompt logprobs already reported before a recompute. Entry i of a chunk fed at
+        ``start`` is for prompt token ``start + 1 + i``."""
+        if not entries:
+            return ()
+        skip = max(0, request.num_prompt_logprobs_sent - start)
+        fresh = entries[skip:]
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
+        return tuple(fresh)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def statistics(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+        )
