@@ -32,6 +32,30 @@ def _one_of(choices: tuple[str, ...]):
     return check
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": GiB, "gb": 1000**3, "gib": GiB}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``4096``, ``512MiB``, ``2GiB``, ``1.5GB``..."""
+    if isinstance(text, int):
+        return text
+    stripped = text.strip().lower()
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = stripped[len(number):].strip()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"{text!r} is not a size (e.g. 4096, 512MiB, 2GiB)") from None
+
+
+def _memory_size(value: str | int) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise InvalidRequestError(f"kv_cache_memory: {e}", field="kv_cache_memory") from None
+
+
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """Everything that configures one engine. Field names match vLLM's where the meaning matches."""
@@ -42,7 +66,7 @@ class EngineArgs:
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
-    kv_cache_memory: int = attrs.field(default=1 * GiB, validator=_positive)  # bytes
+    kv_cache_memory: int = attrs.field(default=1 * GiB, converter=_memory_size, validator=_positive)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
     long_prefill_token_threshold: int | None = attrs.field(default=None, validator=_positive)
@@ -85,6 +109,8 @@ def _parse(field: attrs.Attribute, raw: str) -> Any:
             if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError(raw)
             return lowered in ("1", "true", "yes", "on")
+        if field.name == "kv_cache_memory":
+            return parse_size(raw)
         if kind.startswith("int"):
             return int(raw)
         if kind.startswith("float"):

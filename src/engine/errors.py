@@ -29,3 +29,25 @@ class InvalidRequestError(TriodeError, ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class QueueFull(TriodeError):
+    """The engine's intake queue is full; retry later (HTTP 503 with Retry-After)."""
+
+
+class EngineDeadError(TriodeError):
+    """The engine failed (e.g. its workers exceeded the restart budget); ``__cause__`` says why.
+    Every open request gets it and new requests are refused."""
+
+
+class EngineShutdownError(TriodeError):
+    """The engine is shutting down or closed and accepts no new requests."""
+
+
+class WorkerFailure(TriodeError):
+    """One worker step failed (crash, hang or exception); the worker group was restarted and
+    the running requests must be recomputed."""
+
+
+class StepTimeout(WorkerFailure):
+    """A worker step ran past ``step_timeout``."""

@@ -9,14 +9,13 @@ from pathlib import Path
 import attrs
 import torch
 
-import kernels
 from engine.config import EngineArgs
 from engine.errors import InvalidRequestError, KVCacheTooSmallError
 from engine.sampling_params import SamplingParams
 from engine.worker.loading import iter_safetensors, load_hf_config
 from engine.worker.models.config import ModelConfig
 from engine.worker.models.registry import build_model
-from engine.worker.protocol import ScheduledChunk, SampledToken, StepPlan, StepResult
+from engine.worker.protocol import SampledToken, ScheduledChunk, StepPlan, StepResult
 from engine.worker.sampler import Sampler, SamplingBatch, SamplingRow, compute_logprobs
 from engine.worker.step_inputs import StepInputs
 

@@ -8,6 +8,7 @@ into one matmul each; their weights are concatenated at load time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -101,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
     # Hugging Face parameter name fragment -> (our fused parameter, shard index)
-    _FUSED = {
+    _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),

@@ -1,0 +1,81 @@
+"""The request-intake actor: validation, chat templates and tokenization off the event loop.
+
+Clients ``submit`` without waiting: a full queue raises ``QueueFull`` at once (HTTP 503), so
+backpressure reaches the client instead of growing memory."""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from engine.actors.messages import AddRequest, NewRequest
+from engine.actors.streams import RequestStream
+from engine.errors import QueueFull, TriodeError
+from engine.inputs import InputProcessor
+
+
+@attrs.frozen(kw_only=True)
+class IntakeStatistics:
+    queued: int
+    capacity: int
+    accepted: int
+    rejected: int
+
+
+class IntakeActor:
+    def __init__(
+        self,
+        processor: InputProcessor,
+        to_scheduler: trio.MemorySendChannel[NewRequest],
+        streams: dict[str, RequestStream],
+        *,
+        capacity: int,
+    ) -> None:
+        self.processor = processor
+        self._to_scheduler = to_scheduler
+        self._streams = streams
+        self._capacity = capacity
+        self._inbox_send, self._inbox = trio.open_memory_channel[AddRequest](capacity)
+        self._accepted = 0
+        self._rejected = 0
+
+    def submit(self, request: AddRequest) -> None:
+        try:
+            self._inbox_send.send_nowait(request)
+        except trio.WouldBlock:
+            raise QueueFull(
+                f"the engine's intake queue is full ({self._capacity} requests); retry later"
+            ) from None
+
+    async def run(self, *, task_status: trio.TaskStatus[IntakeActor] = trio.TASK_STATUS_IGNORED) -> None:
+        with self._to_scheduler, self._inbox:
+            task_status.started(self)
+            async for request in self._inbox:
+                stream = self._streams.get(request.request_id)
+                if stream is None or stream.closed:
+                    continue  # the client left while the request queued
+                try:
+                    processed = await trio.to_thread.run_sync(self._process, request)
+                except TriodeError as error:
+                    self._rejected += 1
+                    stream.fail(error)
+                    continue
+                self._accepted += 1
+                await self._to_scheduler.send(NewRequest(
+                    request_id=request.request_id, processed=processed,
+                    priority=request.priority, arrival_time=request.arrival_time,
+                ))
+
+    def _process(self, request: AddRequest):
+        if request.messages is not None:
+            text = self.processor.render_chat(request.messages)
+            return self.processor.process(text, request.params, chat=True)
+        return self.processor.process(request.prompt, request.params)
+
+    def statistics(self) -> IntakeStatistics:
+        return IntakeStatistics(
+            queued=self._inbox_send.statistics().current_buffer_used,
+            capacity=self._capacity,
+            accepted=self._accepted,
+            rejected=self._rejected,
+        )

@@ -1,0 +1,50 @@
+"""Per-request output streams that never block the engine.
+
+The output actor ``put``s without waiting; when the consumer falls behind, delta outputs
+are joined into one and cumulative ones replaced by the newest, so a slow consumer holds at
+most one pending output and never delays the engine or other requests."""
+
+from __future__ import annotations
+
+import trio
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import OutputKind
+
+
+class RequestStream:
+    def __init__(self, request_id: str, output_kind: OutputKind) -> None:
+        self.request_id = request_id
+        self._delta = output_kind == OutputKind.DELTA
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._wakeup = trio.Event()
+        self.finished = False  # the final output (or an error) has been put
+        self.closed = False  # the consumer went away
+
+    def put(self, output: RequestOutput) -> None:
+        if self.closed or self.finished:
+            return
+        pending = self._pending
+        self._pending = pending.followed_by(output) if pending is not None and self._delta else output
+        self.finished = output.finished
+        self._wakeup.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.closed or self.finished:
+            return
+        self._error = error
+        self.finished = True
+        self._wakeup.set()
+
+    async def get(self) -> RequestOutput | None:
+        """The next (possibly coalesced) output; None after the final one."""
+        while self._pending is None:
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return None
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+        output, self._pending = self._pending, None
+        return output

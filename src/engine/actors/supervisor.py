@@ -1,0 +1,117 @@
+"""The worker-supervisor actor: owns the worker group, runs each step under a watchdog, and
+restarts the group within a budget.
+
+A failed step (a rank died, hung past ``step_timeout``, or raised) restarts the whole group
+and raises ``WorkerFailure`` to the caller, whose running requests are then recomputed. More
+than ``restart_budget`` failures within ``restart_window`` seconds fail the engine with
+``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+
+import attrs
+import trio
+
+from engine.actors.workers import ProcessWorkerGroup, WorkerCrashed, WorkerGroup
+from engine.config import EngineArgs
+from engine.errors import EngineDeadError, StepTimeout, WorkerFailure
+from engine.worker.process import WorkerInfo
+from engine.worker.protocol import StepPlan, StepResult
+
+GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
+
+
+@attrs.frozen(kw_only=True)
+class SupervisorStatistics:
+    worker_pids: tuple[int, ...]
+    worker_restarts: int
+    steps: int
+    step_seconds_total: float
+    last_failure: str | None
+
+
+class WorkerSupervisor:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_path: str,
+        *,
+        restart_budget: int = 3,
+        restart_window: float = 60.0,
+        open_group: GroupOpener | None = None,
+    ) -> None:
+        self.args = args
+        self.restart_budget = restart_budget
+        self.restart_window = restart_window
+        self._open_group = open_group or (lambda: ProcessWorkerGroup.open(args, model_path))
+        self._group: WorkerGroup | None = None
+        self._failures: collections.deque[float] = collections.deque()
+        self.info: WorkerInfo | None = None
+        self._restarts = 0
+        self._steps = 0
+        self._step_seconds = 0.0
+        self._last_failure: str | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[WorkerSupervisor] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self._open_group() as group:
+            self._group = group
+            self.info = await group.load()
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step on every rank in lockstep and returns rank 0's result."""
+        started = trio.current_time()
+        failure: WorkerFailure | None = None
+        try:
+            with trio.fail_after(self.args.step_timeout):
+                result = await self._group.execute(plan)
+        except* trio.TooSlowError as group:
+            failure, cause = StepTimeout(
+                f"step {plan.step_id} ran past step_timeout={self.args.step_timeout}s"
+            ), group
+        except* WorkerCrashed as group:
+            failure, cause = WorkerFailure(f"step {plan.step_id}: {group.exceptions[0]}"), group
+        except* Exception as group:
+            first = group.exceptions[0]
+            failure, cause = WorkerFailure(
+                f"step {plan.step_id} raised {type(first).__name__}: {first}"
+            ), group
+        if failure is not None:
+            await self._restart(failure, cause)
+        self._steps += 1
+        self._step_seconds += trio.current_time() - started
+        return result
+
+    async def _restart(self, failure: WorkerFailure, cause: BaseException) -> None:
+        now = time.monotonic()
+        self._failures.append(now)
+        while now - self._failures[0] > self.restart_window:
+            self._failures.popleft()
+        self._last_failure = str(failure)
+        if len(self._failures) > self.restart_budget:
+            raise EngineDeadError(
+                f"{len(self._failures)} worker failures within {self.restart_window:.0f}s exceed "
+                f"the restart budget of {self.restart_budget}; the last: {failure}"
+            ) from cause
+        self._restarts += 1
+        await self._group.kill()
+        try:
+            self.info = await self._group.load()
+        except Exception as e:
+            raise EngineDeadError(f"restarting the workers failed after: {failure}") from e
+        raise failure from cause
+
+    def statistics(self) -> SupervisorStatistics:
+        return SupervisorStatistics(
+            worker_pids=self._group.pids if self._group is not None else (),
+            worker_restarts=self._restarts,
+            steps=self._steps,
+            step_seconds_total=self._step_seconds,
+            last_failure=self._last_failure,
+        )

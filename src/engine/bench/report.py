@@ -1,0 +1,75 @@
+"""Shared output of the benchmark commands: an aligned table on stdout, JSON, and a PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({threads} threads){gpu}"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[_format(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine_description(), **payload}, indent=2))
+
+
+def plot_lines(
+    path: Path,
+    *,
+    title: str,
+    x_label: str,
+    y_label: str,
+    x: Sequence[float],
+    series: dict[str, Sequence[float]],
+    log_x: bool = False,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axis = pyplot.subplots(figsize=(7, 4.5))
+    for label, values in series.items():
+        axis.plot(x, values, marker="o", label=label)
+    if log_x:
+        axis.set_xscale("log", base=2)
+    axis.set_xticks(list(x), [str(v) for v in x])
+    axis.set_title(title)
+    axis.set_xlabel(x_label)
+    axis.set_ylabel(y_label)
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)

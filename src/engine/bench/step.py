@@ -1,0 +1,105 @@
+"""`triode bench step`: decode step time of our runner against Hugging Face's model forward
+with its KV cache, at the same batch size and context, measured in the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.bench.report import machine_description, plot_lines, print_table, write_json
+from engine.config import EngineArgs
+from engine.sampling_params import SamplingParams
+from engine.worker.loading import resolve_model
+from engine.worker.protocol import NewSequence, ScheduledChunk, StepPlan
+from engine.worker.runner import ModelRunner
+
+
+def _context(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch, length), generator=generator)
+
+
+def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
+    """Median seconds of one decode step for the whole batch, after a prefill of ``prompts``."""
+    batch, length = prompts.shape
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    blocks_per_seq = -(-(length + steps + 1) // runner.block_size)
+    new, chunks = [], []
+    for i in range(batch):
+        seq_id = f"bench-{batch}-{i}"
+        ids = tuple(prompts[i].tolist())
+        new.append(NewSequence(seq_id=seq_id, prompt_token_ids=ids, params=params))
+        blocks = tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        chunks.append(ScheduledChunk(seq_id=seq_id, token_ids=ids, start_position=0, new_block_ids=blocks))
+    result = runner.execute(StepPlan(step_id=0, new_sequences=tuple(new), chunks=tuple(chunks)))
+    last = {s.seq_id: s.token_id for s in result.sampled}
+    times = []
+    for step in range(steps):
+        plan = StepPlan(step_id=step + 1, chunks=tuple(
+            ScheduledChunk(seq_id=seq_id, token_ids=(token,), start_position=length + step)
+            for seq_id, token in last.items()
+        ))
+        started = time.perf_counter()
+        result = runner.execute(plan)
+        times.append(time.perf_counter() - started)
+        last = {s.seq_id: s.token_id for s in result.sampled}
+    runner.execute(StepPlan(step_id=steps + 1, finished_seq_ids=tuple(last)))
+    return statistics.median(times)
+
+
+def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(prompts, cache=cache, use_cache=True, logits_to_keep=1)
+        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            out = model(next_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def run(
+    *,
+    model: str | None,
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 64),
+    context: int = 128,
+    steps: int = 8,
+    output_dir: Path = Path("bench-results"),
+) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    args = EngineArgs(model=model, kv_cache_memory="2GiB")
+    resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
+    runner = ModelRunner(args, resolved.path)
+    hf_model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=runner.dtype).eval()
+    vocab = runner.config.vocab_size
+    print(f"triode bench step: {resolved.source}, context {context} tokens, {steps} decode steps, "
+          f"{runner.dtype}; {machine_description()}")
+    rows = []
+    for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
+        prompts = _context(batch, context, vocab, seed=batch)
+        ours = time_ours(runner, prompts, steps)
+        hf = time_hf(hf_model, prompts, steps)
+        rows.append({"batch": batch, "triode_ms": ours * 1e3, "hf_ms": hf * 1e3, "speedup": hf / ours})
+    print_table(
+        ["batch", "triode ms/step", "HF ms/step", "HF/triode"],
+        [[r["batch"], r["triode_ms"], r["hf_ms"], f"{r['speedup']:.2f}x"] for r in rows],
+    )
+    write_json(output_dir / "step.json", {"context": context, "steps": steps, "rows": rows})
+    plot_lines(
+        output_dir / "step.png", title=f"Decode step time, context {context}",
+        x_label="batch size", y_label="ms per step", x=[r["batch"] for r in rows],
+        series={"triode": [r["triode_ms"] for r in rows], "HF transformers": [r["hf_ms"] for r in rows]},
+        log_x=True,
+    )
+    print(f"wrote {output_dir / 'step.json'} and {output_dir / 'step.png'}")
+    return rows

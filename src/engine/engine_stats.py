@@ -1,0 +1,47 @@
+"""The engine's statistics record, one shape for every entry layer (and /metrics)."""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.actors.supervisor import WorkerSupervisor
+from engine.core.scheduler import Scheduler
+
+
+@attrs.frozen(kw_only=True)
+class EngineStatistics:
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    worker_restarts: int
+    worker_pids: tuple[int, ...]
+    steps: int
+    step_seconds_total: float
+    worker_idle_seconds: float  # between steps while requests were unfinished
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def collect_statistics(scheduler: Scheduler, supervisor: WorkerSupervisor, *, idle_seconds: float) -> EngineStatistics:
+    core = scheduler.statistics()
+    workers = supervisor.statistics()
+    return EngineStatistics(
+        kv_blocks_total=core.kv_blocks_total,
+        kv_blocks_free=core.kv_blocks_free,
+        num_running=core.num_running,
+        num_waiting=core.num_waiting,
+        num_preemptions=core.num_preemptions,
+        prefix_cache_queries=core.prefix_cache_queries,
+        prefix_cache_hits=core.prefix_cache_hits,
+        worker_restarts=workers.worker_restarts,
+        worker_pids=workers.worker_pids,
+        steps=workers.steps,
+        step_seconds_total=workers.step_seconds_total,
+        worker_idle_seconds=idle_seconds,
+    )

@@ -1,0 +1,68 @@
+"""What the engine hands back: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.worker.protocol import TokenLogprobs
+
+
+@attrs.frozen(kw_only=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float | None = None  # only when logprobs were requested
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def followed_by(self, newer: CompletionOutput) -> CompletionOutput:
+        """This delta and a newer one as a single delta (for a consumer that fell behind)."""
+        logprobs = None
+        if self.logprobs is not None or newer.logprobs is not None:
+            logprobs = (self.logprobs or ()) + (newer.logprobs or ())
+        return attrs.evolve(
+            newer,
+            text=self.text + newer.text,
+            token_ids=self.token_ids + newer.token_ids,
+            logprobs=logprobs,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    def followed_by(self, newer: RequestOutput) -> RequestOutput:
+        """Coalesces two delta outputs of one request; outputs of the same index are joined."""
+        by_index = {o.index: o for o in self.outputs}
+        for output in newer.outputs:
+            older = by_index.get(output.index)
+            by_index[output.index] = output if older is None else older.followed_by(output)
+        prompt_logprobs = newer.prompt_logprobs if newer.prompt_logprobs is not None else self.prompt_logprobs
+        return attrs.evolve(
+            newer,
+            outputs=tuple(by_index[i] for i in sorted(by_index)),
+            prompt_logprobs=prompt_logprobs,
+        )

@@ -1,0 +1,202 @@
+"""Actor tests: the real engine actors (intake, scheduler, output, supervisor) around an
+in-process fake worker group, on trio's mock clock (autojump): cancellation, slow
+consumers, overload, watchdog restarts and the restart budget."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineArgs
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFull
+from engine.sampling_params import OutputKind, SamplingParams
+from tests.fake_workers import FakeWorkerGroup, fake_token
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.fixture
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def greedy(max_tokens: int, **options) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **options)
+
+
+def open_engine(model_dir, group: FakeWorkerGroup, **args):
+    engine_args = EngineArgs(model=str(model_dir), **{"step_timeout": 5.0, **args})
+    return AsyncLLM.open(engine_args, open_group=group.open)
+
+
+async def collect(llm: AsyncLLM, prompt, params: SamplingParams, **options):
+    final = None
+    async for output in llm.generate(prompt, params, **options):
+        final = output
+    return final
+
+
+def expected_tokens(seq_id: str, prompt_len: int, count: int) -> tuple[int, ...]:
+    return tuple(fake_token(seq_id, prompt_len + i) for i in range(count))
+
+
+async def test_requests_complete_and_free_their_blocks(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group) as llm:
+        results = {}
+
+        async def run(i: int) -> None:
+            results[i] = await collect(llm, [5, 6, 7, 8 + i], greedy(10), request_id=f"r{i}")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(run, i)
+        for i, output in results.items():
+            assert output.finished
+            assert output.outputs[0].token_ids == expected_tokens(f"r{i}", 4, 10)
+            assert output.outputs[0].finish_reason == "length"
+        stats = llm.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.num_running == stats.num_waiting == 0
+
+
+async def test_cancelled_consumer_frees_blocks_before_next_step(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group) as llm:
+        other_done = trio.Event()
+
+        async def other() -> None:
+            await collect(llm, [1, 2, 3], greedy(40), request_id="other")
+            other_done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            with trio.move_on_after(0.2):
+                async for _ in llm.generate([9] * 40, greedy(100), request_id="victim"):
+                    pass
+            steps_at_cancel = group.steps
+            # The very next plan must already tell the worker to drop the victim.
+            while group.steps == steps_at_cancel:
+                await trio.sleep(0.01)
+            assert "victim" in group.plans[steps_at_cancel].finished_seq_ids
+            assert all(chunk.seq_id != "victim" for chunk in group.plans[steps_at_cancel].chunks)
+            await other_done.wait()
+        stats = llm.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_slow_consumer_does_not_delay_others(model_dir, autojump_clock):
+    group = FakeWorkerGroup(step_seconds=0.05)
+    async with open_engine(model_dir, group) as llm:
+        finished_at = {}
+        seen = {"slow": 0}
+
+        async def slow() -> None:
+            text_tokens = []
+            async for output in llm.generate([1, 2], greedy(30, output_kind=OutputKind.DELTA), request_id="slow"):
+                seen["slow"] += 1
+                text_tokens.extend(output.outputs[0].token_ids if output.outputs else ())
+                await trio.sleep(1.0)  # reads one output a second
+            assert tuple(text_tokens) == expected_tokens("slow", 2, 30)
+            finished_at["slow"] = trio.current_time()
+
+        async def fast() -> None:
+            start = trio.current_time()
+            await collect(llm, [3, 4], greedy(30), request_id="fast")
+            finished_at["fast"] = trio.current_time() - start
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow)
+            nursery.start_soon(fast)
+        # 30 steps of 0.05 s; the slow reader must not stretch the fast one's time.
+        assert finished_at["fast"] < 30 * 0.05 + 0.5
+        assert seen["slow"] < 30  # deltas were coalesced instead of queued without bound
+
+
+async def test_flood_gets_queue_full_at_once(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group, max_queued_requests=2) as llm:
+        outcomes = []
+
+        async def client(i: int) -> None:
+            try:
+                await collect(llm, [1, 2, 3], greedy(4), request_id=f"c{i}")
+                outcomes.append("ok")
+            except QueueFull:
+                outcomes.append("full")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(client, i)
+        assert outcomes.count("full") >= 1
+        assert outcomes.count("ok") >= 2
+        assert len(outcomes) == 10
+
+
+async def test_watchdog_restarts_a_hung_worker_and_requests_finish(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    group.faults = [None, None, "hang"]
+    async with open_engine(model_dir, group, step_timeout=3.0) as llm:
+        output = await collect(llm, [1, 2, 3], greedy(12), request_id="r")
+        assert output.outputs[0].token_ids == expected_tokens("r", 3, 12)
+        stats = llm.statistics()
+        assert stats.worker_restarts == 1
+        assert group.loads == 2
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.mark.parametrize("fault", ["crash", "raise"])
+async def test_failed_step_is_recomputed(model_dir, autojump_clock, fault):
+    group = FakeWorkerGroup()
+    group.faults = [None, fault, None, fault]
+    async with open_engine(model_dir, group) as llm:
+        output = await collect(llm, [1, 2, 3], greedy(12), request_id="r")
+        assert output.outputs[0].token_ids == expected_tokens("r", 3, 12)
+        assert llm.statistics().worker_restarts == 2
+
+
+async def test_restart_budget_exhaustion_fails_every_open_request(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    group.faults = ["crash"] * 10
+    async with open_engine(model_dir, group) as llm:
+        errors = []
+
+        async def client(i: int) -> None:
+            try:
+                await collect(llm, [1, 2, 3 + i], greedy(8), request_id=f"c{i}")
+            except EngineDeadError as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(client, i)
+        assert len(errors) == 4
+        assert "restart budget" in str(errors[0])
+        with pytest.raises(EngineDeadError):
+            llm.check_health()
+        with pytest.raises(EngineDeadError):
+            await collect(llm, [1], greedy(2))
+
+
+async def test_bad_requests_fail_alone(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group) as llm:
+        good = {}
+
+        async def valid() -> None:
+            good["out"] = await collect(llm, [1, 2, 3], greedy(6), request_id="good")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(valid)
+            with pytest.raises(InvalidRequestError, match="prompt"):
+                await collect(llm, "", greedy(4))
+            with pytest.raises(InvalidRequestError, match="vocabulary"):
+                await collect(llm, [1, 10**6], greedy(4))
+            with pytest.raises(InvalidRequestError, match="prompt"):
+                await collect(llm, [1] * 300, greedy(4))
+        assert good["out"].outputs[0].token_ids == expected_tokens("good", 3, 6)

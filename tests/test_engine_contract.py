@@ -1,0 +1,146 @@
+"""Contract tests: the real engine (worker processes, the default model) through LLM,
+LLMEngine and AsyncLLM, against Hugging Face's greedy output; chunked prefill and
+preemption under a tiny budget; a worker SIGKILL mid-batch; no KV block left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+
+from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.hf_compare import hf_greedy
+
+pytestmark = [pytest.mark.contract, pytest.mark.default_model]
+
+MAX_TOKENS = 16
+TEXTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "def quicksort(items):",
+    "The three laws of thermodynamics are",
+    "List five fruits:",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every "
+    "morning walked down to the harbour before sunrise, and one day he found",
+    "Translate to French: good morning",
+    "1, 2, 3, 4,",
+]
+
+
+@pytest.fixture(scope="module")
+def default_path():
+    from engine.worker.loading import resolve_model
+
+    return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
+
+
+@pytest.fixture(scope="module")
+def prompts(default_path):
+    from engine.inputs import load_tokenizer
+
+    tokenizer = load_tokenizer(default_path)
+    return [tokenizer.encode(text) for text in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def reference(default_path, prompts):
+    return [tokens for tokens, _ in hf_greedy(default_path, prompts, MAX_TOKENS)]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def assert_all_blocks_free(stats) -> None:
+    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(kv_cache_memory="256MiB", max_model_len=1024) as engine:
+        yield engine
+
+
+def test_llm_generate_matches_hf(llm, prompts, reference):
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    assert_all_blocks_free(llm.engine.statistics())
+
+
+def test_llm_chat_answers(llm):
+    (output,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=12),
+        use_tqdm=False,
+    )
+    assert output.outputs[0].text.startswith("The capital of France is Paris")
+    assert_all_blocks_free(llm.engine.statistics())
+
+
+def test_bad_input_raises_typed_errors_and_leaves_nothing_queued(llm):
+    for prompt, params, field in [
+        ("", greedy(), "prompt"),
+        ([1, 2, 10**9], greedy(), "prompt"),
+        ("x " * 2000, greedy(), "prompt"),
+        ("hello", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequestError) as error:
+            llm.generate([prompt], params, use_tqdm=False)
+        assert error.value.field == field
+    for field, options in [("max_tokens", {"max_tokens": 0}), ("n", {"n": 0}), ("top_p", {"top_p": 1.5}),
+                           ("temperature", {"temperature": -1.0}), ("seed", {"seed": 2**63})]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**options)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_tiny_budget_forces_chunked_prefill_and_preemption(prompts, reference):
+    # 12 blocks of 16 tokens cannot hold 8 sequences of ~20-60 tokens at once.
+    with LLM(kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4, max_model_len=128,
+             max_num_batched_tokens=32, long_prefill_token_threshold=16) as small:
+        outputs = small.generate(prompts, greedy(), use_tqdm=False)
+        stats = small.engine.statistics()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    assert stats.num_preemptions > 0
+    assert_all_blocks_free(stats)
+
+
+def test_worker_sigkill_mid_batch_loses_nothing(llm, prompts, reference):
+    engine = llm.engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"kill-{index}", prompt, greedy())
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 4:
+            (pid,) = engine.statistics().worker_pids
+            os.kill(pid, signal.SIGKILL)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+        steps += 1
+    assert [finished[f"kill-{i}"] for i in range(len(prompts))] == reference
+    stats = engine.statistics()
+    assert stats.worker_restarts == 1
+    assert_all_blocks_free(stats)
+
+
+async def test_async_llm_streams_match_and_cancel_frees_blocks(prompts, reference):
+    async with AsyncLLM.open(EngineArgs(kv_cache_memory="256MiB", max_model_len=1024)) as llm:
+        results = {}
+
+        async def run(index: int) -> None:
+            async for output in llm.generate(prompts[index], greedy(), request_id=f"a{index}"):
+                results[index] = list(output.outputs[0].token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(prompts)):
+                nursery.start_soon(run, index)
+            with trio.move_on_after(1.0):
+                async for _ in llm.generate("Tell me a long story.", SamplingParams(max_tokens=500)):
+                    pass
+        assert [results[i] for i in range(len(prompts))] == reference
+        assert_all_blocks_free(llm.statistics())
