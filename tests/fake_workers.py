@@ -31,6 +31,12 @@ class FakeWorkerGroup:
         self.plans: list[StepPlan] = []
         self.faults: list[str] = []  # "hang" / "crash" / "raise", consumed one per step
         self.known: set[str] = set()
+        self._stepped = trio.Event()
+
+    async def next_step(self) -> StepPlan:
+        """Waits until the next step starts and returns its plan."""
+        await self._stepped.wait()
+        return self.plans[-1]
 
     @contextlib.asynccontextmanager
     async def open(self):
@@ -48,6 +54,8 @@ class FakeWorkerGroup:
     async def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         self.steps += 1
+        self._stepped.set()
+        self._stepped = trio.Event()
         fault = self.faults.pop(0) if self.faults else None
         if fault == "hang":
             await trio.sleep_forever()

@@ -55,7 +55,11 @@ class IntakeActor:
                 if stream is None or stream.closed:
                     continue  # the client left while the request queued
                 try:
-                    processed = await trio.to_thread.run_sync(self._process, request)
+                    if isinstance(request.prompt, str) or request.messages is not None:
+                        # Templates and tokenizers take real time; they release the GIL.
+                        processed = await trio.to_thread.run_sync(self._process, request)
+                    else:
+                        processed = self._process(request)  # token ids: a linear check
                 except TriodeError as error:
                     self._rejected += 1
                     stream.fail(error)
