@@ -4,8 +4,6 @@ the sequence in the scheduler before its next step."""
 
 from __future__ import annotations
 
-import time
-
 import attrs
 import trio
 
@@ -61,7 +59,7 @@ class OutputActor:
                 for request_id in request_ids:
                     if error is not None:
                         self._fail(request_id, error)
-                    elif (output := self.processor.abort(request_id, time.monotonic(), reason)) is not None:
+                    elif (output := self.processor.abort(request_id, trio.current_time(), reason)) is not None:
                         self._deliver(output)
             case EngineFailed(error=error):
                 for request_id in list(self._streams):

@@ -5,7 +5,6 @@ waiting for them."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import trio
@@ -66,7 +65,7 @@ class SchedulerActor:
                     last_step_end = None
                     continue
                 plan = self.scheduler.schedule()
-                started = time.monotonic()
+                started = trio.current_time()
                 if last_step_end is not None:
                     self.idle_seconds += started - last_step_end
                 try:
@@ -79,7 +78,7 @@ class SchedulerActor:
                     self.dead = error
                     await self._to_output.send(EngineFailed(error=error))
                     return
-                last_step_end = time.monotonic()
+                last_step_end = trio.current_time()
                 updates = self.scheduler.update_from_output(result)
                 if updates:
                     await self._to_output.send(StepUpdates(updates=tuple(updates), time=last_step_end))

@@ -1,0 +1,52 @@
+"""`triode bench ...` subcommands; the CLI only mounts them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _step(namespace: argparse.Namespace) -> int:
+    from engine.bench import step
+
+    step.run(
+        model=namespace.model,
+        batch_sizes=tuple(namespace.batch_sizes),
+        context=namespace.context,
+        steps=namespace.steps,
+        output_dir=Path(namespace.output_dir),
+    )
+    return 0
+
+
+def _throughput(namespace: argparse.Namespace) -> int:
+    from engine.bench import throughput
+
+    throughput.run(
+        model=namespace.model,
+        workloads=tuple(namespace.workloads),
+        hf_batch_size=namespace.hf_batch_size,
+        skip_hf=namespace.skip_hf,
+        output_dir=Path(namespace.output_dir),
+    )
+    return 0
+
+
+def add_bench_commands(benches: argparse._SubParsersAction) -> None:
+    step = benches.add_parser("step", help="decode step time: our runner vs Hugging Face forward")
+    step.add_argument("--model", default=None)
+    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
+    step.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    step.add_argument("--output-dir", default="bench-results")
+    step.set_defaults(handler=_step)
+
+    throughput = benches.add_parser(
+        "throughput", help="offline throughput: LLM.generate vs Hugging Face generate (W1, W1v)"
+    )
+    throughput.add_argument("--model", default=None)
+    throughput.add_argument("--workloads", nargs="+", default=["W1", "W1v"], choices=["W1", "W1v"])
+    throughput.add_argument("--hf-batch-size", type=int, default=32)
+    throughput.add_argument("--skip-hf", action="store_true", help="measure triode only")
+    throughput.add_argument("--output-dir", default="bench-results")
+    throughput.set_defaults(handler=_throughput)

@@ -1,0 +1,55 @@
+"""Command-line flags for every EngineArgs field, generated from the class so the CLI, the
+Python API and the TRIODE_* variables share one set of names and defaults."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+
+from engine.config import EngineArgs, parse_size
+
+_HELP = {
+    "model": "Hugging Face directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
+    "served_model_name": "the model name clients send and see (default: the model argument)",
+    "dtype": "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "kv_cache_memory": "KV-cache budget per rank, bytes or with a unit (e.g. 2GiB)",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens in one step (the scheduler's token budget)",
+    "long_prefill_token_threshold": "chunk any prefill longer than this many tokens",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "step_timeout": "seconds a worker step may take before the worker is restarted",
+    "shutdown_timeout": "seconds to let in-flight requests finish on shutdown",
+    "max_queued_requests": "requests waiting for intake before new ones get 503",
+    "cache_dir": "where converted models are cached (default: $TRIODE_CACHE or ~/.cache/triode)",
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    defaults = EngineArgs()
+    for field in attrs.fields(EngineArgs):
+        if field.name in skip:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        help_text = f"{_HELP.get(field.name, field.name.replace('_', ' '))} (default: {default})"
+        kind = str(field.type)
+        if kind.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif field.name == "kv_cache_memory":
+            parser.add_argument(flag, type=parse_size, default=None, help=help_text)
+        else:
+            converter = int if kind.startswith("int") else float if kind.startswith("float") else str
+            parser.add_argument(flag, type=converter, default=None, help=help_text)
+
+
+def engine_args_from(namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """Flags given on the command line win over TRIODE_* variables, which win over defaults."""
+    given = {
+        field.name: getattr(namespace, field.name)
+        for field in attrs.fields(EngineArgs)
+        if getattr(namespace, field.name, None) is not None
+    }
+    return EngineArgs.from_env(**{**given, **overrides})
