@@ -73,3 +73,32 @@ def plot_lines(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
+
+
+def plot_bars(
+    path: Path,
+    *,
+    title: str,
+    y_label: str,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float]],
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axis = pyplot.subplots(figsize=(7, 4.5))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        positions = [g + i * width for g in range(len(groups))]
+        bars = axis.bar(positions, values, width=width, label=label)
+        axis.bar_label(bars, fmt="%.0f")
+    axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], list(groups))
+    axis.set_title(title)
+    axis.set_ylabel(y_label)
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)

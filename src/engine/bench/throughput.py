@@ -1,0 +1,126 @@
+"""`triode bench throughput`: offline output tokens/s of LLM.generate against Hugging Face
+`generate` (static left-padded batches, prompts in the given order), same workloads, same run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.bench.report import machine_description, plot_bars, print_table, write_json
+from engine.bench.workloads import Workload, make_workload
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+
+def run_triode(llm: LLM, workload: Workload) -> dict:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    before = llm.engine.statistics()
+    started = time.perf_counter()
+    outputs = llm.generate(list(workload.prompts), params, use_tqdm=True)
+    seconds = time.perf_counter() - started
+    after = llm.engine.statistics()
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
+    idle = after.worker_idle_seconds - before.worker_idle_seconds
+    return {
+        "seconds": seconds,
+        "tokens_per_second": produced / seconds,
+        "worker_idle_share": idle / seconds,
+        "steps": after.steps - before.steps,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+    }
+
+
+def run_hf(model, workload: Workload, batch_size: int, pad_id: int) -> dict:
+    """Static batches: each batch runs to its longest requested output; only requested
+    tokens count as useful."""
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None  # ignore_eos, like the triode run
+    started = time.perf_counter()
+    generated = 0
+    batches = range(0, len(workload.prompts), batch_size)
+    for start in tqdm(batches, desc=f"HF {workload.name}", unit="batch"):
+        prompts = workload.prompts[start : start + batch_size]
+        longest = max(map(len, prompts))
+        ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        new_tokens = max(workload.output_lens[start : start + batch_size])
+        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=pad_id)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+        generated += (out.shape[1] - longest) * len(prompts)
+    seconds = time.perf_counter() - started
+    useful = workload.total_output_tokens
+    return {
+        "seconds": seconds,
+        "tokens_per_second": useful / seconds,
+        "wasted_share": 1 - useful / generated,
+    }
+
+
+def run(
+    *,
+    model: str | None,
+    workloads: tuple[str, ...] = ("W1", "W1v"),
+    hf_batch_size: int = 32,
+    skip_hf: bool = False,
+    output_dir: Path = Path("bench-results"),
+) -> dict:
+    print(f"triode bench throughput on {machine_description()}")
+    started = time.perf_counter()
+    llm = LLM(model, kv_cache_memory="4GiB", max_model_len=1024)
+    startup = time.perf_counter() - started
+    print(f"engine start-up: {startup:.1f} s")
+    results: dict = {"startup_seconds": startup, "workloads": {}}
+    hf_model = None
+    try:
+        for name in workloads:
+            workload = make_workload(name)
+            ours = run_triode(llm, workload)
+            entry = {"triode": ours}
+            if not skip_hf:
+                if hf_model is None:
+                    from transformers import AutoModelForCausalLM
+
+                    hf_model = AutoModelForCausalLM.from_pretrained(
+                        llm.engine.model_path, dtype=torch.float32
+                    ).eval()
+                pad = llm.engine.tokenizer.pad_token_id or 0
+                entry["hf"] = run_hf(hf_model, workload, hf_batch_size, pad)
+                entry["ratio"] = ours["tokens_per_second"] / entry["hf"]["tokens_per_second"]
+            results["workloads"][name] = entry
+    finally:
+        llm.close()
+    rows = []
+    for name, entry in results["workloads"].items():
+        hf = entry.get("hf")
+        rows.append([
+            name, entry["triode"]["tokens_per_second"],
+            hf["tokens_per_second"] if hf else "-",
+            f"{entry['ratio']:.2f}x" if hf else "-",
+            f"{entry['triode']['worker_idle_share'] * 100:.1f}%",
+            f"{hf['wasted_share'] * 100:.0f}%" if hf else "-",
+        ])
+    print_table(["workload", "triode tok/s", "HF tok/s", "triode/HF", "worker idle", "HF waste"], rows)
+    write_json(output_dir / "throughput.json", results)
+    if not skip_hf:
+        names = list(results["workloads"])
+        plot_bars(
+            output_dir / "throughput.png", title="Offline output tokens/s (greedy, float32)",
+            y_label="output tokens / s", groups=names,
+            series={
+                "triode LLM.generate": [results["workloads"][n]["triode"]["tokens_per_second"] for n in names],
+                "HF generate (static batches)": [results["workloads"][n]["hf"]["tokens_per_second"] for n in names],
+            },
+        )
+    if "W1v" in results["workloads"] and not skip_hf:
+        print(f"triode/HF throughput ratio: {results['workloads']['W1v']['ratio']:.1f}x")
+    return results

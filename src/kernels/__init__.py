@@ -1,0 +1,119 @@
+"""The one dispatch point for triode's hot-path ops.
+
+Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
+torch references. ``TRIODE_KERNELS=torch|triton|auto`` (or :func:`set_backend`) overrides the
+choice for tests and benchmarks; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
+
+One module per op, each with its torch reference, its Triton kernel and the launcher that checks
+the arguments: :mod:`kernels.kv_write`, :mod:`kernels.decode_attention`,
+:mod:`kernels.prefill_attention` (composed by :mod:`kernels.paged_attention`),
+:mod:`kernels.rms_norm`, :mod:`kernels.rotary`, :mod:`kernels.silu_mul`. This package imports
+only torch; triton is imported, and the kernels jitted, on the first Triton launch
+(:mod:`kernels._jit`), so it runs where triton is missing and on a bare GPU machine.
+
+Testing helpers: :func:`kernels.testing.triton_interpreter` runs the Triton kernels on CPU
+tensors (with ``set_backend("triton")``); ``python -m kernels.compile_check`` compiles every
+kernel for a CUDA target without a GPU; ``scripts/gpu_check.py`` checks and times them on one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kernels.kv_write import write_kv_reference, write_kv_triton
+from kernels.metadata import AttentionMetadata
+from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
+
+BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("TRIODE_KERNELS", "auto")
+
+__all__ = [
+    "BACKENDS",
+    "AttentionMetadata",
+    "backend_for",
+    "get_backend",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "set_backend",
+    "silu_and_mul",
+    "write_kv",
+]
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    """The current setting: 'auto', 'torch' or 'triton'."""
+    return _backend
+
+
+def backend_for(device: torch.device) -> str:
+    """'triton' or 'torch' for tensors on ``device`` under the current setting."""
+    if _backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if _backend not in BACKENDS:
+        raise ValueError(f"TRIODE_KERNELS must be one of {', '.join(BACKENDS)}; got {_backend!r}")
+    return _backend
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return backend_for(tensor.device) == "triton"
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter key/value [tokens, kv_heads, dim] into the caches at ``slot_mapping``."""
+    if _use_triton(key):
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    """Attention of query [tokens, heads, dim] over the paged cache; returns [tokens, heads, dim].
+    The step's key/value must already be in the cache (the Triton path reads only the cache)."""
+    if _use_triton(query):
+        return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
+    return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """RMSNorm of ``x`` (+ ``residual`` when given); returns (normed, new_residual)."""
+    if _use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
+    """Rotate query and key in place (neox style)."""
+    if _use_triton(query):
+        rotary_embedding_triton(positions, query, key, cos_sin_cache)
+    else:
+        rotary_embedding_reference(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    """silu(gate) * up of x [..., 2 * d] (gate then up); returns [..., d]."""
+    if _use_triton(x):
+        return silu_and_mul_triton(x)
+    return silu_and_mul_reference(x)

@@ -1,0 +1,150 @@
+"""Attention over the paged KV cache for a batch that mixes decodes and prefill chunks.
+
+Composes the two attention ops: rows ``0..num_decodes`` go to decode attention (one token per
+sequence), the rest to prefill attention. The torch reference runs everywhere (it is the CPU
+path): decodes are batched into one padded matmul, prefill chunks go through
+scaled_dot_product_attention one sequence at a time. The Triton version launches the decode
+kernel(s) and the prefill kernel into one output tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.checks import check_kv_cache, check_launch_device, check_tensor
+from kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
+from kernels.metadata import AttentionMetadata
+from kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
+
+__all__ = [
+    "check_attention_args",
+    "gather_kv",
+    "paged_attention_reference",
+    "paged_attention_triton",
+]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """query [tokens, heads, dim]; key/value [tokens, kv_heads, dim] are this step's (already
+    written to the cache). Returns [tokens, heads, dim]."""
+    out = torch.empty_like(query)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        out[:num_decodes] = decode_attention_reference(
+            query[:num_decodes], k_cache, v_cache, metadata.block_tables,
+            metadata.seq_lens, max(metadata.seq_lens_host[:num_decodes]), scale,
+        )
+    if num_decodes < metadata.num_seqs:
+        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
+    return out
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    check_kv_cache(k_cache, v_cache)
+    _, _, kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    check_tensor("query", query, ndim=3, dtype=k_cache.dtype, device=device)
+    num_tokens, num_heads, query_dim = query.shape
+    if query_dim != head_dim or num_heads % kv_heads:
+        raise ValueError(
+            f"query: expected [tokens, a multiple of {kv_heads} heads, {head_dim}], got {list(query.shape)}"
+        )
+    num_seqs = metadata.num_seqs
+    check_tensor("query_start_loc", metadata.query_start_loc, shape=(num_seqs + 1,),
+                 dtype=torch.int32, device=device, contiguous=True)
+    check_tensor("seq_lens", metadata.seq_lens, shape=(num_seqs,), dtype=torch.int32,
+                 device=device, contiguous=True)
+    check_tensor("block_tables", metadata.block_tables, ndim=2, dtype=torch.int32,
+                 device=device, contiguous=True)
+    if metadata.block_tables.shape[0] < num_seqs:
+        raise ValueError(f"block_tables: {metadata.block_tables.shape[0]} rows for {num_seqs} sequences")
+    capacity = metadata.block_tables.shape[1] * k_cache.shape[1]
+    if metadata.max_seq_len > capacity:
+        raise ValueError(f"seq_lens: max {metadata.max_seq_len} exceeds the block table's {capacity} slots")
+    if metadata.query_start_loc_host[-1] != num_tokens:
+        raise ValueError(f"query_start_loc: ends at {metadata.query_start_loc_host[-1]}, query has {num_tokens} rows")
+
+
+# Every layer of a step passes the same metadata: check its host copies once.
+_last_checked: list = [None, 0, (0, 0)]
+
+
+def _check_host_metadata(metadata: AttentionMetadata, capacity: int) -> tuple[int, int]:
+    """Checks the host copies that bound what the kernels read; returns (max decode seq_len,
+    max prefill chunk length)."""
+    if _last_checked[0] is metadata and _last_checked[1] == capacity:
+        return _last_checked[2]
+    starts, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
+    num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs
+    if len(starts) != num_seqs + 1 or starts[0] != 0:
+        raise ValueError(f"query_start_loc: expected {num_seqs + 1} offsets starting at 0, got {len(starts)}")
+    if not 0 <= num_decodes <= num_seqs or starts[num_decodes] != num_decodes:
+        raise ValueError(f"num_decodes: {num_decodes} decodes must own one query row each "
+                         f"(query_start_loc[{num_decodes}] = {starts[min(num_decodes, num_seqs)]})")
+    max_decode_len = max_chunk = 0
+    for seq in range(num_seqs):
+        chunk, seq_len = starts[seq + 1] - starts[seq], seq_lens[seq]
+        if chunk < 0 or seq_len < chunk or seq_len > capacity:
+            raise ValueError(f"seq_lens: sequence {seq} has {seq_len} tokens for a chunk of {chunk} "
+                             f"and a block table of {capacity} slots")
+        if seq < num_decodes:
+            max_decode_len = max(max_decode_len, seq_len)
+        else:
+            max_chunk = max(max_chunk, chunk)
+    _last_checked[:] = [metadata, capacity, (max_decode_len, max_chunk)]
+    return max_decode_len, max_chunk
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    partition_size: int | None = None,
+    block_n: int | None = None,
+    block_m: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same result as :func:`paged_attention_reference` (reads every key from the cache, so
+    the step's keys must have been written first). ``partition_size``/``block_n``/``block_m``
+    override the tiling; ``out`` (optional, [tokens, heads, dim]) receives the result."""
+    check_attention_args(query, k_cache, v_cache, metadata)
+    check_launch_device("query", query)
+    if partition_size is not None or block_n is not None or block_m is not None:
+        check_tiling(block_n, partition_size)
+        if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+            raise ValueError(f"block_m: expected a power of two >= 16, got {block_m}")
+    capacity = metadata.block_tables.shape[1] * k_cache.shape[1]
+    max_decode_len, max_chunk = _check_host_metadata(metadata, capacity)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    else:
+        check_tensor("out", out, shape=query.shape, dtype=query.dtype, device=query.device)
+    num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs
+    if num_decodes:
+        launch_decode(
+            query[:num_decodes], k_cache, v_cache, metadata.block_tables,
+            metadata.seq_lens[:num_decodes], max_decode_len, scale, out[:num_decodes],
+            partition_size, block_n,
+        )
+    if num_decodes < num_seqs:
+        launch_prefill(
+            query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, scale, num_decodes, num_seqs, max_chunk, out, block_m, block_n,
+        )
+    return out
