@@ -14,6 +14,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from kernels._jit import cdiv, lazy_jit, next_power_of_2
 from kernels.checks import check_kv_cache, check_launch_device, check_tensor
@@ -46,22 +47,27 @@ def decode_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """query [seqs, heads, dim], one token per sequence, attends to its ``seq_lens[i]`` cached
-    tokens; decodes are batched into one padded matmul. Returns [seqs, heads, dim]."""
+    tokens. Returns [seqs, heads, dim].
+
+    The CPU hot path: every sequence's blocks are gathered once (padded to the longest), and
+    one fused scaled_dot_product_attention call covers the batch. The query heads that share a
+    KV head are passed as that head's query rows, so no KV head is repeated."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    group = num_heads // kv_heads
     num_blocks = -(-max_seq_len // block_size)
-    table = block_tables[:num_seqs, :num_blocks].long()
-    # [seqs, kv_heads, head_dim, len] and [seqs, kv_heads, len, head_dim]
-    keys = k_cache[table].flatten(1, 2).permute(0, 2, 3, 1)
-    values = v_cache[table].flatten(1, 2).transpose(1, 2)
-    q = query.view(num_seqs, kv_heads, group, head_dim) * scale
-    scores = torch.matmul(q, keys)  # [seqs, kv_heads, group, len]
-    positions = torch.arange(scores.shape[-1], device=query.device)
-    padding = positions[None, :] >= seq_lens[:num_seqs, None]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    length = num_blocks * block_size
+    table = block_tables[:num_seqs, :num_blocks].reshape(-1)
+    shape = (num_seqs, length, kv_heads, head_dim)
+    keys = k_cache.index_select(0, table).view(shape).transpose(1, 2)
+    values = v_cache.index_select(0, table).view(shape).transpose(1, 2)
+    lengths = seq_lens[:num_seqs]
+    mask = None
+    if int(lengths.min()) < length:
+        positions = torch.arange(length, device=query.device)
+        mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+    q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 @lazy_jit
