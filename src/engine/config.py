@@ -56,6 +56,12 @@ def _memory_size(value: str | int) -> int:
         raise InvalidRequestError(f"kv_cache_memory: {e}", field="kv_cache_memory") from None
 
 
+def _valid_fault_plan(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    from engine.worker.faults import parse_fault_plan
+
+    parse_fault_plan(value)
+
+
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """Everything that configures one engine. Field names match vLLM's where the meaning matches."""
@@ -78,6 +84,8 @@ class EngineArgs:
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     seed: int = 0
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
+    # Test facility: faults the workers inflict on themselves (see engine.worker.faults).
+    fault_plan: str | None = attrs.field(default=None, validator=_valid_fault_plan)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineArgs:
