@@ -1,0 +1,1 @@
+"""Scenario-based fault injection: TOML scenarios played against a real triode server."""

@@ -1,0 +1,73 @@
+"""`triode scenario run PATH`: plays a scenario file or a folder of them against real servers,
+prints one row per scenario, writes JSON, exits non-zero when any expectation fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import attrs
+import trio
+
+from frontend.scenarios.runner import ScenarioRunner, Verdict
+from frontend.scenarios.spec import ScenarioError, load_scenarios
+
+_COLUMNS = ("scenario", "verdict", "requests", "lost", "mismatched", "recovery s", "p99 s", "load s")
+
+
+def _row(verdict: Verdict) -> list[str]:
+    def num(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    return [verdict.name, "PASS" if verdict.passed else "FAIL", str(verdict.requests), str(verdict.lost),
+            str(verdict.mismatched), num(verdict.recovery_seconds), num(verdict.p99_seconds),
+            num(verdict.load_seconds)]
+
+
+async def run_all(target: Path, *, model: str | None) -> list[Verdict]:
+    scenarios = load_scenarios(target)
+    runner = ScenarioRunner(model=model)
+    widths = [max(len(c), 12) for c in _COLUMNS]
+    widths[0] = max(widths[0], *(len(s.name) for s in scenarios))
+    print("  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)), flush=True)
+    verdicts = []
+    for scenario in scenarios:
+        try:
+            verdict = await runner.run(scenario)
+        except RuntimeError as e:  # the server could not be started or misbehaved outright
+            verdict = Verdict(name=scenario.name)
+            verdict.fail(str(e))
+        verdicts.append(verdict)
+        print("  ".join(c.ljust(w) for c, w in zip(_row(verdict), widths, strict=True)), flush=True)
+        for failure in verdict.failures:
+            print(f"    - {failure}", flush=True)
+    return verdicts
+
+
+def write_json(output: Path, verdicts: list[Verdict]) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps([attrs.asdict(v) for v in verdicts], indent=2))
+    print(f"wrote {output}")
+
+
+def _run(namespace: argparse.Namespace) -> int:
+    try:
+        verdicts = trio.run(lambda: run_all(Path(namespace.path), model=namespace.model))
+    except ScenarioError as e:
+        print(f"triode scenario: {e}")
+        return 2
+    write_json(Path(namespace.json), verdicts)
+    failed = [v.name for v in verdicts if not v.passed]
+    print(f"{len(verdicts) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def add_scenario_commands(commands: argparse._SubParsersAction) -> None:
+    scenario = commands.add_parser("scenario", help="fault-injection scenarios against a real server")
+    actions = scenario.add_subparsers(dest="action", required=True)
+    run = actions.add_parser("run", help="play a scenario file or a folder of them")
+    run.add_argument("path", help="a .toml scenario or a folder of them")
+    run.add_argument("--model", default=None, help="model for the servers (default: the default model)")
+    run.add_argument("--json", default="bench-results/scenarios.json", help="where to write the results")
+    run.set_defaults(handler=_run)

@@ -1,0 +1,133 @@
+"""The scenario format (TOML): a workload, the faults injected while it runs, and what must
+hold. Parsed into frozen attrs classes; a malformed file fails with its path and the field."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+EXTERNAL_FAULTS = ("sigkill_worker", "sigterm_server", "disconnect", "slow_reader", "malformed")
+ENGINE_FAULTS = {"worker_crash": "crash", "worker_hang": "hang", "worker_raise": "raise"}
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be played; the message names the file and the field."""
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    api: str = "completions"  # or "chat"
+    stream: bool = True
+    concurrency: int = 8  # clients sending one request after another
+    requests: int = 8
+    arrival_rate: float = 0.0  # > 0: open-loop Poisson arrivals instead of fixed concurrency
+    prompt_tokens: tuple[int, int] = (32, 64)  # synthetic prompts: token count range
+    prompts: tuple[str, ...] = ()  # or literal prompts, used in turn
+    max_tokens: tuple[int, int] = (16, 16)
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Fault:
+    kind: str
+    at: float = 0.0  # seconds after the workload starts (external faults)
+    at_step: int = 0  # engine step (engine faults)
+    until_step: int | None = None  # engine faults: every step up to this one
+    clients: int = 0  # disconnect / slow_reader: how many requests behave so
+    after_chunks: int = 1  # disconnect: leave after a random 1..after_chunks chunks (seeded)
+    chunk_interval: float = 1.0  # slow_reader: seconds between reads
+    count: int = 0  # malformed: requests in the burst
+
+
+@attrs.frozen(kw_only=True)
+class Expect:
+    finish_reasons: tuple[str, ...] = ("length", "stop")
+    errors: tuple[str, ...] = ()  # substrings of error messages that accepted requests may end with
+    match_reference: bool = True  # greedy outputs identical to an undisturbed run
+    kv_free_at_end: bool = True
+    health_within: float | None = None  # seconds after the last fault until /health is 200
+    health_within_load_plus: float | None = None  # same bound, as the server's load time + this
+    health_at_end: int = 200
+    statuses: tuple[int, ...] = ()  # non-200 statuses that are acceptable (4xx for malformed input)
+    max_p99_ratio: float | None = None  # p99 latency relative to the undisturbed run
+    min_preemptions: int = 0
+    server_exit_code: int | None = None  # for scenarios that stop the server
+    max_rss_growth_mb: float | None = None  # server process memory growth over the run
+
+
+@attrs.frozen(kw_only=True)
+class Scenario:
+    name: str
+    description: str
+    path: Path
+    server_args: tuple[str, ...]
+    reference_args: tuple[str, ...]  # the undisturbed run's server (default: server_args)
+    workload: Workload
+    faults: tuple[Fault, ...]
+    expect: Expect
+
+    @property
+    def fault_plan(self) -> str | None:
+        items = []
+        for fault in self.faults:
+            if fault.kind in ENGINE_FAULTS:
+                last = fault.until_step if fault.until_step is not None else fault.at_step
+                items.append(f"{ENGINE_FAULTS[fault.kind]}@{fault.at_step}..{last}")
+        return ",".join(items) or None
+
+    def faults_of(self, kind: str) -> list[Fault]:
+        return [f for f in self.faults if f.kind == kind]
+
+
+def _build(cls: type, raw: dict[str, Any], path: Path, section: str):
+    names = {f.name for f in attrs.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ScenarioError(f"{path}: [{section}] has unknown fields {unknown}; known: {sorted(names)}")
+    converted = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    try:
+        return cls(**converted)
+    except (TypeError, ValueError) as e:
+        raise ScenarioError(f"{path}: [{section}]: {e}") from None
+
+
+def load_scenario(path: Path) -> Scenario:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ScenarioError(f"{path}: {e}") from None
+    if "name" not in raw:
+        raise ScenarioError(f"{path}: a scenario needs a name")
+    faults = tuple(_build(Fault, f, path, "fault") for f in raw.get("fault", []))
+    for fault in faults:
+        if fault.kind not in EXTERNAL_FAULTS and fault.kind not in ENGINE_FAULTS:
+            known = ", ".join((*EXTERNAL_FAULTS, *ENGINE_FAULTS))
+            raise ScenarioError(f"{path}: fault kind {fault.kind!r} is not one of {known}")
+    server = raw.get("server", {})
+    unknown = sorted(set(server) - {"args", "reference_args"})
+    if unknown:
+        raise ScenarioError(f"{path}: [server] has unknown fields {unknown}; known: args, reference_args")
+    workload = _build(Workload, raw.get("workload", {}), path, "workload")
+    if workload.api not in ("completions", "chat"):
+        raise ScenarioError(f"{path}: [workload] api must be 'completions' or 'chat'")
+    return Scenario(
+        name=raw["name"],
+        description=raw.get("description", ""),
+        path=path,
+        server_args=tuple(server.get("args", [])),
+        reference_args=tuple(server.get("reference_args", server.get("args", []))),
+        workload=workload,
+        faults=faults,
+        expect=_build(Expect, raw.get("expect", {}), path, "expect"),
+    )
+
+
+def load_scenarios(target: Path) -> list[Scenario]:
+    files = sorted(target.glob("*.toml")) if target.is_dir() else [target]
+    if not files:
+        raise ScenarioError(f"{target}: no scenario files (*.toml)")
+    return [load_scenario(path) for path in files]
