@@ -8,24 +8,21 @@ import sys
 from collections.abc import Sequence
 
 from engine.bench.commands import add_bench_commands
+from engine.config import parse_size
 from engine.errors import TriodeError
+from frontend.bench_serve import add_bench_serve
 from frontend.engine_flags import add_engine_flags, engine_args_from
 
 
 def _serve(namespace: argparse.Namespace) -> int:
-    from engine.worker.loading import resolve_model
-    from engine.worker.runner import ModelRunner
+    from frontend import serve
+    from frontend.factory import create_app
+    from frontend.settings import ServerSettings
 
-    args = engine_args_from(namespace, model=namespace.model_positional or namespace.model)
-    resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-    runner = ModelRunner(args, resolved.path)
-    print(
-        f"triode: loaded {resolved.source} from {resolved.path} "
-        f"({runner.config.architecture}, {runner.dtype}, {runner.num_blocks} KV blocks of "
-        f"{runner.block_size} tokens, max_model_len {runner.max_model_len})."
-    )
-    print("triode: the HTTP server arrives with the frontend (issue 4); nothing is served yet.")
-    return 0
+    model = namespace.model_positional or namespace.model
+    args = engine_args_from(namespace, **({"model": model} if model else {}))
+    settings = ServerSettings.from_env(api_keys=namespace.api_key, max_body_bytes=namespace.max_body_size)
+    return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,13 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", help="model to serve")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; "
+                            "default: $TRIODE_API_KEY, comma-separated)")
+    serve.add_argument("--max-body-size", type=parse_size, default=None, metavar="SIZE",
+                       help="largest request body, e.g. 8MiB (default: $TRIODE_MAX_BODY_SIZE or 8MiB)")
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     benches = bench.add_subparsers(dest="bench", required=True)
     add_bench_commands(benches)
+    add_bench_serve(benches)
     return parser
 
 

@@ -1,0 +1,183 @@
+"""``triode bench serve``: served throughput and latency over HTTP, against the same workload
+run offline through ``LLM`` in the same invocation.
+
+Fixed synthetic workload: single-turn chats of about 128 user tokens, 128 output tokens each
+(greedy, ignore_eos), streamed. A concurrency sweep (1, 8, 32 by default) prints TTFT and
+inter-token p50/p99, output tokens/s and requests/s per level, with a progress bar; writes
+``serve.json`` and ``serve.png``. Without ``--base-url`` it starts ``triode serve`` itself (and
+stops it before the offline run, so the two never share the CPU); with one, it measures any
+OpenAI-compatible server (``ignore_eos`` is sent as an extra field, as vLLM accepts it)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SERVER_LOG = "serve-server.log"
+
+
+def add_bench_serve(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser("serve", help="served throughput/latency over HTTP (concurrency sweep) vs offline LLM")
+    p.add_argument("--base-url", default=None,
+                   help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (default: start triode serve)")
+    p.add_argument("--model", default=None, help="model to serve and to run offline (default: SmolLM2)")
+    p.add_argument("--model-name", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default="unused")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="user tokens per request (about)")
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--kv-cache-memory", default="4GiB", help="for the started server and the offline run")
+    p.add_argument("--max-model-len", type=int, default=1024, help="for the started server and the offline run")
+    p.add_argument("--skip-offline", action="store_true", help="measure the server only")
+    p.add_argument("--output-dir", default="bench-results")
+    p.set_defaults(handler=_command)
+
+
+def _command(namespace: argparse.Namespace) -> int:
+    run(namespace)
+    return 0
+
+
+def run(ns: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    from engine.bench.report import machine_description, print_table, write_json
+    from frontend.bench_load import conversations
+
+    output_dir = Path(ns.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    print(f"triode bench serve on {machine_description()}")
+    levels = {c: conversations(ns.num_prompts or max(8, 2 * c), ns.prompt_tokens, seed=c) for c in ns.concurrency}
+    server = None
+    base_url = ns.base_url
+    cpu_started = time.process_time()
+    try:
+        if base_url is None:
+            server, base_url = _start_server(ns, output_dir / SERVER_LOG)
+        results = trio.run(_sweep, ns, base_url, levels)
+    finally:
+        if server is not None:
+            _stop_server(server)
+    client_cpu = time.process_time() - cpu_started
+    report: dict[str, Any] = {
+        "base_url": ns.base_url or "triode serve (started by the command)",
+        "workload": {"prompt_tokens": ns.prompt_tokens, "output_tokens": ns.output_tokens, "greedy": True,
+                     "ignore_eos": True, "requests_per_level": {c: len(v) for c, v in levels.items()}},
+        "levels": results["levels"],
+        "model": results["model"],
+        "client_cpu_seconds": client_cpu,
+    }
+    rows = [[r["concurrency"], r["requests"], r["failed"], r["output_tokens_per_second"], r["requests_per_second"],
+             r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["mean_prompt_tokens"],
+             r["client_cpu_seconds"]] for r in results["levels"]]
+    print_table(["conc", "reqs", "failed", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                 "ITL p99 ms", "prompt tok", "client CPU s"], [[_cell(v) for v in row] for row in rows])
+    if not ns.skip_offline:
+        top = max(levels)
+        offline = _offline(ns, levels[top])
+        served = next(r for r in results["levels"] if r["concurrency"] == top)["output_tokens_per_second"]
+        report["offline"] = offline
+        report["served_over_offline"] = served / offline["output_tokens_per_second"]
+        print(f"offline LLM.chat, same {len(levels[top])} requests: {offline['output_tokens_per_second']:.1f} "
+              f"output tok/s; served at concurrency {top}: {served:.1f} "
+              f"({report['served_over_offline'] * 100:.0f}% of offline)")
+    print(f"load generator CPU time: {client_cpu:.1f} s in total (process_time of this client)")
+    write_json(output_dir / "serve.json", report)
+    _plot(output_dir / "serve.png", results["levels"], report.get("offline"))
+    print(f"wrote {output_dir / 'serve.json'} and {output_dir / 'serve.png'}")
+    return report
+
+
+def _cell(value: Any) -> Any:
+    return "-" if value is None else value
+
+
+async def _sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list]) -> dict[str, Any]:
+    import openai
+    from tqdm import tqdm
+
+    from frontend.bench_load import one_request, run_level
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=ns.api_key, max_retries=0, timeout=3600) as client:
+        model = ns.model_name or (await client.models.list()).data[0].id
+        warm = await one_request(client, model, levels[min(levels)][0], 4)  # first-request costs
+        if not warm.ok:
+            raise SystemExit(f"triode: error: the server at {base_url} failed a request: {warm.error}")
+        results = []
+        for concurrency, chats in levels.items():
+            with tqdm(total=len(chats), desc=f"concurrency {concurrency}", unit="req") as progress:
+                results.append(await run_level(client, model, chats, concurrency=concurrency,
+                                               output_tokens=ns.output_tokens, progress=progress))
+    return {"model": model, "levels": results}
+
+
+def _start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-c", "import sys; from frontend.cli import main; sys.exit(main())", "serve",
+               *([ns.model] if ns.model else []), "--host", "127.0.0.1", "--port", "0",
+               "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len)]
+    log = log_path.open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    print(f"starting triode serve (log: {log_path}) ...", flush=True)
+    while process.poll() is None:
+        for line in log_path.read_text().splitlines():
+            if line.startswith("triode: serving ") and " at http://" in line:
+                url = line.split(" at ", 1)[1].split()[0]
+                return process, f"{url}/v1"
+        time.sleep(0.2)
+    raise SystemExit(f"triode: error: the server exited ({process.returncode}); see {log_path}")
+
+
+def _stop_server(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _offline(ns: argparse.Namespace, chats: list) -> dict[str, Any]:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_tokens, ignore_eos=True)
+    with LLM(ns.model, kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len) as llm:
+        started = time.perf_counter()
+        outputs = llm.chat(chats, params, use_tqdm=True)
+        seconds = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"requests": len(chats), "seconds": seconds, "output_tokens_per_second": produced / seconds}
+
+
+def _plot(path: Path, levels: list[dict[str, Any]], offline: dict[str, Any] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    x = [r["concurrency"] for r in levels]
+    figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4.5))
+    left.plot(x, [r["output_tokens_per_second"] for r in levels], marker="o", label="served (HTTP, streaming)")
+    if offline is not None:
+        left.axhline(offline["output_tokens_per_second"], linestyle="--", color="gray", label="offline LLM")
+    left.set(title="Output tokens/s", xlabel="concurrent clients", ylabel="tokens / s")
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("itl_p50_ms", "ITL p50"),
+                       ("itl_p99_ms", "ITL p99")):
+        right.plot(x, [r[key] if r[key] is not None else float("nan") for r in levels], marker="o", label=label)
+    right.set(title="Latency", xlabel="concurrent clients", ylabel="ms", yscale="log")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(x, [str(v) for v in x])
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+

@@ -1,0 +1,100 @@
+"""Running one HTTP generation request as one or more engine requests.
+
+A completion with several prompts makes one engine request per prompt; all are submitted
+together, and the response starts only once each has produced its first output, so every
+validation error (prompt too long, queue full...) is still an HTTP status, not a stream error.
+Outputs are then read prompt after prompt: the engine runs them all at once, and each
+request's stream joins the deltas that wait, so nothing is lost by reading them in turn. No
+task outlives the handler or the body generator, and closing them aborts what is left."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import attrs
+import trio
+
+from engine.errors import TriodeError
+from engine.outputs import RequestOutput
+from frontend.errors import APIError, from_engine_error
+from frontend.lifecycle import EngineHost
+from frontend.requests import GenerationRequest
+
+
+@attrs.define
+class Job:
+    index: int  # the prompt's position in the request
+    outputs: AsyncIterator[RequestOutput]
+    first: RequestOutput | None = None
+    error: Exception | None = None
+
+
+def engine_request_ids(base: str, count: int) -> list[str]:
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+
+
+async def start(host: EngineHost, request: GenerationRequest, base_id: str) -> list[Job]:
+    """Submits the engine requests and waits for the first output of each."""
+    ids = engine_request_ids(base_id, request.num_requests)
+    if request.messages is not None:
+        jobs = [Job(0, host.generate(None, request.params, request_id=ids[0], priority=request.priority,
+                                     messages=request.messages))]
+    else:
+        jobs = [Job(i, host.generate(prompt, request.params, request_id=ids[i], priority=request.priority))
+                for i, prompt in enumerate(request.prompts)]
+    try:
+        if len(jobs) == 1:
+            await _first(jobs[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for job in jobs:
+                    nursery.start_soon(_first, job)
+        for job in jobs:
+            if job.error is not None:
+                raise from_engine_error(job.error)
+    except BaseException:
+        await close(jobs)
+        raise
+    return jobs
+
+
+async def _first(job: Job) -> None:
+    try:
+        job.first = await anext(aiter(job.outputs), None)
+    except (TriodeError, APIError) as e:
+        job.error = e
+    if job.first is None and job.error is None:
+        job.error = APIError(500, "the engine ended a request without output", code="internal_error")
+
+
+async def close(jobs: list[Job]) -> None:
+    """Aborts whatever has not finished (safe under cancellation)."""
+    with trio.CancelScope(shield=True):
+        for job in jobs:
+            await job.outputs.aclose()
+
+
+async def outputs(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every output of every job, job after job; closing it closes the jobs."""
+    try:
+        for job in jobs:
+            assert job.first is not None
+            yield job.index, job.first
+            if job.first.finished:
+                continue
+            async for output in job.outputs:
+                yield job.index, output
+    finally:
+        await close(jobs)
+
+
+async def finals(jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
+    """The final output of every job (non-streamed responses use FINAL_ONLY outputs)."""
+    last: dict[int, RequestOutput] = {}
+    stream = outputs(jobs)
+    try:
+        async for index, output in stream:
+            last[index] = output
+    finally:
+        await stream.aclose()
+    return sorted(last.items())

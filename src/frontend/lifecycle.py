@@ -1,0 +1,180 @@
+"""EngineHost: the engine's life inside the server, from loading to drained.
+
+The engine runs in a task of a nursery the app's lifespan owns (not ``app.nursery``, which
+quart-trio cancels before ``after_serving`` runs). States: loading -> ready -> draining ->
+closed, or dead when the engine failed. Every engine request the server makes goes through
+``generate`` here, so the drain knows what is in flight and metrics see each request."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import trio
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineArgs
+from engine.engine_stats import EngineStatistics
+from engine.errors import EngineDeadError
+from engine.inputs import ChatMessage, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from frontend.errors import APIError, shutting_down
+from frontend.logprobs import TokenText
+from frontend.metrics import ServerMetrics
+from frontend.settings import served_model_name
+
+log = logging.getLogger("triode.frontend")
+
+# After the drain window, aborted requests get this long to send their last chunk.
+ABORT_GRACE_SECONDS = 5.0
+
+
+class EngineHost:
+    def __init__(self, args: EngineArgs | None = None) -> None:
+        self._args = args
+        self.llm: AsyncLLM | None = None
+        self.nursery: trio.Nursery | None = None  # set by the lifespan
+        self.state = "stopped"
+        self.error: BaseException | None = None
+        self.active: set[str] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._stop = trio.Event()
+        self._done = trio.Event()
+        self._metrics: ServerMetrics | None = None
+        self.token_text: TokenText | None = None
+
+    @property
+    def args(self) -> EngineArgs:
+        """Given to the factory, or read from TRIODE_* variables on first use."""
+        if self._args is None:
+            self._args = EngineArgs.from_env()
+        return self._args
+
+    @property
+    def model_name(self) -> str:
+        return served_model_name(self.args)
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        if self._metrics is None:
+            self._metrics = ServerMetrics(self.model_name, self.statistics)
+        return self._metrics
+
+    def statistics(self) -> EngineStatistics | None:
+        return self.llm.statistics() if self.llm is not None else None
+
+    @property
+    def health(self) -> str:
+        if self.state == "ready" and self.llm is not None:
+            try:
+                self.llm.check_health()
+            except EngineDeadError as e:
+                self.state, self.error = "dead", e
+        return self.state
+
+    def require_ready(self) -> AsyncLLM:
+        state = self.health
+        if state == "ready" and self.llm is not None:
+            return self.llm
+        if state == "draining" or state == "closed":
+            raise shutting_down()
+        if state == "dead":
+            raise APIError(503, f"the engine failed: {self.error}", code="engine_dead")
+        raise APIError(503, "the model is still loading", code="loading", headers={"Retry-After": "1"})
+
+    async def start(self) -> None:
+        """Loads the model and starts the engine; returns once it is ready (raises if not)."""
+        assert self.nursery is not None, "the lifespan sets the nursery before start-up"
+        _ = self.metrics  # the registry exists before the first scrape
+        await self.nursery.start(self._run)
+
+    async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.state = "loading"
+        started = False
+        try:
+            async with AsyncLLM.open(self.args) as llm:
+                llm.output.observers.append(self.metrics.observe)
+                # Reads the whole vocabulary once (megabytes for a real tokenizer): off the loop.
+                self.token_text = await trio.to_thread.run_sync(TokenText, llm.tokenizer)
+                self.llm, self.state = llm, "ready"
+                started = True
+                task_status.started()
+                await self._stop.wait()
+        except Exception as e:
+            if not started:
+                self.state = "closed"
+                leaf = _sole_leaf(e)
+                if leaf is e:
+                    raise
+                raise leaf from None  # its message names the problem; a group's does not
+            log.exception("the engine failed")
+            self.state, self.error = "dead", e
+        else:
+            self.state = "closed"
+        finally:
+            self.llm = None
+            self._done.set()
+
+    async def drain(self, window: float | None = None) -> None:
+        """Stops accepting, waits up to ``window`` seconds (default --shutdown-timeout) for in-flight
+        requests, then aborts the rest (they finish with finish_reason "abort")."""
+        if self.state not in ("ready", "dead"):
+            return
+        llm = self.llm
+        if self.state == "ready":
+            self.state = "draining"
+        if llm is None:
+            return
+        llm.stop_accepting()
+        window = self.args.shutdown_timeout if window is None else window
+        with trio.move_on_after(window):
+            await self._idle.wait()
+        if self.active:
+            log.warning("shutdown: aborting %d request(s) still running after %.1f s",
+                        len(self.active), window)
+            await self.abort_all()
+
+    async def abort_all(self) -> None:
+        """Aborts every in-flight request and gives them a moment to send their last chunk."""
+        llm = self.llm
+        if llm is None or not self.active:
+            return
+        for request_id in list(self.active):
+            await llm.abort(request_id)
+        with trio.move_on_after(ABORT_GRACE_SECONDS):
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        """Drains (if not yet drained) and stops the engine and its workers."""
+        if self.state in ("ready", "draining", "dead"):
+            await self.drain()
+        self._stop.set()
+        if self.nursery is not None and self.state != "stopped":
+            await self._done.wait()
+
+    async def generate(self, prompt: Prompt | None, params: SamplingParams, *, request_id: str,
+                       priority: int = 0, messages: Sequence[ChatMessage] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        llm = self.require_ready()
+        if request_id in self.active:
+            raise APIError(400, f"request id {request_id!r} is already in use", param="X-Request-Id")
+        self.metrics.track(request_id, params.output_kind, params.n)
+        self.active.add(request_id)
+        self._idle = trio.Event() if len(self.active) == 1 else self._idle
+        try:
+            async for output in llm.generate(prompt, params, request_id=request_id, priority=priority,
+                                             messages=messages):
+                yield output
+        finally:
+            self.active.discard(request_id)
+            self.metrics.forget(request_id)
+            if not self.active:
+                self._idle.set()
+
+
+def _sole_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

@@ -1,0 +1,157 @@
+"""The two generation request shapes: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Each parses a decoded JSON body into prompts (or chat messages) and one SamplingParams; fields
+we do not implement (tools, response formats other than text, best_of, suffix) get a 400 that
+says so; unknown fields are ignored and logged once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from engine.sampling_params import SamplingParams
+from frontend.errors import bad_request
+from frontend.protocol import Reader, StreamOptions, read_sampling, read_stream
+
+MAX_PROMPTS = 256
+MAX_CHOICES = 1024  # prompts x n in one request
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    model: str | None
+    params: SamplingParams
+    stream: StreamOptions
+    priority: int
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: one engine request each
+    messages: tuple[dict[str, str], ...] | None = None  # chat: a single engine request
+    echo: bool = False
+    logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs is true
+
+    @property
+    def num_requests(self) -> int:
+        return 1 if self.messages is not None else len(self.prompts)
+
+
+def _common(reader: Reader) -> dict[str, Any]:
+    reader.string("user")
+    return dict(
+        model=reader.string("model"),
+        stream=read_stream(reader),
+        priority=reader.int("priority", 0),
+    )
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    reader = Reader(body, "/v1/completions")
+    common = _common(reader)
+    prompts = _prompts(reader)
+    reader.reject("suffix", lambda v: v == "", "is not supported")
+    reader.reject("best_of", lambda v: v == 1, "is not supported (only best_of=1)")
+    echo = reader.bool("echo", False)
+    logprobs = reader.int("logprobs")
+    max_tokens = reader.int("max_tokens", 16) if body.get("max_tokens", 16) is not None else None
+    params = read_sampling(reader, max_tokens=max_tokens, logprobs=logprobs,
+                           prompt_logprobs=logprobs if echo else None, stream=common["stream"].stream)
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise reader.fail("n", f"{len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES} choices")
+    reader.log_unknown()
+    return GenerationRequest(**common, params=params, prompts=prompts, echo=echo, logprobs=logprobs)
+
+
+def _prompts(reader: Reader) -> tuple[str | tuple[int, ...], ...]:
+    value = reader.raw("prompt")
+    if value is None:
+        raise reader.fail("prompt", "is required")
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            prompts: tuple = tuple(value)
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            prompts = (tuple(value),)
+        elif all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                 for p in value):
+            prompts = tuple(tuple(p) for p in value)
+        else:
+            raise reader.fail("prompt", "expected a string, an array of strings, an array of token ids "
+                                        "or an array of non-empty token-id arrays")
+        if len(prompts) > MAX_PROMPTS:
+            raise reader.fail("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        return prompts
+    raise reader.fail("prompt", "expected a non-empty string or array")
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    reader = Reader(body, "/v1/chat/completions")
+    common = _common(reader)
+    messages = parse_messages(reader)
+    reader.reject("tools", lambda v: v == [], "tool calling is not supported")
+    reader.reject("tool_choice", lambda v: v == "none", "tool calling is not supported")
+    reader.reject("functions", lambda v: v == [], "function calling is not supported")
+    reader.reject("function_call", lambda v: v == "none", "function calling is not supported")
+    reader.reject("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
+                  "only {\"type\": \"text\"} is supported")
+    reader.reject("audio", lambda v: False, "audio output is not supported")
+    reader.reject("modalities", lambda v: v == ["text"], "only the text modality is supported")
+    reader.bool("parallel_tool_calls", True)
+    logprobs = reader.bool("logprobs", False)
+    top_logprobs = reader.int("top_logprobs")
+    if top_logprobs is not None and not logprobs:
+        raise reader.fail("top_logprobs", "requires logprobs to be true")
+    max_tokens = reader.int("max_completion_tokens")
+    legacy = reader.int("max_tokens")
+    aliases = {"logprobs": "top_logprobs"}
+    if max_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    max_tokens = max_tokens if max_tokens is not None else legacy
+    top = (top_logprobs or 0) if logprobs else None
+    params = read_sampling(reader, max_tokens=max_tokens, logprobs=top, prompt_logprobs=None,
+                           stream=common["stream"].stream, aliases=aliases)
+    reader.log_unknown()
+    return GenerationRequest(**common, params=params, messages=messages, logprobs=top)
+
+
+def parse_messages(reader: Reader) -> tuple[dict[str, str], ...]:
+    value = reader.raw("messages")
+    if value is None:
+        raise reader.fail("messages", "is required")
+    if not isinstance(value, list):
+        raise reader.fail("messages", "expected an array of messages")
+    if not value:
+        raise reader.fail("messages", "must contain at least one message")
+    return tuple(_message(reader, index, message) for index, message in enumerate(value))
+
+
+def _message(reader: Reader, index: int, message: Any) -> dict[str, str]:
+    name = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{name}: expected an object with a role and a content", param=name)
+    role = message.get("role")
+    if role in ("tool", "function"):
+        raise bad_request(f"{name}.role: {role!r} messages are not supported (no tool calling)",
+                          param=f"{name}.role", code="unsupported_parameter")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{name}.role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                          param=f"{name}.role")
+    if message.get("tool_calls"):
+        raise bad_request(f"{name}.tool_calls: tool calling is not supported",
+                          param=f"{name}.tool_calls", code="unsupported_parameter")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            part_name = f"{name}.content[{part_index}]"
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise bad_request(f"{part_name}: only text parts are supported (got type {kind!r})",
+                                  param=part_name, code="unsupported_parameter" if kind else None)
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise bad_request(f"{name}.content: expected a string or an array of text parts", param=f"{name}.content")
+    return {"role": CHAT_ROLES[role], "content": content}

@@ -1,0 +1,54 @@
+"""The HTTP routes, one blueprint per concern, and what they share: the app's EngineHost,
+the ``model`` check, and the request id (``X-Request-Id``, honoured and echoed)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from quart import Quart, current_app, g, request
+
+from frontend.errors import APIError
+from frontend.lifecycle import EngineHost
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+def host() -> EngineHost:
+    return current_app.extensions["triode"]
+
+
+def check_model(model: str | None) -> None:
+    """``model`` may be omitted (the served model); any other name is a 404."""
+    served = host().model_name
+    if model is not None and model != served:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def request_id() -> str:
+    if "request_id" not in g:
+        given = request.headers.get("X-Request-Id")
+        if given is not None and not _REQUEST_ID.fullmatch(given):
+            raise APIError(400, "X-Request-Id: expected 1 to 256 visible ASCII characters",
+                           param="X-Request-Id")
+        g.request_id = given or uuid.uuid4().hex
+    return g.request_id
+
+
+def register_routes(app: Quart) -> None:
+    from frontend.routes.generate import blueprint as generate
+    from frontend.routes.info import blueprint as info
+    from frontend.routes.tokens import blueprint as tokens
+
+    app.register_blueprint(generate)
+    app.register_blueprint(info)
+    app.register_blueprint(tokens)
+
+    @app.after_request
+    async def _echo_request_id(response):
+        if "request_id" in g:
+            response.headers["X-Request-Id"] = g.request_id
+        elif (given := request.headers.get("X-Request-Id")) and _REQUEST_ID.fullmatch(given):
+            response.headers["X-Request-Id"] = given
+        return response

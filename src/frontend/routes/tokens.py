@@ -1,0 +1,64 @@
+"""POST /tokenize (a prompt, or chat messages through the model's template) and
+POST /detokenize, with the engine's own tokenizer and template."""
+
+from __future__ import annotations
+
+import trio
+from quart import Blueprint, Response, jsonify, request
+
+from engine.errors import InvalidRequestError
+from frontend.errors import bad_request
+from frontend.protocol import Reader, read_json_object
+from frontend.requests import parse_messages
+from frontend.routes import check_model, host
+
+blueprint = Blueprint("tokens", __name__)
+
+
+@blueprint.post("/tokenize")
+async def tokenize() -> Response:
+    reader = Reader(await read_json_object(request), "/tokenize")
+    check_model(reader.string("model"))
+    llm = host().require_ready()
+    tokenizer = llm.tokenizer
+    return_strs = reader.bool("return_token_strs", False)
+    if reader.body.get("messages") is not None:
+        messages = parse_messages(reader)
+        add_generation_prompt = reader.bool("add_generation_prompt", True)
+        add_special = reader.bool("add_special_tokens", False)
+        processor = llm.intake.processor
+
+        def encode() -> list[int]:
+            text = processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=add_special)
+    else:
+        prompt = reader.string("prompt")
+        if prompt is None:
+            raise bad_request("prompt: is required (or send messages)", param="prompt")
+        add_special = reader.bool("add_special_tokens", True)
+
+        def encode() -> list[int]:
+            return tokenizer.encode(prompt, add_special_tokens=add_special)
+    reader.log_unknown()
+    try:
+        tokens = await trio.to_thread.run_sync(encode)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param=e.field) from None
+    body = {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+    if return_strs:
+        body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+    return jsonify(body)
+
+
+@blueprint.post("/detokenize")
+async def detokenize() -> Response:
+    reader = Reader(await read_json_object(request), "/detokenize")
+    check_model(reader.string("model"))
+    llm = host().require_ready()
+    tokens = reader.raw("tokens")
+    if not isinstance(tokens, list):
+        raise bad_request("tokens: expected an array of token ids", param="tokens")
+    ids = [reader.as_int("tokens", t, minimum=0, maximum=llm.vocab_size - 1) for t in tokens]
+    reader.log_unknown()
+    text = await trio.to_thread.run_sync(lambda: llm.tokenizer.decode(ids))
+    return jsonify({"prompt": text})

@@ -1,0 +1,400 @@
+"""HTTP tests: the OpenAI-compatible endpoints and their parameters, through the real openai
+SDK (sync ``OpenAI`` and ``AsyncOpenAI`` under trio) against one ``triode serve`` process on a
+tiny random model (its text is noise; the checks are about shapes, arithmetic and equality)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2
+import openai
+import pytest
+import trio
+
+from tests.http_server import running, triode_serve
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    with running(triode_serve(model, "--served-model-name", MODEL, "--kv-cache-memory", "64MiB")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server.url
+
+
+@pytest.fixture
+def client(url):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    return httpx2.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def same_counts(a, b) -> bool:
+    """Token counts equal (cached_tokens may differ: the second request hits the prefix cache)."""
+    return (a.prompt_tokens, a.completion_tokens, a.total_tokens) == \
+        (b.prompt_tokens, b.completion_tokens, b.total_tokens)
+
+
+def greedy(**extra):
+    return dict(temperature=0.0, **extra)
+
+
+def collect_completion_stream(stream) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    chunks = list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason is not None:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert all(len(f) == 1 for f in finishes.values()), finishes  # exactly one finish per choice
+    return texts, {i: f[0] for i, f in finishes.items()}, chunks
+
+
+def collect_chat_stream(stream) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    roles: dict[int, int] = {}
+    chunks = list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.delta.role is not None:
+                roles[choice.index] = roles.get(choice.index, 0) + 1
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert all(len(f) == 1 for f in finishes.values()), finishes
+    assert set(roles) == set(texts) and set(roles.values()) == {1}, roles  # one role per choice
+    return texts, {i: f[0] for i, f in finishes.items()}, chunks
+
+
+def test_models_health_and_version(client, url):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    card = models.data[0]
+    assert card.owned_by == "triode"
+    assert card.model_extra["max_model_len"] == 512 and card.model_extra["root"]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx2.get(f"{url}/health").status_code == 200
+    assert httpx2.get(f"{url}/version").json()["version"]
+
+
+def test_completion_usage_arithmetic(client, url):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True},
+                                    **greedy())
+    assert out.object == "text_completion" and out.model == MODEL
+    [choice] = out.choices
+    assert choice.finish_reason == "length"
+    prompt_tokens = httpx2.post(f"{url}/tokenize", json={"prompt": prompt}).json()["count"]
+    assert out.usage.prompt_tokens == prompt_tokens
+    assert out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == prompt_tokens + 7
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_completion_stream_equals_non_stream(client, n):
+    params = dict(model=MODEL, prompt="Paris is the capital", max_tokens=12, n=n, seed=7,
+                  temperature=0.0 if n == 1 else 0.9)
+    whole = client.completions.create(**params)
+    texts, finishes, chunks = collect_completion_stream(client.completions.create(
+        **params, stream=True, stream_options={"include_usage": True}))
+    assert sorted(texts) == list(range(n)) == sorted(finishes)
+    assert [texts[c.index] for c in whole.choices] == [c.text for c in whole.choices]
+    assert {c.index: c.finish_reason for c in whole.choices} == finishes
+    usage = chunks[-1]
+    assert usage.choices == [] and same_counts(usage.usage, whole.usage)
+    assert all(c.usage is None for c in chunks[:-1])
+    if n == 3:
+        assert len({c.text for c in whole.choices}) > 1  # sampled, not three copies
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_chat_stream_equals_non_stream(client, n):
+    params = dict(model=MODEL, messages=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a city."}]},
+    ], max_completion_tokens=10, n=n, seed=3, temperature=0.0 if n == 1 else 1.0)
+    whole = client.chat.completions.create(**params)
+    assert whole.object == "chat.completion"
+    assert all(c.message.role == "assistant" for c in whole.choices)
+    texts, finishes, chunks = collect_chat_stream(client.chat.completions.create(
+        **params, stream=True, stream_options={"include_usage": True}))
+    assert [texts[c.index] for c in whole.choices] == [c.message.content for c in whole.choices]
+    assert {c.index: c.finish_reason for c in whole.choices} == finishes
+    assert chunks[-1].choices == [] and same_counts(chunks[-1].usage, whole.usage)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.usage.completion_tokens <= 10 * n
+
+
+def test_prompt_forms_and_choice_indices(client, url):
+    ids = tokenize(url, "structured concurrency")
+    by_text = client.completions.create(model=MODEL, prompt="structured concurrency", max_tokens=5, **greedy())
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, **greedy())
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=["structured concurrency", "a paged cache"],
+                                      max_tokens=5, n=2, **greedy())
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == by_text.choices[0].text
+    single = client.completions.create(model=MODEL, prompt="a paged cache", max_tokens=5, **greedy())
+    assert batch.choices[2].text == single.choices[0].text
+    assert batch.usage.prompt_tokens == by_text.usage.prompt_tokens + single.usage.prompt_tokens
+    assert batch.usage.completion_tokens == 2 * (by_text.usage.completion_tokens
+                                                 + single.usage.completion_tokens)
+    lists = client.completions.create(model=MODEL, prompt=[ids, tokenize(url, "a paged cache")],
+                                      max_tokens=5, **greedy())
+    assert [c.text for c in lists.choices] == [by_text.choices[0].text, single.choices[0].text]
+    texts, _, _ = collect_completion_stream(client.completions.create(
+        model=MODEL, prompt=["structured concurrency", "a paged cache"], max_tokens=5, n=2, stream=True,
+        **greedy()))
+    assert [texts[i] for i in range(4)] == [c.text for c in batch.choices]
+
+
+def test_echo_and_completion_logprobs(client):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=3, echo=True,
+                                    extra_body={"ignore_eos": True}, **greedy())
+    choice = out.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    total = out.usage.prompt_tokens + out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == total
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(a <= b for a, b in zip(lp.text_offset, lp.text_offset[1:], strict=False))
+    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 4
+    generated = lp.token_logprobs[out.usage.prompt_tokens:]
+    for chosen, top in zip(generated, lp.top_logprobs[out.usage.prompt_tokens:], strict=True):
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the top token
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=3,
+                                              stream=True, extra_body={"ignore_eos": True}, **greedy()))
+    tokens = [t for chunk in streamed for c in chunk.choices if c.logprobs for t in c.logprobs.token_logprobs]
+    assert tokens == pytest.approx(generated)
+    echoed, _, _ = collect_completion_stream(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, echo=True, stream=True, extra_body={"ignore_eos": True},
+        **greedy()))
+    assert echoed[0] == choice.text
+
+
+def test_chat_logprobs(client):
+    params = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, logprobs=True,
+                  top_logprobs=4, extra_body={"ignore_eos": True}, **greedy())
+    out = client.chat.completions.create(**params)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 4 and isinstance(entry.bytes, list)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                  reverse=True)
+    streamed = [e for chunk in client.chat.completions.create(**params, stream=True)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    plain = client.chat.completions.create(**{**params, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def _clean_window(text: str, start: int, width: int = 3) -> str:
+    for i in range(start, len(text) - width):
+        window = text[i:i + width]
+        if "\ufffd" not in window and window.strip() and text.find(window) == i:
+            return window
+    pytest.skip("the random model's text has no usable stop string")
+
+
+def test_stop_strings(client):
+    params = dict(model=MODEL, prompt="Berlin is the capital of", max_tokens=40,
+                  extra_body={"ignore_eos": True}, **greedy())
+    text = client.completions.create(**params).choices[0].text
+    stop = _clean_window(text, 8)
+    cut = text.index(stop)
+    out = client.completions.create(**{**params, "stop": [stop, "never-there"]}).choices[0]
+    assert (out.text, out.finish_reason, out.model_extra["stop_reason"]) == (text[:cut], "stop", stop)
+    kept = client.completions.create(**{**params, "stop": stop, "extra_body": {
+        "ignore_eos": True, "include_stop_str_in_output": True}}).choices[0]
+    assert kept.text == text[:cut + len(stop)]
+    texts, finishes, _ = collect_completion_stream(client.completions.create(**{**params, "stop": stop},
+                                                                             stream=True))
+    assert (texts[0], finishes[0]) == (text[:cut], "stop")
+
+
+def test_logit_bias_stop_token_ids_min_tokens_ignore_eos(client, url):
+    forced = tokenize(url, "The quick brown fox")[1]
+    piece = httpx2.post(f"{url}/detokenize", json={"tokens": [forced]}).json()["prompt"]
+    biased = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logit_bias={str(forced): 100},
+                                       extra_body={"ignore_eos": True}, **greedy())
+    assert biased.choices[0].text == piece * 4
+    stopped = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8,
+                                        logit_bias={str(forced): 100},
+                                        extra_body={"stop_token_ids": [forced]}, **greedy()).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == forced
+    eos = 0  # <|endoftext|>
+    quick = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, logit_bias={str(eos): 100},
+                                      **greedy())
+    assert quick.choices[0].finish_reason == "stop" and quick.usage.completion_tokens == 1
+    held = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, logit_bias={str(eos): 100},
+                                     extra_body={"min_tokens": 5}, **greedy())
+    assert held.usage.completion_tokens >= 5
+    ignored = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, logit_bias={str(eos): 100},
+                                        extra_body={"ignore_eos": True}, **greedy())
+    assert (ignored.usage.completion_tokens, ignored.choices[0].finish_reason) == (8, "length")
+
+
+def test_skip_special_tokens(client):
+    im_end = 2
+    params = dict(model=MODEL, prompt="Hello", max_tokens=3, logit_bias={str(im_end): 100}, **greedy())
+    hidden = client.completions.create(**params, extra_body={"ignore_eos": True})
+    shown = client.completions.create(**params, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert hidden.choices[0].text == ""
+    assert shown.choices[0].text == "<|im_end|>" * 3
+
+
+def test_sampling_parameters_and_seed(client):
+    params = dict(model=MODEL, prompt="Numbers like", max_tokens=10, temperature=0.8, top_p=0.9, seed=1234,
+                  presence_penalty=0.5, frequency_penalty=0.3, user="tester",
+                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "unknown_field": 1})
+    first = client.completions.create(**params)
+    again = client.completions.create(**params)
+    assert first.choices[0].text == again.choices[0].text
+    other = client.completions.create(**{**params, "seed": 99})
+    assert other.usage.completion_tokens == 10
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0.7, top_p=0.5, seed=5, stop=["\n"],
+                                          presence_penalty=0.1, frequency_penalty=0.1, user="u",
+                                          extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_request_id_is_honoured_and_echoed(client):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "req-42"})
+    assert raw.headers["x-request-id"] == "req-42"
+    assert raw.parse().id == "cmpl-req-42"
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
+                                                           messages=[{"role": "user", "content": "Hi"}])
+    assert raw.parse().id == "chatcmpl-" + raw.headers["x-request-id"]
+
+
+def test_model_may_be_omitted(url):
+    out = httpx2.post(f"{url}/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
+    assert out["model"] == MODEL and out["choices"][0]["message"]["role"] == "assistant"
+    out = httpx2.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+    assert out["usage"]["completion_tokens"] <= 2
+
+
+def test_tokenize_and_detokenize(client, url):
+    text = "héllo wörld 🙂"
+    tokens = httpx2.post(f"{url}/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"])
+    assert tokens["max_model_len"] == 512
+    back = httpx2.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    assert back["prompt"] == text
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_tokens = httpx2.post(f"{url}/tokenize", json={"messages": messages}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat_tokens["count"] == chat.usage.prompt_tokens
+    rendered = httpx2.post(f"{url}/detokenize", json={"tokens": chat_tokens["tokens"]}).json()["prompt"]
+    assert rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_metrics_names(client, url):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=False)
+    text = httpx2.get(f"{url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "request_success_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "worker_restarts_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
+        assert f"triode:{name}{{" in text, name
+    assert f'triode:worker_pid{{model_name="{MODEL}",rank="0"}}' in text
+    assert "process_resident_memory_bytes " in text
+    assert f'triode:request_success_total{{finished_reason="length",model_name="{MODEL}"}}' in text
+
+
+# The openai SDK leaves its SSE byte iterators unexhausted after [DONE] (it stops reading and
+# closes the response), and trio warns when it finalizes them: not our code.
+@pytest.mark.filterwarnings(r"ignore:Async generator '(openai|httpx2|httpcore2)\.[\w.]+' was garbage collected")
+async def test_async_client_under_trio(url):
+    messages = [{"role": "user", "content": "Tell me about Paris"}]
+    results: dict[int, str] = {}
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                     temperature=0)
+
+        async def stream(index: int) -> None:
+            text = ""
+            async for chunk in await client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True):
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+            results[index] = text
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for index in range(4):
+                    nursery.start_soon(stream, index)
+    assert list(results.values()) == [whole.choices[0].message.content] * 4
+
+
+async def test_an_error_after_the_stream_started_is_an_sse_error_event():
+    """In-process: the status line is gone once a stream started, so a later failure (here the
+    engine dying) becomes an ``event: error`` with OpenAI's error object, then ``[DONE]``."""
+    from engine.errors import EngineDeadError
+    from frontend import sse
+
+    async def chunks():
+        yield {"choices": [{"index": 0, "text": "Hel"}]}
+        raise EngineDeadError("the workers failed 3 times in 60 s")
+
+    events = [event async for event in sse.event_stream(chunks())]
+    assert events[0] == b'data: {"choices":[{"index":0,"text":"Hel"}]}\n\n'
+    assert events[1].startswith(b"event: error\ndata: ")
+    error = json.loads(events[1].split(b"data: ", 1)[1])["error"]
+    assert error["code"] == "engine_dead" and "workers failed" in error["message"]
+    assert events[2:] == [sse.DONE]
+
+
+def test_app_is_importable_without_starting_anything():
+    import frontend
+    from frontend.factory import create_app
+
+    assert callable(frontend.app)  # hypercorn's frontend:app, built on first call
+    app = create_app()
+    assert app.config["RESPONSE_TIMEOUT"] is None  # quart's 60 s default would cut long streams
+    assert app.extensions["triode"].state == "stopped"
+
+
+def test_health_and_admission_name_the_engine_state():
+    """In-process: /health and new requests say loading, dead or draining as a 503."""
+    from engine.config import EngineArgs
+    from engine.errors import EngineDeadError
+    from frontend.errors import APIError
+    from frontend.lifecycle import EngineHost
+
+    class DeadEngine:
+        def check_health(self) -> None:
+            raise EngineDeadError("the workers failed 3 times in 60 s")
+
+    host = EngineHost(EngineArgs())
+    for state, llm, code in (("loading", None, "loading"), ("ready", DeadEngine(), "engine_dead"),
+                             ("draining", DeadEngine(), "draining")):
+        host.state, host.llm = state, llm
+        with pytest.raises(APIError) as raised:
+            host.require_ready()
+        assert (raised.value.status, raised.value.code) == (503, code)
+    assert host.health == "draining"

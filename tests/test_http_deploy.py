@@ -1,0 +1,91 @@
+"""HTTP tests: deployment. ``hypercorn --worker-class trio frontend:app`` serves the model
+named by TRIODE_MODEL (with the other TRIODE_* settings) and stops cleanly on SIGTERM; plain
+``hypercorn frontend:app`` (the asyncio worker) refuses to start, naming ``--worker-class
+trio``, instead of answering 500s; and the default model gives a realistic chat answer."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx2
+import openai
+import pytest
+
+from tests.http_server import BIN, ServerProcess, alive, children, running, triode_serve, wait_until
+
+
+def hypercorn(*flags: str, model, tmp_path, **env: str) -> ServerProcess:
+    # From an empty directory, so `frontend` is the installed package, as in a deployment.
+    return ServerProcess([str(BIN / "hypercorn"), *flags, "--bind", "127.0.0.1:0", "frontend:app"],
+                         env={"TRIODE_MODEL": str(model), "TRIODE_KV_CACHE_MEMORY": "64MiB", **env},
+                         cwd=tmp_path)
+
+
+def test_hypercorn_trio_worker_serves_the_app(tiny_model_factory, tmp_path):
+    model = tiny_model_factory("llama")
+    server = hypercorn("--worker-class", "trio", model=model, tmp_path=tmp_path,
+                       TRIODE_SERVED_MODEL_NAME="tiny", TRIODE_API_KEY="k1,k2")
+    with running(server) as s:
+        assert httpx2.get(f"{s.url}/health").status_code == 200
+        assert httpx2.get(f"{s.url}/v1/models").status_code == 401
+        with openai.OpenAI(base_url=f"{s.url}/v1", api_key="k2", max_retries=0) as client:
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4)
+        assert out.usage.completion_tokens <= 4 and out.choices[0].finish_reason in ("stop", "length")
+        processes = children(s.pid)
+        processes |= {pid for worker in processes for pid in children(worker)}
+        assert s.stop() == 0
+    wait_until(lambda: not any(alive(pid) for pid in processes), timeout=10, what="worker processes to exit")
+
+
+@pytest.mark.parametrize("workers", [None, "0"])
+def test_asyncio_worker_refuses_to_start(tiny_model_factory, tmp_path, workers):
+    """Refused at start-up, before the model loads. (hypercorn 0.18's supervisor drops its
+    worker's exit status, so with the default worker process hypercorn itself exits 0;
+    in-process, ``--workers 0``, the failure is its exit status.)"""
+    flags = ("--workers", workers) if workers else ()
+    server = hypercorn(*flags, model=tiny_model_factory("llama"), tmp_path=tmp_path)
+    code = server.wait_exit(60)
+    assert "--worker-class trio" in server.output
+    assert "Running on" not in server.output
+    if workers == "0":
+        assert code != 0
+
+
+def test_a_model_that_cannot_load_fails_start_up(tmp_path):
+    server = triode_serve(tmp_path / "no-such-model")
+    assert server.wait_exit(60) == 2
+    assert "could not start" in server.output and "no such model" in server.output
+    assert "triode: serving" not in server.output
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tiny_model_factory):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = ServerProcess([str(BIN / "triode"), "serve", str(tiny_model_factory("llama")), "--host",
+                                "127.0.0.1", "--port", str(port)])
+        assert server.wait_exit(60) == 2
+    assert "Address already in use" in server.output and "loading" not in server.output
+
+
+@pytest.mark.slow
+@pytest.mark.default_model
+def test_default_model_answers_a_chat():
+    with running(triode_serve(None, "--kv-cache-memory", "256MiB", "--max-model-len", "1024"),
+                 timeout=600) as server:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            [model] = client.models.list().data
+            assert model.id == "SmolLM2-135M-Instruct"
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            out = client.chat.completions.create(model=model.id, messages=messages, max_tokens=24,
+                                                 temperature=0)
+            streamed = "".join(chunk.choices[0].delta.content or ""
+                               for chunk in client.chat.completions.create(
+                                   model=model.id, messages=messages, max_tokens=24, temperature=0,
+                                   stream=True)
+                               if chunk.choices)
+    answer = out.choices[0].message.content
+    assert answer.startswith("The capital of France is Paris."), answer
+    assert streamed == answer

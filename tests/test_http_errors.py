@@ -1,0 +1,246 @@
+"""HTTP tests: authentication and bad input. Every bad request gets a 4xx in OpenAI's error
+shape naming the problem (never a 500, never a hang), while a valid stream runs alongside
+undisturbed. One ``triode serve`` with two API keys and a 64 KiB body limit."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2
+import openai
+import pytest
+import trio
+
+from tests.http_server import running, triode_serve
+
+KEYS = ("key-one", "key-two")
+AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    flags = ["--kv-cache-memory", "64MiB", "--max-body-size", "64KiB", "--api-key", KEYS[0],
+             "--api-key", KEYS[1]]
+    with running(triode_serve(model, *flags)) as server:
+        yield server.url
+
+
+def assert_error(response: httpx2.Response, status: int, *, param: str | None = None,
+                 code: str | None = None, says: str | None = None) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    if says is not None:
+        assert says in error["message"], error
+    return error
+
+
+def test_api_keys(url):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert_error(httpx2.post(f"{url}/v1/chat/completions", json=chat), 401, code="invalid_api_key")
+    assert_error(httpx2.post(f"{url}/v1/chat/completions", json=chat,
+                             headers={"Authorization": "Bearer key-three"}), 401)
+    assert_error(httpx2.post(f"{url}/v1/chat/completions", json=chat,
+                             headers={"Authorization": f"Basic {KEYS[0]}"}), 401)
+    assert_error(httpx2.get(f"{url}/v1/models"), 401)
+    assert_error(httpx2.get(f"{url}/v1/no-such-route"), 401)  # auth comes before routing
+    for key in KEYS:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+            model = client.models.list().data[0].id
+            assert client.chat.completions.create(model=model, **chat).choices
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    assert httpx2.get(f"{url}/health").status_code == 200
+    assert httpx2.get(f"{url}/metrics").status_code == 200
+
+
+def _post(url: str, path: str, body, **kwargs) -> httpx2.Response:
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **AUTH, **kwargs.pop("headers", {})}
+    return httpx2.post(f"{url}{path}", content=body, headers=headers, timeout=30, **kwargs)
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+BAD_REQUESTS = [
+    # (path, body, status, param, code)
+    (COMPLETIONS, b'{"prompt": "Hi", ', 400, None, "invalid_json"),
+    (COMPLETIONS, b"", 400, None, "invalid_json"),
+    (COMPLETIONS, b'["prompt"]', 400, None, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "Hi", "temperature": NaN}', 400, None, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "Hi", "max_tokens": 1e999}', 400, "max_tokens", None),
+    (COMPLETIONS, b'{"prompt": "\xff\xfe caf\xe9"}', 400, None, "invalid_utf8"),
+    (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 413, None, "request_too_large"),
+    (COMPLETIONS, b'{"a":' * 5000 + b"1" + b"}" * 5000, 400, None, "invalid_json"),
+    (COMPLETIONS, {"prompt": "x" * 70_000}, 413, None, "request_too_large"),
+    (COMPLETIONS, {}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": [1, "two"]}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": [[1, 2], []]}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": True}, 400, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "Hi", "temperature": -1}, 400, "temperature", None),
+    (COMPLETIONS, {"prompt": "Hi", "temperature": "hot"}, 400, "temperature", None),
+    (COMPLETIONS, {"prompt": "Hi", "top_p": 1.5}, 400, "top_p", None),
+    (COMPLETIONS, {"prompt": "Hi", "top_k": -2}, 400, "top_k", None),
+    (COMPLETIONS, {"prompt": "Hi", "min_p": 2}, 400, "min_p", None),
+    (COMPLETIONS, {"prompt": "Hi", "n": 0}, 400, "n", None),
+    (COMPLETIONS, {"prompt": "Hi", "n": 10**9}, 400, "n", None),
+    (COMPLETIONS, {"prompt": ["Hi"] * 20, "n": 100}, 400, "n", None),
+    (COMPLETIONS, {"prompt": ["Hi"] * 300}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty", None),
+    (COMPLETIONS, {"prompt": "Hi", "frequency_penalty": -3}, 400, "frequency_penalty", None),
+    (COMPLETIONS, {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    (COMPLETIONS, {"prompt": "Hi", "seed": 2**70}, 400, "seed", None),
+    (COMPLETIONS, {"prompt": "Hi", "stop": [1, 2]}, 400, "stop", None),
+    (COMPLETIONS, {"prompt": "Hi", "stop": [""]}, 400, "stop", None),
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 1000}}, 400, "logit_bias", None),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"999999": 1}}, 400, "logit_bias", None),
+    (COMPLETIONS, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs", None),
+    (COMPLETIONS, {"prompt": "Hi", "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", None),
+    (COMPLETIONS, {"prompt": "Hi", "echo": "yes"}, 400, "echo", None),
+    (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    (COMPLETIONS, {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage", None),
+    (COMPLETIONS, {"prompt": "fox " * 600}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": [5] * 600}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "fox " * 600, "stream": True}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (CHAT, {"messages": []}, 400, "messages", None),
+    (CHAT, {}, 400, "messages", None),
+    (CHAT, {"messages": "Hi"}, 400, "messages", None),
+    (CHAT, {"messages": [{"content": "Hi"}]}, 400, "messages[0].role", None),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
+    (CHAT, {"messages": [{"role": "tool", "content": "{}", "tool_call_id": "1"}]}, 400, "messages[0].role",
+     "unsupported_parameter"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0]", "unsupported_parameter"),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "unsupported_parameter"),
+    (CHAT, {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice", "unsupported_parameter"),
+    (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "unsupported_parameter"),
+    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": -1}, 400, "max_completion_tokens", None),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", None),
+    (CHAT, {"messages": [{"role": "user", "content": "fox " * 600}]}, 400, "prompt", "context_length_exceeded"),
+    (CHAT, {"messages": MESSAGES, "model": "other"}, 404, "model", "model_not_found"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", None),
+    ("/tokenize", {"messages": []}, 400, "messages", None),
+    ("/detokenize", {"tokens": [1, -5]}, 400, "tokens", None),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), BAD_REQUESTS,
+                         ids=[f"{i}-{p.rsplit('/', 1)[-1]}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
+def test_bad_request(url, path, body, status, param, code):
+    assert_error(_post(url, path, body), status, param=param, code=code)
+
+
+def test_wrong_content_type_routes_and_methods(url):
+    body = json.dumps({"prompt": "Hi"}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1"):
+        assert_error(_post(url, COMPLETIONS, body, headers={"Content-Type": content_type}), 400,
+                     code="unsupported_content_type")
+    assert_error(httpx2.get(f"{url}/no-such-route"), 404, code="not_found")
+    assert_error(httpx2.post(f"{url}/v1/embeddings", json={}, headers=AUTH), 404, code="not_found")
+    response = httpx2.get(f"{url}{COMPLETIONS}", headers=AUTH)
+    assert_error(response, 405, code="method_not_allowed")
+    assert "POST" in response.headers["allow"]
+    assert_error(httpx2.delete(f"{url}/health"), 405)
+    assert_error(_post(url, COMPLETIONS, {"prompt": "Hi"}, headers={"X-Request-Id": "has space"}), 400,
+                 param="X-Request-Id")
+
+
+def test_openai_sdk_sees_typed_errors(url):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[1], max_retries=0) as client:
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=model, messages=[])
+        assert raised.value.body["param"] == "messages"
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=model, prompt="Hi", logprobs=25)
+        assert raised.value.body["param"] == "logprobs"
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.completions.create(model="gpt-4", prompt="Hi")
+        assert raised.value.body["code"] == "model_not_found"
+
+
+async def test_bad_input_does_not_disturb_a_valid_stream(url):
+    """A valid stream runs while every bad request above is sent concurrently."""
+    text = ""
+    finish = None
+    statuses = []
+    async with httpx2.AsyncClient(headers=AUTH, timeout=60) as client:
+
+        async def bad(path: str, body) -> None:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = await client.post(f"{url}{path}", content=content,
+                                         headers={"Content-Type": "application/json"})
+            statuses.append(response.status_code)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                async with client.stream("POST", f"{url}{COMPLETIONS}", json={
+                        "prompt": "Hello", "max_tokens": 64, "stream": True, "ignore_eos": True,
+                        "temperature": 0}) as response:
+                    assert response.status_code == 200
+                    for path, body, *_ in BAD_REQUESTS:
+                        nursery.start_soon(bad, path, body)
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            choice = json.loads(line[6:])["choices"][0]
+                            text += choice["text"]
+                            finish = choice["finish_reason"] or finish
+    assert finish == "length" and text
+    assert len(statuses) == len(BAD_REQUESTS) and all(400 <= s < 500 for s in statuses), statuses
+
+
+async def test_early_answers_do_not_stall_keep_alive_connections(url):
+    """Answers given without reading the body (unknown route, wrong method, no key) must not
+    leave keep-alive connections stuck: under hypercorn's trio worker about 1 in 100 such
+    requests used to leave its connection stuck, and the next request on it hung."""
+    requests = [
+        ("POST", "/v1/no-such-route", AUTH),
+        ("POST", "/v1/no-such-route", {}),
+        ("DELETE", "/v1/completions", AUTH),
+        ("POST", "/health", {}),
+        ("POST", COMPLETIONS, {**AUTH, "Content-Type": "text/plain"}),
+    ]
+    statuses: list[int] = []
+    limiter = trio.CapacityLimiter(16)
+    async with httpx2.AsyncClient(timeout=10) as client:
+
+        async def one(index: int) -> None:
+            method, path, headers = requests[index % len(requests)]
+            async with limiter:
+                response = await client.request(method, f"{url}{path}", content=b'{"prompt": "x"}',
+                                                headers=headers)
+                statuses.append(response.status_code)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for index in range(800):
+                    nursery.start_soon(one, index)
+    assert len(statuses) == 800 and set(statuses) <= {400, 401, 404, 405}
