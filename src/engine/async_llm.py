@@ -144,6 +144,12 @@ class AsyncLLM:
             self.scheduler.abort(request_id)
         await trio.lowlevel.checkpoint()
 
+    async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        """The model's chat template applied to ``messages`` (InvalidRequestError if it can't)."""
+        return await trio.to_thread.run_sync(
+            lambda: self.intake.processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        )
+
     def check_health(self) -> None:
         if self.scheduler.dead is not None:
             raise EngineDeadError(f"the engine failed: {self.scheduler.dead}") from self.scheduler.dead

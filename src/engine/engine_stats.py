@@ -22,6 +22,14 @@ class EngineStatistics:
     steps: int
     step_seconds_total: float
     worker_idle_seconds: float  # between steps while requests were unfinished
+    tensor_parallel_size: int = 1
+    # Per tensor-parallel rank (rank order), measured inside the workers: step time and, of it,
+    # collective time (all-reduce + logits gather), totals and last step; peak RSS after load.
+    rank_step_seconds_total: tuple[float, ...] = ()
+    rank_collective_seconds_total: tuple[float, ...] = ()
+    rank_last_step_seconds: tuple[float, ...] = ()
+    rank_last_collective_seconds: tuple[float, ...] = ()
+    rank_peak_rss_bytes: tuple[int | None, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -44,4 +52,10 @@ def collect_statistics(scheduler: Scheduler, supervisor: WorkerSupervisor, *, id
         steps=workers.steps,
         step_seconds_total=workers.step_seconds_total,
         worker_idle_seconds=idle_seconds,
+        tensor_parallel_size=workers.tensor_parallel_size,
+        rank_step_seconds_total=workers.rank_step_seconds_total,
+        rank_collective_seconds_total=workers.rank_collective_seconds_total,
+        rank_last_step_seconds=workers.rank_last_step_seconds,
+        rank_last_collective_seconds=workers.rank_last_collective_seconds,
+        rank_peak_rss_bytes=workers.rank_peak_rss_bytes,
     )

@@ -84,6 +84,7 @@ class LLMEngine:
             return []
         finally:
             self._last_step_end = time.monotonic()
+        self.outputs.mark_scheduled((s.seq_id for s in plan.new_sequences), started)
         processed = self.outputs.process(self.scheduler.update_from_output(result), time.monotonic())
         for seq_id, stop_string in processed.stop_string_finished:
             self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)

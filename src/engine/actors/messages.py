@@ -45,7 +45,9 @@ class StepUpdates:
     """What one step did (scheduler -> output)."""
 
     updates: tuple[SequenceUpdate, ...]
-    time: float
+    time: float  # when the step's result arrived
+    started: float  # when the step was sent to the workers
+    scheduled: tuple[str, ...] = ()  # sequences the step ran for the first time (or again)
 
 
 @attrs.frozen(kw_only=True)

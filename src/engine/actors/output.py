@@ -49,7 +49,8 @@ class OutputActor:
                     prompt_token_ids=processed.prompt_token_ids, params=processed.params,
                     seq_ids=seq_ids, arrival_time=request.arrival_time,
                 )
-            case StepUpdates(updates=updates, time=now):
+            case StepUpdates(updates=updates, time=now, started=started, scheduled=scheduled):
+                self.processor.mark_scheduled(scheduled, started)
                 step = self.processor.process(updates, now)
                 for seq_id, stop_string in step.stop_string_finished:
                     self._scheduler.finish_on_stop_string(seq_id, stop_string)
@@ -64,7 +65,8 @@ class OutputActor:
             case EngineFailed(error=error):
                 for request_id in list(self._streams):
                     self._fail(request_id, error)
-                self.processor.requests.clear()
+                for request_id in list(self.processor.requests):
+                    self.processor.forget(request_id)
 
     def _deliver(self, output) -> None:
         self._outputs_sent += 1
@@ -75,7 +77,7 @@ class OutputActor:
             stream.put(output)
 
     def _fail(self, request_id: str, error: Exception) -> None:
-        self.processor.requests.pop(request_id, None)
+        self.processor.forget(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.fail(error)

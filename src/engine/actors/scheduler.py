@@ -80,8 +80,10 @@ class SchedulerActor:
                     return
                 last_step_end = trio.current_time()
                 updates = self.scheduler.update_from_output(result)
-                if updates:
-                    await self._to_output.send(StepUpdates(updates=tuple(updates), time=last_step_end))
+                await self._to_output.send(StepUpdates(
+                    updates=tuple(updates), time=last_step_end, started=started,
+                    scheduled=tuple(s.seq_id for s in plan.new_sequences),
+                ))
 
     async def _admit(self, *, wait: bool) -> None:
         """Takes every queued request; with ``wait``, sleeps until one comes (or an abort)."""

@@ -2,9 +2,11 @@
 restarts the group within a budget.
 
 A failed step (a rank died, hung past ``step_timeout``, or raised) restarts the whole group
-and raises ``WorkerFailure`` to the caller, whose running requests are then recomputed. More
-than ``restart_budget`` failures within ``restart_window`` seconds fail the engine with
-``EngineDeadError``.
+(every rank: a process group cannot lose one member; the reload forms a new group on a new
+rendezvous) and raises ``WorkerFailure`` to the caller, whose running requests are then
+recomputed. More than ``restart_budget`` failures within ``restart_window`` seconds fail the
+engine with ``EngineDeadError``. ``statistics()`` reports each rank's step and collective
+times (rank order; the ranks this engine runs, not followers on other nodes).
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
 
 @attrs.frozen(kw_only=True)
 class SupervisorStatistics:
-    worker_pids: tuple[int, ...]
+    worker_pids: tuple[int, ...]  # rank order
     worker_restarts: int
     steps: int
     step_seconds_total: float
     last_failure: str | None
+    tensor_parallel_size: int = 1
+    # Per rank, in rank order: the step time measured inside each worker (its execute) and,
+    # of that, the time in tensor-parallel collectives (all-reduce, logits gather); totals
+    # over the engine's life and the last step's.
+    rank_step_seconds_total: tuple[float, ...] = ()
+    rank_collective_seconds_total: tuple[float, ...] = ()
+    rank_last_step_seconds: tuple[float, ...] = ()
+    rank_last_collective_seconds: tuple[float, ...] = ()
+    rank_peak_rss_bytes: tuple[int | None, ...] = ()  # each rank's peak RSS after its load
 
 
 class WorkerSupervisor:
@@ -53,9 +64,15 @@ class WorkerSupervisor:
         self._failures: collections.deque[float] = collections.deque()
         self.info: WorkerInfo | None = None
         self._restarts = 0
+        self.restarting = False  # between a failed step and the reloaded group
         self._steps = 0
         self._step_seconds = 0.0
         self._last_failure: str | None = None
+        size = args.tensor_parallel_size
+        self._rank_seconds = [0.0] * size
+        self._rank_collective = [0.0] * size
+        self._rank_last: tuple[float, ...] = (0.0,) * size
+        self._rank_last_collective: tuple[float, ...] = (0.0,) * size
 
     async def run(self, *, task_status: trio.TaskStatus[WorkerSupervisor] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._open_group() as group:
@@ -86,7 +103,19 @@ class WorkerSupervisor:
             await self._restart(failure, cause)
         self._steps += 1
         self._step_seconds += trio.current_time() - started
+        self._record_ranks(result)
         return result
+
+    def _record_ranks(self, result: StepResult) -> None:
+        seconds = result.rank_execute_seconds or (result.execute_seconds,)
+        collective = result.rank_collective_seconds or (result.collective_seconds,)
+        if len(seconds) != len(self._rank_seconds):  # a group of another size (a test's fake)
+            self._rank_seconds = [0.0] * len(seconds)
+            self._rank_collective = [0.0] * len(seconds)
+        for rank, (step, comm) in enumerate(zip(seconds, collective, strict=True)):
+            self._rank_seconds[rank] += step
+            self._rank_collective[rank] += comm
+        self._rank_last, self._rank_last_collective = tuple(seconds), tuple(collective)
 
     async def _restart(self, failure: WorkerFailure, cause: BaseException) -> None:
         now = time.monotonic()
@@ -100,11 +129,14 @@ class WorkerSupervisor:
                 f"the restart budget of {self.restart_budget}; the last: {failure}"
             ) from cause
         self._restarts += 1
-        await self._group.kill()
+        self.restarting = True
         try:
+            await self._group.kill()
             self.info = await self._group.load()
         except Exception as e:
             raise EngineDeadError(f"restarting the workers failed after: {failure}") from e
+        finally:
+            self.restarting = False
         raise failure from cause
 
     def statistics(self) -> SupervisorStatistics:
@@ -114,4 +146,16 @@ class WorkerSupervisor:
             steps=self._steps,
             step_seconds_total=self._step_seconds,
             last_failure=self._last_failure,
+            tensor_parallel_size=self.args.tensor_parallel_size,
+            rank_step_seconds_total=tuple(self._rank_seconds),
+            rank_collective_seconds_total=tuple(self._rank_collective),
+            rank_last_step_seconds=self._rank_last,
+            rank_last_collective_seconds=self._rank_last_collective,
+            rank_peak_rss_bytes=tuple(info.peak_rss_bytes for info in self.worker_infos),
         )
+
+    @property
+    def worker_infos(self) -> tuple[WorkerInfo, ...]:
+        """Every rank's WorkerInfo from the latest load, in rank order."""
+        infos = getattr(self._group, "infos", ())
+        return tuple(infos) or ((self.info,) if self.info is not None else ())

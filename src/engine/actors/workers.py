@@ -1,6 +1,14 @@
 """Worker groups: the ranks that execute steps. The supervisor drives any ``WorkerGroup``;
 ``ProcessWorkerGroup`` is the real one (one trio-parallel worker process per rank), and
-tests substitute an in-process fake so actor behaviour runs under trio's mock clock."""
+tests substitute an in-process fake so actor behaviour runs under trio's mock clock.
+
+With ``tensor_parallel_size`` N > 1 the N ranks form one ``torch.distributed`` process group:
+rank 0 serves the rendezvous (a TCPStore on a free loopback port, or on MASTER_ADDR /
+MASTER_PORT when set), then every rank loads its shard and joins. A bad size or a taken
+port fails in ``open`` before any process is spawned. Every step goes to every rank; rank 0's
+result comes back, carrying each rank's step and collective times. One rank failing fails
+the step at once (the others are cancelled, which kills their processes: a rank blocked in
+a collective would otherwise wait for its dead peer), and ``kill`` ends every rank."""
 
 from __future__ import annotations
 
@@ -8,13 +16,22 @@ import contextlib
 import math
 import os
 import signal
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
+import attrs
 import trio
 import trio_parallel
 
 from engine.config import EngineArgs
 from engine.worker import process
+from engine.worker.distributed import (
+    Rendezvous,
+    check_port_free,
+    check_tensor_parallel,
+    local_rank_count,
+    rendezvous_address,
+)
 from engine.worker.protocol import StepPlan, StepResult
 
 
@@ -45,6 +62,25 @@ class WorkerGroup(Protocol):
     async def kill(self) -> None: ...
 
 
+def check_before_spawn(args: EngineArgs, model_path: str) -> None:
+    """The start-up checks of a tensor-parallel group that need no worker: the size against
+    the model's heads (and the CUDA devices), and a MASTER_PORT that must be free."""
+    if args.tensor_parallel_size == 1:
+        return
+    from engine.worker.loading import load_hf_config
+    from engine.worker.models.config import ModelConfig
+    from engine.worker.runner import resolve_device
+
+    config = ModelConfig.from_hf(load_hf_config(model_path), source=f"{model_path}/config.json")
+    check_tensor_parallel(
+        config, args.tensor_parallel_size, device=resolve_device(args.device),
+        local_ranks=local_rank_count(args.tensor_parallel_size),
+    )
+    _, port = rendezvous_address()
+    if port is not None:
+        check_port_free(port)
+
+
 class ProcessWorkerGroup:
     """N trio-parallel worker contexts, each with its own CapacityLimiter(1): the default
     limiter is global and would let one rank spawn a second process."""
@@ -55,42 +91,85 @@ class ProcessWorkerGroup:
         self._contexts = contexts
         self._limiters = [trio.CapacityLimiter(1) for _ in contexts]
         self.pids: tuple[int, ...] = ()
+        self.infos: tuple[process.WorkerInfo, ...] = ()  # every rank's, from the last load
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, args: EngineArgs, model_path: str):
+        await trio.to_thread.run_sync(check_before_spawn, args, model_path)
         async with contextlib.AsyncExitStack() as stack:
-            contexts = [
-                await stack.enter_async_context(_worker_context())
-                for _ in range(args.tensor_parallel_size)
-            ]
+            # Ranks past TRIODE_TP_LOCAL_RANKS run on other nodes (followers), not here.
+            local = local_rank_count(args.tensor_parallel_size)
+            contexts = [await stack.enter_async_context(_worker_context()) for _ in range(local)]
             yield cls(args, model_path, contexts)
 
-    async def _on_all_ranks(self, fn, *args) -> list:
-        results: list = [None] * len(self._contexts)
+    async def _on_ranks(self, ranks: range, call: Callable[[int], tuple[Callable, tuple]]) -> list:
+        """Runs ``fn(*args)`` from ``call(rank)`` on each rank at once. The first failure
+        cancels (and so kills) the other ranks; a crash is reported before the errors it
+        causes on its peers (a collective whose peer died)."""
+        results: list[Any] = [None] * len(self._contexts)
+        errors: list[tuple[int, Exception]] = []
 
-        async def run_rank(rank: int) -> None:
+        async def run_rank(rank: int, cancel_scope: trio.CancelScope) -> None:
+            fn, fn_args = call(rank)
             try:
                 results[rank] = await self._contexts[rank].run_sync(
-                    fn, *args, kill_on_cancel=True, limiter=self._limiters[rank]
+                    fn, *fn_args, kill_on_cancel=True, limiter=self._limiters[rank]
                 )
             except trio_parallel.BrokenWorkerError as e:
                 code = getattr(e.args[-1], "exitcode", None) if e.args else None
-                raise WorkerCrashed(f"rank {rank}'s worker process died (exit code {code})", code) from e
+                crash = WorkerCrashed(f"rank {rank}'s worker process died (exit code {code})", code)
+                crash.__cause__ = e
+                errors.append((rank, crash))
+                cancel_scope.cancel()
+            except Exception as e:
+                errors.append((rank, e))
+                cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            for rank in range(len(self._contexts)):
-                nursery.start_soon(run_rank, rank)
-        return results
+            for rank in ranks:
+                nursery.start_soon(run_rank, rank, nursery.cancel_scope)
+        if errors:
+            crashes = [(rank, e) for rank, e in errors if isinstance(e, WorkerCrashed)]
+            _, error = min(crashes or errors, key=lambda entry: entry[0])
+            raise error
+        return [results[rank] for rank in ranks]
 
     async def load(self) -> process.WorkerInfo:
-        threads = max(1, (os.cpu_count() or 1) // len(self._contexts))
-        infos = await self._on_all_ranks(process.load, self.args, self.model_path, threads)
+        size = self.args.tensor_parallel_size
+        local = len(self._contexts)
+        threads = max(1, (os.cpu_count() or 1) // local)
+        if size == 1:
+            # One rank: no process group at all.
+            infos = await self._on_ranks(
+                range(1), lambda rank: (process.load, (self.args, self.model_path, threads))
+            )
+        else:
+            host, port = rendezvous_address()
+            timeout = max(120.0, 2 * self.args.step_timeout)
+            (port,) = await self._on_ranks(
+                range(1), lambda rank: (process.serve_rendezvous, (host, port, timeout))
+            )
+            rendezvous = Rendezvous(
+                host=host, port=port, world_size=size, timeout_s=timeout, local_ranks=local
+            )
+            infos = await self._on_ranks(
+                range(local),
+                lambda rank: (process.load, (self.args, self.model_path, threads, rank, rendezvous)),
+            )
+        self.infos = tuple(infos)
         self.pids = tuple(info.pid for info in infos)
         return infos[0]
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        return (await self._on_all_ranks(process.execute, plan))[0]
+        results = await self._on_ranks(range(len(self._contexts)), lambda rank: (process.execute, (plan,)))
+        if len(results) == 1:
+            return results[0]
+        return attrs.evolve(
+            results[0],
+            rank_execute_seconds=tuple(r.execute_seconds for r in results),
+            rank_collective_seconds=tuple(r.collective_seconds for r in results),
+        )
 
     def _kill_processes(self) -> None:
         for pid in self.pids:

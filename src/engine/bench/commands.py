@@ -32,6 +32,20 @@ def _throughput(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def _tp(namespace: argparse.Namespace) -> int:
+    from engine.bench import tp
+
+    tp.run(
+        model=namespace.model,
+        sizes=tuple(namespace.sizes),
+        num_prompts=namespace.num_prompts,
+        max_tokens=namespace.max_tokens,
+        kv_cache_memory=namespace.kv_cache_memory,
+        output_dir=Path(namespace.output_dir),
+    )
+    return 0
+
+
 def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step = benches.add_parser("step", help="decode step time: our runner vs Hugging Face forward")
     step.add_argument("--model", default=None)
@@ -50,3 +64,14 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     throughput.add_argument("--skip-hf", action="store_true", help="measure triode only")
     throughput.add_argument("--output-dir", default="bench-results")
     throughput.set_defaults(handler=_throughput)
+
+    tp = benches.add_parser(
+        "tp", help="tensor parallelism: W1 throughput, all-reduce time and load memory per rank, TP=1 vs TP=2"
+    )
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
+    tp.add_argument("--num-prompts", type=int, default=None, help="first N prompts of W1 (default: all 64)")
+    tp.add_argument("--max-tokens", type=int, default=None, help="cap each output (default: 128)")
+    tp.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache budget per rank")
+    tp.add_argument("--output-dir", default="bench-results")
+    tp.set_defaults(handler=_tp)

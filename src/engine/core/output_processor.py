@@ -30,6 +30,7 @@ class _Sample:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # what DELTA outputs have already carried
     sent_text: int = 0
+    finish_sent: bool = False
     text: str = ""
 
 
@@ -60,6 +61,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
+        self._request_of_seq: dict[str, str] = {}
 
     def add_request(
         self,
@@ -86,9 +88,18 @@ class OutputProcessor:
             prompt_token_ids=tuple(prompt_token_ids),
             params=params,
             samples=samples,
-            metrics={"arrival_time": arrival_time, "first_token_time": None, "last_token_time": None},
+            metrics={"arrival_time": arrival_time, "first_scheduled_time": None,
+                     "first_token_time": None, "last_token_time": None},
             prompt_logprobs=None if params.prompt_logprobs is None else [],
         )
+        self._request_of_seq.update(dict.fromkeys(seq_ids, request_id))
+
+    def mark_scheduled(self, seq_ids: Iterable[str], when: float) -> None:
+        """Records when a step that runs these sequences started (the end of queueing)."""
+        for seq_id in seq_ids:
+            state = self.requests.get(self._request_of_seq.get(seq_id, ""))
+            if state is not None and state.metrics["first_scheduled_time"] is None:
+                state.metrics["first_scheduled_time"] = when
 
     def process(self, updates: Iterable[SequenceUpdate], now: float) -> ProcessedStep:
         touched: dict[str, _RequestState] = {}
@@ -133,6 +144,12 @@ class OutputProcessor:
         elif update.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
 
+    def forget(self, request_id: str) -> None:
+        """Drops a request without an output (it failed; its stream got the error)."""
+        state = self.requests.pop(request_id, None)
+        for sample in state.samples if state is not None else ():
+            self._request_of_seq.pop(sample.seq_id, None)
+
     def abort(self, request_id: str, now: float, reason: str = "abort") -> RequestOutput | None:
         """Ends a request that had not finished; returns its final output (None if unknown)."""
         state = self.requests.get(request_id)
@@ -152,9 +169,9 @@ class OutputProcessor:
         delta = kind == OutputKind.DELTA
         completions = []
         for index, sample in enumerate(state.samples):
-            if delta and sample.sent_tokens == len(sample.token_ids) and sample.sent_text == len(sample.text) \
-                    and not (finished and sample.finish_reason is not None and sample.sent_tokens == 0):
-                continue
+            unchanged = sample.sent_tokens == len(sample.token_ids) and sample.sent_text == len(sample.text)
+            if delta and unchanged and (sample.finish_reason is None or sample.finish_sent):
+                continue  # a delta carries only samples with news: output, or their end
             start_tokens, start_text = (sample.sent_tokens, sample.sent_text) if delta else (0, 0)
             completions.append(CompletionOutput(
                 index=index,
@@ -166,12 +183,19 @@ class OutputProcessor:
                 stop_reason=sample.stop_reason,
             ))
             sample.sent_tokens, sample.sent_text = len(sample.token_ids), len(sample.text)
+            sample.finish_sent = sample.finish_reason is not None
         prompt_logprobs = None
-        if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_sent):
+        # Prompt logprobs go out once complete (a chunked prefill delivers them in parts).
+        complete = state.prompt_logprobs is not None and (
+            len(state.prompt_logprobs) >= len(state.prompt_token_ids) - 1 or finished
+        )
+        if complete and not (delta and state.prompt_logprobs_sent):
             prompt_logprobs = tuple(state.prompt_logprobs)
             state.prompt_logprobs_sent = True
         if finished:
             del self.requests[state.request_id]
+            for sample in state.samples:
+                self._request_of_seq.pop(sample.seq_id, None)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -181,6 +205,7 @@ class OutputProcessor:
             finished=finished,
             metrics=RequestMetrics(
                 arrival_time=state.metrics["arrival_time"],
+                first_scheduled_time=state.metrics["first_scheduled_time"],
                 first_token_time=state.metrics["first_token_time"],
                 last_token_time=state.metrics["last_token_time"],
                 finished_time=now if finished else None,

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -224,15 +225,26 @@ def validate_hf_dir(path: Path) -> None:
             pass
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields every (name, tensor) of the checkpoint in ``path``, single-file or sharded."""
+# For a tensor name: (dim, start, stop) to read only that slice along ``dim``, or None for all.
+SliceSelector = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_safetensors(
+    path: Path, *, select: SliceSelector | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields every (name, tensor) of the checkpoint in ``path``, single-file or sharded. With
+    ``select``, a tensor it maps to a slice is read as that slice only (a tensor-parallel rank
+    never holds a whole sharded tensor)."""
     path = Path(path)
     files: Mapping[Path, frozenset[str] | None] = (
         checkpoint_files(path) if path.is_dir() else {path: None}
     )
     seen: dict[str, Path] = {}
     for file, expected in files.items():
-        with _open_safetensors(file) as handle:
+        # safe_open validates the header against the file; the data is read with plain
+        # positioned reads into each tensor (no mapping of the file: resident memory while
+        # loading is the weights, not the weights plus the file's pages).
+        with _open_safetensors(file) as handle, _TensorReader(file) as reader:
             names = list(handle.keys())
             for name in names:
                 if name in seen:
@@ -240,13 +252,77 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                          path=str(file))
                 seen[name] = file
                 try:
-                    tensor = handle.get_tensor(name)
+                    tensor = reader.read(name, select(name) if select is not None else None)
                 except Exception as e:
                     raise ModelLoadError(f"cannot read tensor {name}: {e}", path=str(file)) from e
                 yield name, tensor
         if expected is not None and (missing := expected.difference(names)):
             raise ModelLoadError(f"tensors listed in {INDEX_FILE} are missing from the shard: "
                                  f"{', '.join(sorted(missing)[:5])}", path=str(file))
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class _TensorReader:
+    """Reads tensors, or a slice of one along a dimension, straight from a safetensors file."""
+
+    def __init__(self, file: Path) -> None:
+        self._file = open(file, "rb", buffering=0)  # closed by __exit__
+        try:
+            size = int.from_bytes(self._file.read(8), "little")
+            self._entries = json.loads(self._file.read(size))
+        except BaseException:
+            self._file.close()
+            raise
+        self._data_start = 8 + size
+
+    def __enter__(self) -> _TensorReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._file.close()
+
+    def _read_into(self, tensor: torch.Tensor, offset: int) -> None:
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._file.fileno(), [view[done:]], self._data_start + offset + done)
+            if count <= 0:
+                raise ModelLoadError("the file ends inside the tensor's data")
+            done += count
+
+    def read(self, name: str, spec: tuple[int, int, int] | None) -> torch.Tensor:
+        """The tensor, or with ``spec = (dim, start, stop)`` only that slice of it."""
+        entry = self._entries[name]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ModelLoadError(f"unsupported safetensors dtype {entry['dtype']}")
+        shape = list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        element = torch.empty((), dtype=dtype).element_size()
+        if end - begin != math.prod(shape) * element:
+            raise ModelLoadError("its data size does not match its shape")
+        if spec is None:
+            tensor = torch.empty(shape, dtype=dtype)
+            self._read_into(tensor, begin)
+            return tensor
+        dim, start, stop = spec
+        if not (0 <= dim < len(shape) and 0 <= start <= stop <= shape[dim]):
+            raise ModelLoadError(f"slice [{start}:{stop}] of dim {dim} is outside shape {shape}")
+        if math.prod(shape[:dim]) == 1:
+            # Leading dims of size 1: the slice is one contiguous range of the data.
+            tensor = torch.empty([*shape[:dim], stop - start, *shape[dim + 1:]], dtype=dtype)
+            self._read_into(tensor, begin + start * math.prod(shape[dim + 1:]) * element)
+            return tensor
+        # Strided: read the whole (then transient) tensor and keep the slice.
+        whole = torch.empty(shape, dtype=dtype)
+        self._read_into(whole, begin)
+        return whole.narrow(dim, start, stop - start).clone()
 
 
 # --- the conversion cache ------------------------------------------------------------------

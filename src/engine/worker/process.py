@@ -2,21 +2,39 @@
 
 The runner lives in a module global: the process is dedicated to one rank, and every call is
 a short function that finds it there. Loading is an explicit call, not trio-parallel's
-``init``, so that a load error comes back to the engine as an exception with its message."""
+``init``, so that a load error comes back to the engine as an exception with its message.
+
+Tensor parallelism takes two calls: ``serve_rendezvous`` on rank 0 (its TCPStore binds the
+port, a free one unless MASTER_PORT names it, and stays in this process), then ``load`` on
+every rank at once with the port it returned; the ranks join the process group there. With
+followers on other nodes, rank 0 also announces the group to them and forwards every plan
+(``engine.worker.follower``)."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import attrs
 import torch
 
 from engine.config import EngineArgs
+from engine.worker.distributed import (
+    PlanFeed,
+    Rendezvous,
+    announce,
+    peak_resident_bytes,
+    serve_store,
+)
+from engine.worker.faults import Fault, inject, parse_fault_plan
 from engine.worker.protocol import StepPlan, StepResult
 from engine.worker.runner import ModelRunner
 
 _runner: ModelRunner | None = None
+_store = None  # rank 0's rendezvous server, kept until the next load
+_feed: PlanFeed | None = None  # rank 0 with followers on other nodes: their plans
+_faults: tuple[Fault, ...] = ()  # EngineArgs.fault_plan (tests and scenarios only)
 
 
 @attrs.frozen(kw_only=True)
@@ -32,16 +50,43 @@ class WorkerInfo:
     dtype: str
     device: str
     load_seconds: float
+    rank: int = 0
+    tensor_parallel_size: int = 1
+    kv_heads: int = 0  # KV heads this rank holds (all of them at size 1)
+    # VmHWM (peak resident set) of the worker process: before the load (imports only), once
+    # the weights were loaded, and after the KV cache was allocated too.
+    baseline_rss_bytes: int | None = None
+    weights_peak_rss_bytes: int | None = None
+    peak_rss_bytes: int | None = None
 
 
-def load(args: EngineArgs, model_path: str, num_threads: int | None = None) -> WorkerInfo:
-    import time
+def serve_rendezvous(host: str, port: int | None, timeout_s: float) -> int:
+    """Rank 0: serves the rendezvous store on ``port`` (None: a free one) and returns it."""
+    global _store
+    _store = None
+    _store = serve_store(host, port, timeout_s)
+    return _store.port
 
-    global _runner
+
+def load(
+    args: EngineArgs,
+    model_path: str,
+    num_threads: int | None = None,
+    rank: int = 0,
+    rendezvous: Rendezvous | None = None,
+) -> WorkerInfo:
+    global _runner, _feed, _faults
     started = time.perf_counter()
+    baseline = peak_resident_bytes()
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
-    _runner = None
-    _runner = ModelRunner(args, Path(model_path))
+    if _runner is not None:
+        _runner.close()
+    _runner = _feed = None
+    _faults = parse_fault_plan(args.fault_plan)
+    store = _store if rendezvous is not None and rank == 0 else None
+    if store is not None and rendezvous.has_followers:
+        _feed = PlanFeed(store, announce(store, args, rendezvous))
+    _runner = ModelRunner(args, Path(model_path), rank=rank, rendezvous=rendezvous, store=store)
     return WorkerInfo(
         pid=os.getpid(),
         num_blocks=_runner.num_blocks,
@@ -52,10 +97,24 @@ def load(args: EngineArgs, model_path: str, num_threads: int | None = None) -> W
         dtype=str(_runner.dtype).removeprefix("torch."),
         device=str(_runner.device),
         load_seconds=time.perf_counter() - started,
+        rank=rank,
+        tensor_parallel_size=rendezvous.world_size if rendezvous is not None else 1,
+        kv_heads=_runner.kv_caches[0][0].shape[2],
+        baseline_rss_bytes=baseline,
+        weights_peak_rss_bytes=_runner.weights_peak_rss_bytes,
+        peak_rss_bytes=peak_resident_bytes(),
     )
 
 
 def execute(plan: StepPlan) -> StepResult:
     if _runner is None:
         raise RuntimeError("the worker has no model loaded; call load() first")
-    return _runner.execute(plan)
+    if _faults:  # every rank the engine runs inflicts it
+        inject(_faults, plan.step_id)
+    if _feed is None:
+        return _runner.execute(plan)
+    _feed.publish(plan)
+    result = _runner.execute(plan)
+    if plan.chunks:  # the step's collectives prove that every follower has read its plans
+        _feed.settle()
+    return result

@@ -67,3 +67,7 @@ class StepResult:
     # seq_id -> logprobs of prompt tokens 1.. computed in this step's chunk
     prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
     execute_seconds: float = 0.0
+    collective_seconds: float = 0.0  # of execute_seconds, in tensor-parallel collectives
+    # Filled in by the worker group from every rank's result (rank order); empty for one rank.
+    rank_execute_seconds: tuple[float, ...] = ()
+    rank_collective_seconds: tuple[float, ...] = ()

@@ -1,5 +1,11 @@
 """The model runner: owns the weights and the paged KV cache of one rank and executes a
-StepPlan. It runs inside a worker process, so it imports neither trio nor the frontend."""
+StepPlan. It runs inside a worker process, so it imports neither trio nor the frontend.
+
+Under tensor parallelism (a ``Rendezvous`` given) every rank runs the same plan through its
+shard of the model; the collectives inside the model keep them in lockstep, and only rank 0
+gets logits, samples and returns tokens. Every rank keeps the same sequences and block
+tables; the KV cache of a rank holds its own KV heads, and every rank has the same number of
+blocks (sized by the rank with the most KV heads, within the per-rank ``kv_cache_memory``)."""
 
 from __future__ import annotations
 
@@ -12,8 +18,15 @@ import torch
 from engine.config import EngineArgs
 from engine.errors import InvalidRequestError, KVCacheTooSmallError
 from engine.sampling_params import SamplingParams
+from engine.worker.distributed import (
+    Partition,
+    Rendezvous,
+    TensorParallelGroup,
+    peak_resident_bytes,
+)
 from engine.worker.loading import iter_safetensors, load_hf_config
 from engine.worker.models.config import ModelConfig
+from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
 from engine.worker.protocol import SampledToken, ScheduledChunk, StepPlan, StepResult
 from engine.worker.sampler import Sampler, SamplingBatch, SamplingRow, compute_logprobs
@@ -59,19 +72,51 @@ class _Sequence:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_path: str | Path) -> None:
+    """One rank's model and KV cache. Without ``rendezvous`` the runner is the whole model
+    (no process group); with it, rank ``rank`` of ``rendezvous.world_size`` joins the group
+    first (rank 0 passes the ``store`` it serves) and loads only its shard."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_path: str | Path,
+        *,
+        rank: int = 0,
+        rendezvous: Rendezvous | None = None,
+        store=None,
+        local_rank: int | None = None,
+    ) -> None:
         path = Path(model_path)
         self.device = resolve_device(args.device)
+        if rendezvous is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", rank if local_rank is None else local_rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.config = ModelConfig.from_hf(load_hf_config(path), source=str(path / "config.json"))
         self.max_model_len = resolve_max_model_len(self.config, args.max_model_len)
         self.block_size = args.block_size
-        self.num_blocks = self._num_blocks(args.kv_cache_memory)
+        self.rank = rank
+        self.parallel: TensorParallelGroup | None = None
+        kv_heads = self.config.num_kv_heads
+        select = None
+        if rendezvous is not None and rendezvous.world_size > 1:
+            partition = Partition.of(self.config, rank, rendezvous.world_size)
+            # Budget errors first: a rank that fails before joining fails the group at once.
+            self.num_blocks = self._num_blocks(args.kv_cache_memory, partition.max_kv_heads)
+            kv_heads = partition.num_kv_heads
+            select = checkpoint_slices(self.config, partition)
+            self.parallel = TensorParallelGroup.join(partition, rendezvous, self.device, store)
+        else:
+            self.num_blocks = self._num_blocks(args.kv_cache_memory, kv_heads)
         self.model = build_model(
-            self.config, iter_safetensors(path), dtype=self.dtype, device=self.device,
-            max_positions=self.max_model_len, source=str(path),
+            self.config, iter_safetensors(path, select=select), dtype=self.dtype,
+            device=self.device, max_positions=self.max_model_len, source=str(path),
+            parallel=self.parallel,
         )
-        shape = (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        # Peak resident memory once the weights are in (before the KV cache): what loading
+        # this rank's shard cost, for `triode bench tp`.
+        self.weights_peak_rss_bytes = peak_resident_bytes()
+        shape = (self.num_blocks, self.block_size, kv_heads, self.config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -80,9 +125,10 @@ class ModelRunner:
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
 
-    def _num_blocks(self, budget_bytes: int) -> int:
+    def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = self.block_size * self.config.kv_bytes_per_token * element
+        per_token = 2 * self.config.num_layers * kv_heads * self.config.head_dim
+        per_block = self.block_size * per_token * element
         num_blocks = budget_bytes // per_block
         if num_blocks * self.block_size < self.max_model_len:
             raise KVCacheTooSmallError(
@@ -111,6 +157,8 @@ class ModelRunner:
             chunks, [self.sequences[c.seq_id].block_table for c in chunks],
             block_size=self.block_size, device=self.device,
         )
+        if self.parallel is not None:
+            self.parallel.collective_seconds = 0.0
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
         sampled = self._sample(chunks, inputs, hidden)
         prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
@@ -119,6 +167,7 @@ class ModelRunner:
             sampled=sampled,
             prompt_logprobs=prompt_logprobs,
             execute_seconds=time.perf_counter() - started,
+            collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
         )
 
     def _sample(self, chunks, inputs: StepInputs, hidden: torch.Tensor) -> tuple[SampledToken, ...]:
@@ -127,6 +176,8 @@ class ModelRunner:
             return ()
         rows_index = torch.tensor([inputs.last_token_rows[i] for i in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows_index))
+        if logits is None:
+            return ()  # a tensor-parallel rank other than 0: rank 0 samples
         sequences = [self.sequences[chunks[i].seq_id] for i in sampling]
         rows = [
             SamplingRow(
@@ -168,9 +219,16 @@ class ModelRunner:
                 continue
             first_row = inputs.first_token_rows[index]
             rows = hidden[first_row : first_row + end - chunk.start_position]
+            logits = self.model.compute_logits(rows)
+            if logits is None:
+                continue  # not rank 0 (which computes them); the gather above was its part
             targets = torch.tensor(prompt[chunk.start_position + 1 : end + 1], device=self.device)
-            logprobs = compute_logprobs(
-                self.model.compute_logits(rows), targets, seq.params.prompt_logprobs
-            )
+            logprobs = compute_logprobs(logits, targets, seq.params.prompt_logprobs)
             results.append((chunk.seq_id, tuple(logprobs)))
         return tuple(results)
+
+    def close(self) -> None:
+        """Leaves the process group (if any)."""
+        if self.parallel is not None:
+            self.parallel.leave()
+            self.parallel = None

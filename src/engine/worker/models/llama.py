@@ -3,11 +3,19 @@
 One implementation: the four differ only in attention biases (Qwen2), per-head q/k RMSNorm
 (Qwen3), head_dim and rope scaling, all read from ModelConfig. q/k/v and gate/up are fused
 into one matmul each; their weights are concatenated at load time.
+
+Tensor parallelism (``parallel`` given): the same modules hold one rank's shard, as
+``engine.worker.distributed.Partition`` assigns it: q/k/v and gate/up are column-parallel
+(their rows split), o_proj and down_proj row-parallel (columns split, then an all-reduce;
+their biases live on rank 0 only), the embedding and LM head vocabulary-parallel (masked
+lookup + all-reduce; partial logits gathered on rank 0). ``checkpoint_slices`` tells the
+loader which slice of each checkpoint tensor a rank reads. Without ``parallel`` nothing of
+this runs: no collective, no mask, the single-rank forward is unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
@@ -15,6 +23,7 @@ from torch import nn
 
 import kernels
 from engine.errors import ModelLoadError
+from engine.worker.distributed import Partition, TensorParallelGroup
 from engine.worker.models.config import ModelConfig
 from engine.worker.models.rope import cos_sin_cache
 
@@ -32,10 +41,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        partition = parallel.partition if parallel is not None else None
+        self.num_heads = partition.num_q_heads if partition else config.num_heads
+        self.num_kv_heads = partition.num_kv_heads if partition else config.num_kv_heads
+        self.parallel = parallel
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -65,25 +76,33 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = kernels.paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        out = self.o_proj(out.reshape(tokens, -1))
+        if self.parallel is not None:
+            self.parallel.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = parallel.partition.intermediate_size if parallel else config.intermediate_size
+        self.size = size
+        self.parallel = parallel
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        if self.parallel is not None:
+            self.parallel.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, parallel)
+        self.mlp = MLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -110,15 +129,19 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, *, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, *, max_positions: int, parallel: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.parallel = parallel
+        vocab = parallel.partition.vocab_size if parallel else config.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, parallel) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, vocab, bias=False)
         )
         self.max_positions = max_positions
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
@@ -138,16 +161,33 @@ class LlamaForCausalLM(nn.Module):
         metadata: kernels.AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flattened step batch."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if self.parallel is None else self._embed_shard(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rope_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Vocabulary-parallel: rows of ids outside this rank's range are zero, the sum over the
+        # ranks is the full lookup.
+        start, stop = self.parallel.partition.vocab
+        local = input_ids - start
+        outside = (local < 0) | (local >= stop - start)
+        hidden = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.embed_tokens.weight)
+        hidden.masked_fill_(outside[:, None], 0.0)
+        return self.parallel.all_reduce(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab]. Under tensor parallelism every rank must call it (it
+        gathers the vocabulary shards); rank 0 gets the logits, the other ranks None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        if self.parallel is not None:
+            logits = self.parallel.gather_vocab(logits)
+            if logits is None:
+                return None
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str) -> None:
         """Copies Hugging Face-named tensors into the (fused) parameters; every parameter must
@@ -172,7 +212,12 @@ class LlamaForCausalLM(nn.Module):
                     f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(destination.shape)}",
                     path=source,
                 )
-            destination.copy_(tensor)
+            if self._rank_zero_only(target):
+                destination.zero_()  # a row-parallel bias: added once, by rank 0's partial sum
+            elif shard is None and tensor.dtype == param.dtype and tensor.device == param.device:
+                param.data = tensor.contiguous()  # adopt it: no second copy held while loading
+            else:
+                destination.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
         expected = {
             name if count == 1 else f"{name}#{index}"
@@ -187,10 +232,48 @@ class LlamaForCausalLM(nn.Module):
     def _shard_count(name: str) -> int:
         return 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
 
+    def _rank_zero_only(self, name: str) -> bool:
+        return (
+            self.parallel is not None and self.parallel.rank != 0
+            and name.endswith((".o_proj.bias", ".down_proj.bias"))
+        )
+
     def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
         if ".qkv_proj." in name:
             sizes = self.layers[0].self_attn.split_sizes
         else:
-            sizes = (self.config.intermediate_size,) * 2
+            sizes = (self.layers[0].mlp.size,) * 2
         start = sum(sizes[:index])
         return data.narrow(0, start, sizes[index])
+
+
+# (dim, start, stop) of a checkpoint tensor that one rank reads; None: the whole tensor.
+CheckpointSlice = tuple[int, int, int] | None
+
+
+def checkpoint_slices(config: ModelConfig, partition: Partition) -> Callable[[str], CheckpointSlice]:
+    """For a Hugging Face tensor name, the slice that ``partition``'s rank loads."""
+    dim = config.head_dim
+    q = (partition.q_heads[0] * dim, partition.q_heads[1] * dim)
+    kv = (partition.kv_heads[0] * dim, partition.kv_heads[1] * dim)
+    rules = (
+        # (name fragment, dim, range); biases of column-parallel layers split like the rows
+        (".q_proj.", 0, q),
+        (".k_proj.", 0, kv),
+        (".v_proj.", 0, kv),
+        (".o_proj.weight", 1, q),
+        (".gate_proj.", 0, partition.intermediate),
+        (".up_proj.", 0, partition.intermediate),
+        (".down_proj.weight", 1, partition.intermediate),
+    )
+
+    def select(hf_name: str) -> CheckpointSlice:
+        name = f".{hf_name.removeprefix('model.')}"
+        if name in (".embed_tokens.weight", ".lm_head.weight"):
+            return (0, *partition.vocab)
+        for fragment, axis, (start, stop) in rules:
+            if fragment in name:
+                return (axis, start, stop)
+        return None
+
+    return select

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.errors import UnsupportedModelError
+from engine.worker.distributed import TensorParallelGroup
 from engine.worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.worker.models.llama import LlamaForCausalLM
 
@@ -22,8 +23,11 @@ def build_model(
     device: torch.device,
     max_positions: int,
     source: str,
+    parallel: TensorParallelGroup | None = None,
 ) -> nn.Module:
-    """Builds the model without initialising parameters (they are overwritten by the load)."""
+    """Builds the model without initialising parameters (they are overwritten by the load).
+    With ``parallel``, the model holds that rank's shard and ``weights`` must yield the
+    slices ``checkpoint_slices`` names (the loader reads only those)."""
     model_class = _MODELS.get(config.architecture)
     if model_class is None:
         raise UnsupportedModelError(
@@ -31,7 +35,7 @@ def build_model(
             path=source,
         )
     with torch.device("meta"):
-        model = model_class(config, max_positions=max_positions)
+        model = model_class(config, max_positions=max_positions, parallel=parallel)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(weights, source=source)

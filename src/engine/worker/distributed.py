@@ -1,0 +1,431 @@
+"""Tensor parallelism: how a Llama-family model is split over ranks, and the process group the
+ranks form over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+Partitioning rule (Megatron style, by whole GQA groups):
+
+- attention: each rank owns a contiguous range of KV heads and the query heads that read
+  them (query head ``h`` reads KV head ``h // (heads / kv_heads)``), so attention never
+  crosses ranks. With ``size <= kv_heads`` every rank gets ``kv_heads // size`` or one more
+  whole KV head (an uneven split when ``size`` does not divide ``kv_heads``, e.g. SmolLM2's
+  3 KV heads at size 2: 1 + 2). With ``size > kv_heads`` each KV head is replicated on
+  ``size // kv_heads`` ranks that split its query heads; that needs ``size`` to be a
+  multiple of ``kv_heads`` and to divide ``heads``.
+- MLP: gate/up rows and down columns split into contiguous, balanced ranges of the
+  intermediate size; o_proj and down_proj are row-parallel (partial sums + all-reduce).
+- vocabulary: embedding rows (and LM head rows) split into balanced contiguous ranges; the
+  embedding masks ids outside its range and all-reduces, the LM head's partial logits are
+  gathered on rank 0, which alone samples (the other ranks need no token: the next plan
+  carries it).
+
+The sizes a model supports are listed by :func:`supported_sizes`; :func:`check_tensor_parallel`
+raises naming them. This module imports no trio: it runs inside worker processes, and the
+engine side only calls the checks before it spawns any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from engine.errors import InvalidRequestError, TriodeError
+
+if TYPE_CHECKING:
+    from engine.worker.models.config import ModelConfig
+
+MASTER_ADDR_ENV = "MASTER_ADDR"
+MASTER_PORT_ENV = "MASTER_PORT"
+LOCAL_RANKS_ENV = "TRIODE_TP_LOCAL_RANKS"  # ranks the engine runs; the rest are followers
+_LOOPBACK = "127.0.0.1"
+_GENERATION_KEY = "triode/generation"
+_ARGS_KEY = "triode/args"
+
+
+class TensorParallelSizeError(InvalidRequestError):
+    """``tensor_parallel_size`` cannot shard this model (or exceeds the CUDA devices); the
+    message names the constraint and the supported sizes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="tensor_parallel_size")
+
+    def __reduce__(self):  # crosses the worker-process boundary by pickle
+        return (type(self), (str(self),))
+
+
+class RendezvousError(TriodeError):
+    """The ranks could not form their process group (e.g. ``MASTER_PORT`` is taken)."""
+
+
+# --- partitioning ------------------------------------------------------------------------
+
+
+def _balanced(total: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank's contiguous share of ``total`` items: sizes differ by at most one."""
+    return total * rank // size, total * (rank + 1) // size
+
+
+def _attention_problem(num_heads: int, num_kv_heads: int, size: int) -> str | None:
+    if size <= num_kv_heads:
+        return None
+    if size % num_kv_heads:
+        return (f"with more ranks than KV heads ({num_kv_heads}), each KV head is replicated, "
+                f"so tensor_parallel_size must be a multiple of {num_kv_heads}")
+    if num_heads % size:
+        return (f"with more ranks than KV heads ({num_kv_heads}), tensor_parallel_size must "
+                f"divide the {num_heads} attention heads")
+    return None
+
+
+def supported_sizes(config: ModelConfig) -> list[int]:
+    """Every tensor-parallel size that can shard the model (never more than its heads)."""
+    limit = min(config.num_heads, config.intermediate_size, config.vocab_size)
+    return [
+        size for size in range(1, limit + 1)
+        if _attention_problem(config.num_heads, config.num_kv_heads, size) is None
+    ]
+
+
+def check_tensor_parallel(
+    config: ModelConfig,
+    size: int,
+    *,
+    device: torch.device | None = None,
+    local_ranks: int | None = None,
+) -> None:
+    """Raises ``TensorParallelSizeError`` when ``size`` ranks cannot shard the model, or when
+    this node has fewer CUDA devices than the ranks it runs (``local_ranks``, default all)."""
+    problem = _attention_problem(config.num_heads, config.num_kv_heads, size)
+    if problem is not None:
+        sizes = ", ".join(map(str, supported_sizes(config)))
+        raise TensorParallelSizeError(
+            f"tensor_parallel_size={size} cannot shard {config.architecture} with "
+            f"{config.num_heads} attention heads and {config.num_kv_heads} KV heads: {problem}; "
+            f"supported sizes: {sizes}"
+        )
+    if device is not None and device.type == "cuda":
+        available = torch.cuda.device_count()
+        local = size if local_ranks is None else local_ranks
+        if local > available:
+            here = "" if local == size else f" ({local} of them on this node)"
+            raise TensorParallelSizeError(
+                f"tensor_parallel_size={size}{here} needs one CUDA device per rank, but only "
+                f"{available} {'is' if available == 1 else 'are'} available"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class Partition:
+    """What one rank owns: [start, stop) ranges of query heads, KV heads, intermediate
+    features and vocabulary rows."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    max_kv_heads: int  # the most KV heads any rank holds: sizes every rank's KV cache alike
+    vocab_width: int  # the widest vocabulary shard: partial logits are padded to it
+    vocab_total: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, size: int) -> Partition:
+        check_tensor_parallel(config, size)
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of {size}")
+        heads, kv_heads = config.num_heads, config.num_kv_heads
+        group = heads // kv_heads
+        if size <= kv_heads:
+            kv = _balanced(kv_heads, rank, size)
+            q = (kv[0] * group, kv[1] * group)
+            max_kv = -(-kv_heads // size)
+        else:
+            replicas = size // kv_heads
+            head = rank // replicas
+            kv = (head, head + 1)
+            per_rank = heads // size
+            first = head * group + (rank % replicas) * per_rank
+            q = (first, first + per_rank)
+            max_kv = 1
+        return cls(
+            rank=rank, size=size, q_heads=q, kv_heads=kv,
+            intermediate=_balanced(config.intermediate_size, rank, size),
+            vocab=_balanced(config.vocab_size, rank, size),
+            max_kv_heads=max_kv, vocab_width=-(-config.vocab_size // size),
+            vocab_total=config.vocab_size,
+        )
+
+    def vocab_shards(self) -> list[tuple[int, int]]:
+        """Every rank's vocabulary range, in rank order."""
+        return [_balanced(self.vocab_total, rank, self.size) for rank in range(self.size)]
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab[1] - self.vocab[0]
+
+
+# --- the process group ---------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Rendezvous:
+    """Where the ranks meet: rank 0 serves a TCPStore at ``host:port``; the others connect.
+    Ranks ``local_ranks ..`` run elsewhere (followers, see ``engine.worker.follower``)."""
+
+    host: str
+    port: int
+    world_size: int
+    timeout_s: float = 300.0
+    local_ranks: int | None = None  # None: all of them run in this engine
+
+    @property
+    def has_followers(self) -> bool:
+        return self.local_ranks is not None and self.local_ranks < self.world_size
+
+
+def local_rank_count(world_size: int) -> int:
+    """How many of the ``world_size`` ranks this engine runs (``TRIODE_TP_LOCAL_RANKS``; all
+    by default). Fewer means multi-node: the others join as followers, which needs a fixed
+    ``MASTER_PORT`` to find rank 0."""
+    raw = os.environ.get(LOCAL_RANKS_ENV)
+    if not raw:
+        return world_size
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= world_size:
+        raise RendezvousError(
+            f"{LOCAL_RANKS_ENV}={raw!r} must be a number of ranks from 1 to "
+            f"tensor_parallel_size={world_size}"
+        )
+    if count < world_size and not os.environ.get(MASTER_PORT_ENV):
+        raise RendezvousError(
+            f"{LOCAL_RANKS_ENV}={count} leaves ranks {count}..{world_size - 1} to follower "
+            f"processes, which find rank 0 at {MASTER_ADDR_ENV}:{MASTER_PORT_ENV}: set both"
+        )
+    return count
+
+
+def rendezvous_address() -> tuple[str, int | None]:
+    """``(MASTER_ADDR, MASTER_PORT)`` from the environment; without MASTER_PORT the port is
+    None (rank 0 binds a free one). Without MASTER_ADDR the ranks meet on loopback."""
+    host = os.environ.get(MASTER_ADDR_ENV) or _LOOPBACK
+    raw = os.environ.get(MASTER_PORT_ENV)
+    if not raw:
+        return host, None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise RendezvousError(f"{MASTER_PORT_ENV}={raw!r} is not a TCP port (1-65535)")
+    return host, port
+
+
+def check_port_free(port: int) -> None:
+    """Raises ``RendezvousError`` when ``port`` cannot be listened on here (bound the way the
+    TCPStore binds it), so a taken port fails before any rank is spawned."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            raise RendezvousError(
+                f"{MASTER_PORT_ENV}={port} is not free for the tensor-parallel rendezvous "
+                f"({e.strerror}); choose another port or unset {MASTER_PORT_ENV} to use a free one"
+            ) from None
+
+
+def serve_store(host: str, port: int | None, timeout_s: float) -> torch.distributed.TCPStore:
+    """Rank 0's store (the rendezvous server) on ``port``, or on a free port when None."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(
+            host, port or 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except RuntimeError as e:
+        raise RendezvousError(
+            f"cannot serve the tensor-parallel rendezvous on {host}:{port or 0}: {e}"
+        ) from None
+
+
+def announce(store, args, rendezvous: Rendezvous) -> str:
+    """Rank 0, before joining: publishes the engine arguments and a new group generation for
+    followers; returns the generation (it names the plan keys of this group)."""
+    import pickle
+    import uuid
+
+    generation = uuid.uuid4().hex
+    store.set(_ARGS_KEY, pickle.dumps((args, rendezvous.world_size)))
+    store.set(_GENERATION_KEY, generation)
+    return generation
+
+
+def wait_for_announcement(store, poll_s: float = 5.0) -> tuple[str, object, int]:
+    """A follower: (generation, EngineArgs, world size) of the group rank 0 announced."""
+    import pickle
+
+    _wait(store, _GENERATION_KEY, poll_s)
+    generation = store.get(_GENERATION_KEY).decode()
+    args, world_size = pickle.loads(store.get(_ARGS_KEY))
+    return generation, args, world_size
+
+
+def _wait(store, key: str, poll_s: float) -> None:
+    import torch.distributed as dist
+
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(seconds=poll_s))
+            return
+        except dist.DistStoreError:  # a timeout: still idle; a lost connection raises on
+            continue
+
+
+class PlanFeed:
+    """Each step's plan from rank 0 to the followers, through the rendezvous store (the
+    engine hands plans only to the ranks it runs). Keys are numbered per group generation;
+    a step that ran collectives proves every follower has read its plans, so rank 0 then
+    deletes them."""
+
+    def __init__(self, store, generation: str) -> None:
+        self._store = store
+        self._prefix = f"triode/{generation}/plan/"
+        self._next = 0
+        self._unsettled: list[str] = []
+
+    def publish(self, plan) -> None:
+        import pickle
+
+        key = f"{self._prefix}{self._next}"
+        self._next += 1
+        self._store.set(key, pickle.dumps(plan))
+        self._unsettled.append(key)
+
+    def settle(self) -> None:
+        for key in self._unsettled:
+            self._store.delete_key(key)
+        self._unsettled.clear()
+
+    def receive(self, poll_s: float = 5.0):
+        import pickle
+
+        key = f"{self._prefix}{self._next}"
+        _wait(self._store, key, poll_s)
+        self._next += 1
+        return pickle.loads(self._store.get(key))
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TensorParallelGroup:
+    """One rank's membership of the (default) process group, and the collectives the model
+    uses. Every collective's wall time accumulates in ``collective_seconds`` (the runner resets
+    it per step). On CPU that is the whole collective, waiting for the slowest rank included;
+    on CUDA, where NCCL calls are asynchronous, it is the host-side time only."""
+
+    def __init__(self, partition: Partition) -> None:
+        self.partition = partition
+        self.rank = partition.rank
+        self.size = partition.size
+        self.collective_seconds = 0.0
+
+    @classmethod
+    def join(
+        cls,
+        partition: Partition,
+        rendezvous: Rendezvous,
+        device: torch.device,
+        store: torch.distributed.Store | None = None,
+    ) -> TensorParallelGroup:
+        """Joins the default process group as ``partition.rank`` (rank 0 passes the store it
+        serves; the others connect to ``rendezvous``)."""
+        import torch.distributed as dist
+
+        rank = partition.rank
+        timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        try:
+            if store is None:
+                store = dist.TCPStore(rendezvous.host, rendezvous.port, is_master=False, timeout=timeout)
+            dist.init_process_group(
+                backend_for(device), store=store, rank=rank, world_size=rendezvous.world_size,
+                timeout=timeout, device_id=device if device.type == "cuda" else None,
+            )
+        except RuntimeError as e:
+            raise RendezvousError(
+                f"rank {rank} could not join the tensor-parallel group at "
+                f"{rendezvous.host}:{rendezvous.port}: {e}"
+            ) from None
+        return cls(partition)
+
+    def leave(self) -> None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` over the ranks, in place."""
+        started = time.perf_counter()
+        torch.distributed.all_reduce(x)
+        self.collective_seconds += time.perf_counter() - started
+        return x
+
+    def gather_vocab(self, partial: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets the full [rows, vocab] logits from every rank's [rows, shard] part; the
+        other ranks get None."""
+        partition = self.partition
+        width = partition.vocab_width
+        if partial.shape[-1] != width:  # uneven shards: equal-size pieces for the gather
+            partial = torch.nn.functional.pad(partial, (0, width - partial.shape[-1]))
+        partial = partial.contiguous()
+        started = time.perf_counter()
+        pieces = [torch.empty_like(partial) for _ in range(self.size)] if self.rank == 0 else None
+        torch.distributed.gather(partial, pieces, dst=0)
+        self.collective_seconds += time.perf_counter() - started
+        if pieces is None:
+            return None
+        if partition.vocab_width * self.size != partition.vocab_total:
+            pieces = [
+                piece[:, : stop - start]
+                for piece, (start, stop) in zip(pieces, partition.vocab_shards(), strict=True)
+            ]
+        return torch.cat(pieces, dim=-1)
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident set (VmHWM), or None where /proc is not available."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,440 @@
+"""Contract tests: tensor parallelism over torch.distributed (gloo on CPU). TP=2 (and TP=4,
+slow) gives greedy token ids identical to TP=1 and logprobs within 1e-4, on tiny random
+models of every architecture whose KV heads are 1 (replicated), 2, and equal to the
+attention heads, plus uneven splits (whole GQA groups, intermediate and vocabulary shards of
+different sizes) and row-parallel biases; through the real engine (supervisor, one worker
+process per rank) on a tiny model and on the default model; SIGKILL of rank 1 mid-batch
+(and a hung rank, slow) restarts the whole group with undisturbed outputs and no stray
+process; a follower rank in another process ("another node", slow) joins and rejoins after
+a restart; sizes that cannot shard the model, too few CUDA devices, a taken MASTER_PORT and
+bad multi-node settings fail at start-up with typed errors naming the constraint, before
+any rank is spawned."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, EngineArgs, SamplingParams
+from engine.errors import KVCacheTooSmallError
+from engine.worker.distributed import (
+    Partition,
+    RendezvousError,
+    TensorParallelSizeError,
+    check_tensor_parallel,
+    supported_sizes,
+)
+from engine.worker.loading import iter_safetensors, load_hf_config
+from engine.worker.models.config import ModelConfig
+from engine.worker.models.llama import checkpoint_slices
+from tests.hf_compare import greedy_params, ours_greedy
+from tests.tp_ranks import Job, run_sharded
+
+MAX_TOKENS = 16
+ATOL = 1e-4
+
+# name -> (architecture, config overrides); heads are 4 unless overridden
+TINY = {
+    "llama-kv2": ("llama", {}),
+    "mistral-kv1": ("mistral", {}),
+    "qwen2-kv2": ("qwen2", {}),
+    "qwen3-kv2": ("qwen3", {}),
+    # KV heads == attention heads, tied embeddings, biases on every projection (o_proj's and
+    # down_proj's are row-parallel: added once)
+    "llama-mha-bias": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True,
+                                 "attention_bias": True, "mlp_bias": True}),
+    # 3 KV groups over 2 ranks (1 + 2), 99 intermediate (49 + 50), 401 vocab (200 + 201)
+    "qwen2-uneven": ("qwen2", {"num_attention_heads": 6, "num_key_value_heads": 3,
+                               "hidden_size": 96, "intermediate_size": 99, "vocab_size": 401}),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    texts = ["The quick brown fox", "Paris is the capital of",
+             "A paged key-value cache stores attention keys in fixed-size blocks of tokens.",
+             "def add(a, b):"]
+    return [tuple(tiny_tokenizer.encode(t)) for t in texts]
+
+
+def tiny_path(factory, name: str) -> Path:
+    architecture, overrides = TINY[name]
+    return factory(architecture, **overrides)
+
+
+def runner_args(path: Path) -> EngineArgs:
+    return EngineArgs(model=str(path), kv_cache_memory=16 << 20, max_model_len=256)
+
+
+def assert_same_generation(ours, reference, *, label: str = "") -> None:
+    """Token ids identical; each step's chosen and top logprobs within ATOL."""
+    for index, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
+        zip(ours, reference, strict=True)
+    ):
+        assert tokens == ref_tokens, f"{label} prompt {index}: {tokens} != {ref_tokens}"
+        for step, (got, want) in enumerate(zip(logprobs, ref_logprobs, strict=True)):
+            assert abs(got.logprob - want.logprob) < ATOL, (label, index, step, got, want)
+            want_top = dict(want.top)
+            for token, value in got.top:
+                if token in want_top:
+                    assert abs(value - want_top[token]) < ATOL, (label, index, step, token)
+
+
+def alive_children() -> set[int]:
+    """Pids of this process's children that are still running (zombies excluded)."""
+    me = str(os.getpid())
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if ppid == me and state != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+# --- partitioning (no processes) ---------------------------------------------------------
+
+
+def _config(heads: int, kv_heads: int, *, intermediate: int = 128, vocab: int = 400) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=heads * 16,
+        intermediate_size=intermediate, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
+        mlp_bias=False, qk_norm=False, sliding_window=None, eos_token_ids=(0,), bos_token_id=None,
+    )
+
+
+def test_default_model_shape_supports_sizes_1_2_3_9():
+    # SmolLM2-135M: 9 heads in 3 GQA groups of 3.
+    config = _config(9, 3, intermediate=1536, vocab=49152)
+    assert supported_sizes(config) == [1, 2, 3, 9]
+    rank0, rank1 = (Partition.of(config, rank, 2) for rank in range(2))
+    assert (rank0.kv_heads, rank0.q_heads, rank1.kv_heads, rank1.q_heads) == ((0, 1), (0, 3), (1, 3), (3, 9))
+    assert rank0.max_kv_heads == rank1.max_kv_heads == 2
+    assert (rank0.intermediate, rank1.intermediate) == ((0, 768), (768, 1536))
+    assert (rank0.vocab, rank1.vocab) == ((0, 24576), (24576, 49152))
+    with pytest.raises(TensorParallelSizeError, match=r"multiple of 3; supported sizes: 1, 2, 3, 9"):
+        check_tensor_parallel(config, 4)
+    with pytest.raises(TensorParallelSizeError, match=r"divide the 9 attention heads"):
+        check_tensor_parallel(config, 6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (4, 4), (9, 3), (6, 3), (8, 8), (32, 8), (12, 2)])
+def test_every_rank_owns_whole_gqa_groups(heads, kv_heads):
+    config = _config(heads, kv_heads, intermediate=101, vocab=403)
+    group = heads // kv_heads
+    for size in supported_sizes(config):
+        parts = [Partition.of(config, rank, size) for rank in range(size)]
+        q_heads = [h for p in parts for h in range(*p.q_heads)]
+        assert q_heads == list(range(heads)), size  # each query head on exactly one rank
+        for p in parts:
+            # every query head of a rank reads a KV head the same rank holds
+            assert all(p.kv_heads[0] <= h // group < p.kv_heads[1] for h in range(*p.q_heads))
+            assert p.num_kv_heads <= p.max_kv_heads
+        kv = {h for p in parts for h in range(*p.kv_heads)}
+        assert kv == set(range(kv_heads))  # replicated when size > kv_heads, never lost
+        for field, total in (("intermediate", 101), ("vocab", 403)):
+            ranges = [getattr(p, field) for p in parts]
+            assert ranges[0][0] == 0 and ranges[-1][1] == total
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_each_rank_reads_only_its_slices(tiny_model_factory):
+    path = tiny_path(tiny_model_factory, "qwen2-uneven")
+    config = ModelConfig.from_hf(load_hf_config(path))
+    full = dict(iter_safetensors(path))
+    for rank in range(2):
+        select = checkpoint_slices(config, Partition.of(config, rank, 2))
+        for name, tensor in iter_safetensors(path, select=select):
+            spec = select(name)
+            expected = full[name] if spec is None else full[name].narrow(spec[0], spec[1], spec[2] - spec[1])
+            assert torch.equal(tensor, expected), name
+            if spec is not None:
+                assert tensor.shape[spec[0]] < full[name].shape[spec[0]], name
+
+
+def test_one_rank_forms_no_process_group(tiny_model_factory):
+    import torch.distributed as dist
+
+    from engine.worker.runner import ModelRunner
+
+    path = tiny_path(tiny_model_factory, "llama-kv2")
+    runner = ModelRunner(runner_args(path), path)
+    assert runner.parallel is None and not dist.is_initialized()
+
+
+# --- sharded model math: ranks in spawned processes, no engine ----------------------------
+
+
+def _jobs(factory, names, prompts):
+    return [
+        Job(path=tiny_path(factory, name), prompts=tuple(prompts), params=greedy_params(MAX_TOKENS),
+            args=runner_args(tiny_path(factory, name)))
+        for name in names
+    ]
+
+
+def _check_sharded(factory, names, prompts, world_size):
+    sharded = run_sharded(world_size, _jobs(factory, names, prompts))
+    for name, ours in zip(names, sharded, strict=True):
+        path = tiny_path(factory, name)
+        reference = ours_greedy(path, prompts, MAX_TOKENS)
+        assert_same_generation(ours, reference, label=f"{name} at TP={world_size}")
+
+
+def test_tp2_matches_tp1_on_every_architecture(tiny_model_factory, prompts):
+    _check_sharded(tiny_model_factory, list(TINY), prompts, 2)
+
+
+@pytest.mark.slow
+def test_tp4_replicates_kv_heads(tiny_model_factory, prompts):
+    # 2 KV heads on 4 ranks (each twice), 1 KV head on 4 ranks, and 4 of 4 heads.
+    _check_sharded(tiny_model_factory, ["llama-kv2", "mistral-kv1", "llama-mha-bias"], prompts, 4)
+
+
+# --- through the engine: supervisor, one worker process per rank --------------------------
+
+
+def _engine_outputs(llm: LLM, prompts, params):
+    outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0] for o in outputs], outputs
+
+
+def test_engine_tp2_matches_tp1_with_prompt_logprobs(tiny_model_factory, prompts):
+    path = tiny_path(tiny_model_factory, "qwen2-uneven")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=3)
+    results = {}
+    for size in (1, 2):
+        before = alive_children()
+        with LLM(str(path), tensor_parallel_size=size, kv_cache_memory="16MiB", max_model_len=256) as llm:
+            completions, outputs = _engine_outputs(llm, prompts, params)
+            stats = llm.engine.statistics()
+            pids = stats.worker_pids
+        assert not (set(pids) & alive_children()), "a rank outlived the engine"
+        assert alive_children() <= before
+        results[size] = (
+            [(list(c.token_ids), list(c.logprobs)) for c in completions],
+            [o.prompt_logprobs for o in outputs],
+        )
+        assert stats.tensor_parallel_size == size and len(pids) == size
+        assert len(stats.rank_step_seconds_total) == size == len(stats.rank_peak_rss_bytes)
+        assert all(seconds > 0 for seconds in stats.rank_step_seconds_total)
+        if size == 2:
+            assert all(0 < c < s for c, s in zip(stats.rank_collective_seconds_total,
+                                                  stats.rank_step_seconds_total, strict=True))
+    assert_same_generation(results[2][0], results[1][0], label="engine")
+    for got, want in zip(results[2][1], results[1][1], strict=True):
+        assert [p.token_id for p in got] == [p.token_id for p in want]
+        assert all(abs(a.logprob - b.logprob) < ATOL for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.slow
+def test_hung_rank_trips_the_watchdog_and_the_group_restarts(tiny_model_factory, prompts):
+    path = tiny_path(tiny_model_factory, "llama-kv2")
+    reference = [tokens for tokens, _ in ours_greedy(path, prompts, MAX_TOKENS)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256,
+             step_timeout=2.0) as llm:
+        engine = llm.engine
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"hang-{index}", list(prompt), params)
+        old_pids = engine.statistics().worker_pids
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            if steps == 3:
+                os.kill(old_pids[1], signal.SIGSTOP)  # rank 0 now waits in its next all-reduce
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = list(output.outputs[0].token_ids)
+            steps += 1
+        stats = engine.supervisor.statistics()
+    assert [finished[f"hang-{i}"] for i in range(len(prompts))] == reference
+    assert stats.worker_restarts == 1 and "step_timeout" in stats.last_failure
+    assert not any(is_running(pid) for pid in old_pids)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
+    tiny_model_factory, prompts, monkeypatch
+):
+    # Two "nodes" on loopback: the engine runs rank 0, a follower process runs rank 1.
+    path = tiny_path(tiny_model_factory, "llama-kv2")
+    reference = [tokens for tokens, _ in ours_greedy(path, prompts, MAX_TOKENS)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    port = _free_port()
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "engine.worker.follower", "--rank", "1", "--threads", "1"],
+        env=dict(os.environ),
+    )
+    try:
+        monkeypatch.setenv("TRIODE_TP_LOCAL_RANKS", "1")
+        with LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256) as llm:
+            engine = llm.engine
+            assert len(engine.statistics().worker_pids) == 1  # only rank 0 is the engine's
+            outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+            # Rank 0 dies mid-batch: the engine restarts it, the follower joins the new group.
+            for index, prompt in enumerate(prompts):
+                engine.add_request(f"node-{index}", list(prompt), params)
+            finished, steps = {}, 0
+            while engine.has_unfinished_requests():
+                if steps == 3:
+                    os.kill(engine.statistics().worker_pids[0], signal.SIGKILL)
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = list(output.outputs[0].token_ids)
+                steps += 1
+            assert [finished[f"node-{i}"] for i in range(len(prompts))] == reference
+            assert engine.statistics().worker_restarts == 1
+        assert follower.poll() is None  # it outlives the engine, waiting for the next group
+    finally:
+        follower.kill()
+        follower.wait()
+
+
+@pytest.fixture(scope="module")
+def default_path():
+    from engine.worker.loading import resolve_model
+
+    return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
+
+
+@pytest.fixture(scope="module")
+def default_prompts(default_path):
+    from engine.inputs import load_tokenizer
+
+    tokenizer = load_tokenizer(default_path)
+    texts = ["What is the capital of France?", "def quicksort(items):",
+             "The three laws of thermodynamics are", "List five fruits:",
+             "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+             "1, 2, 3, 4,"]
+    return [tuple(tokenizer.encode(text)) for text in texts]
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_path, default_prompts):
+    return ours_greedy(default_path, default_prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def default_tp2():
+    with LLM(tensor_parallel_size=2, kv_cache_memory="128MiB", max_model_len=512) as llm:
+        yield llm
+
+
+@pytest.mark.default_model
+def test_default_model_tp2_matches_tp1(default_tp2, default_prompts, default_reference):
+    completions, _ = _engine_outputs(default_tp2, default_prompts, greedy_params(MAX_TOKENS))
+    ours = [(list(c.token_ids), list(c.logprobs)) for c in completions]
+    assert_same_generation(ours, default_reference, label="default model")
+
+
+@pytest.mark.default_model
+def test_sigkill_of_rank_1_restarts_the_group_and_loses_nothing(default_tp2, default_prompts, default_reference):
+    engine = default_tp2.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for index, prompt in enumerate(default_prompts):
+        engine.add_request(f"kill-{index}", list(prompt), params)
+    old_pids = engine.statistics().worker_pids
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        if steps == 4:
+            os.kill(old_pids[1], signal.SIGKILL)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+        steps += 1
+    assert [finished[f"kill-{i}"] for i in range(len(default_prompts))] == [t for t, _ in default_reference]
+    stats = engine.statistics()
+    assert stats.worker_restarts == 1
+    assert len(stats.worker_pids) == 2 and not set(stats.worker_pids) & set(old_pids)
+    assert not any(is_running(pid) for pid in old_pids), "a rank of the old group survived"
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+# --- bad input: typed errors at start-up, nothing left running ----------------------------
+
+
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        ({"tensor_parallel_size": 3}, TensorParallelSizeError,
+         r"tensor_parallel_size=3 cannot shard .* 4 attention heads and 2 KV heads: .*multiple of 2; "
+         r"supported sizes: 1, 2, 4"),
+        ({"tensor_parallel_size": 8}, TensorParallelSizeError,
+         r"must divide the 4 attention heads; supported sizes: 1, 2, 4"),
+        ({"tensor_parallel_size": 2, "device": "cuda"}, TensorParallelSizeError,
+         r"needs one CUDA device per rank"),
+    ],
+    ids=["not-dividing", "more-than-heads", "more-than-cuda-devices"],
+)
+def test_bad_sizes_fail_before_spawning(tiny_model_factory, options, error, message):
+    if options.get("device") == "cuda" and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the CUDA devices")
+    path = tiny_path(tiny_model_factory, "llama-kv2")
+    before = alive_children()
+    with pytest.raises(error, match=message) as info:
+        LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, **options)
+    assert info.value.field == "tensor_parallel_size"
+    assert alive_children() <= before
+
+
+def test_taken_or_bad_rendezvous_settings_fail_before_spawning(tiny_model_factory, monkeypatch):
+    path = tiny_path(tiny_model_factory, "llama-kv2")
+    before = alive_children()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with pytest.raises(RendezvousError, match=r"MASTER_PORT=\d+ is not free"):
+            LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256)
+    monkeypatch.setenv("MASTER_PORT", "http")
+    with pytest.raises(RendezvousError, match=r"MASTER_PORT='http' is not a TCP port"):
+        LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256)
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("TRIODE_TP_LOCAL_RANKS", "1")  # followers elsewhere, but where is rank 0?
+    with pytest.raises(RendezvousError, match=r"TRIODE_TP_LOCAL_RANKS=1 .* MASTER_ADDR:MASTER_PORT"):
+        LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256)
+    monkeypatch.setenv("TRIODE_TP_LOCAL_RANKS", "3")
+    with pytest.raises(RendezvousError, match=r"from 1 to tensor_parallel_size=2"):
+        LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256)
+    assert alive_children() <= before
+
+
+def test_rank_load_error_fails_the_start_and_leaves_no_rank(tiny_model_factory):
+    path = tiny_path(tiny_model_factory, "llama-kv2")
+    before = alive_children()
+    with pytest.raises(KVCacheTooSmallError, match="kv_cache_memory"):
+        LLM(str(path), tensor_parallel_size=2, kv_cache_memory=4096, max_model_len=256)
+    assert alive_children() <= before
