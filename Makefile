@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint bench-step clean
+.PHONY: setup serve test test-scenarios lint bench-step clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,11 @@ serve: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not scenarios" $(PYTEST_ARGS)
+
+# The scenario files against real servers: about 20 minutes on 2 cores.
+test-scenarios: setup
+	$(BIN)/python -m pytest -m scenarios $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -7,24 +7,23 @@ from pathlib import Path
 
 import pytest
 
-from frontend.scenarios.runner import ScenarioRunner
+from frontend.scenarios.command import run_all
 from frontend.scenarios.spec import ScenarioError, load_scenario, load_scenarios
 
-pytestmark = [pytest.mark.default_model, pytest.mark.slow]
+pytestmark = [pytest.mark.default_model]
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 
 
-@pytest.fixture(scope="module")
-def runner():
-    # One runner for the module: reference runs are shared between scenarios.
-    return ScenarioRunner(model=None)
-
-
-@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
-async def test_scenario_holds(runner, path):
-    verdict = await runner.run(load_scenario(path))
-    assert verdict.passed, "\n".join(verdict.failures)
+@pytest.mark.scenarios
+@pytest.mark.slow
+async def test_every_scenario_holds():
+    # One runner for all files, as `triode scenario run scenarios/` plays them: scenarios with
+    # the same reference arguments share one undisturbed reference server.
+    verdicts = await run_all(SCENARIOS, model=None)
+    failures = [f"{v.name}: {failure}" for v in verdicts for failure in v.failures]
+    assert not failures, "\n".join(failures)
+    assert len(verdicts) == len(list(SCENARIOS.glob("*.toml")))
 
 
 def test_there_are_enough_scenarios_covering_every_fault():

@@ -12,6 +12,7 @@ from engine.config import parse_size
 from engine.errors import TriodeError
 from frontend.bench_serve import add_bench_serve
 from frontend.engine_flags import add_engine_flags, engine_args_from
+from frontend.scenarios.command import add_scenario_commands
 
 
 def _serve(namespace: argparse.Namespace) -> int:
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     add_bench_commands(benches)
     add_bench_serve(benches)
+    add_scenario_commands(commands)
     return parser
 
 

@@ -16,8 +16,11 @@ _STARTED = int(time.time())
 
 @blueprint.get("/health")
 async def health() -> Response:
-    """200 once the model is loaded; 503 while loading, draining, or after the engine died."""
-    host().require_ready()  # raises the 503 that names the state
+    """200 once the model is loaded; 503 while loading, restarting workers, draining, or dead."""
+    llm = host().require_ready()  # raises the 503 that names the state
+    if llm.supervisor.restarting:
+        # Requests are still accepted (they queue and wait); a balancer should look elsewhere.
+        return jsonify({"status": "restarting"}), 503
     return jsonify({"status": "ready"})
 
 

@@ -34,6 +34,7 @@ class RequestResult:
     chunks: int = 0
     disconnected: bool = False
     slow: bool = False  # a deliberately slow reader: its latency is its own doing
+    progress_times: list[float] = attrs.Factory(list)  # when output arrived (trio clock)
 
 
 def build_requests(workload: Workload) -> list[RequestSpec]:
@@ -75,6 +76,7 @@ async def send(client: httpx2.AsyncClient, spec: RequestSpec) -> RequestResult:
             result.status = response.status_code
             payload = response.json()
             if response.status_code == 200:
+                result.progress_times.append(trio.current_time())
                 choice = payload["choices"][0]
                 result.text, result.finish_reason = _delta_text(choice), choice.get("finish_reason")
             else:
@@ -110,6 +112,8 @@ async def _stream(client: httpx2.AsyncClient, spec: RequestSpec, result: Request
                 if text and result.first_token is None:
                     result.first_token = trio.current_time() - started
                 result.text += text
+                if text:
+                    result.progress_times.append(trio.current_time())
                 result.finish_reason = choice.get("finish_reason") or result.finish_reason
             result.chunks += 1
             if spec.disconnect_after is not None and result.chunks >= spec.disconnect_after:

@@ -32,16 +32,19 @@ async def run_all(target: Path, *, model: str | None) -> list[Verdict]:
     widths[0] = max(widths[0], *(len(s.name) for s in scenarios))
     print("  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)), flush=True)
     verdicts = []
-    for scenario in scenarios:
-        try:
-            verdict = await runner.run(scenario)
-        except RuntimeError as e:  # the server could not be started or misbehaved outright
-            verdict = Verdict(name=scenario.name)
-            verdict.fail(str(e))
-        verdicts.append(verdict)
-        print("  ".join(c.ljust(w) for c, w in zip(_row(verdict), widths, strict=True)), flush=True)
-        for failure in verdict.failures:
-            print(f"    - {failure}", flush=True)
+    try:
+        for scenario in scenarios:
+            try:
+                verdict = await runner.run(scenario)
+            except RuntimeError as e:  # the server could not be started or misbehaved outright
+                verdict = Verdict(name=scenario.name)
+                verdict.fail(str(e))
+            verdicts.append(verdict)
+            print("  ".join(c.ljust(w) for c, w in zip(_row(verdict), widths, strict=True)), flush=True)
+            for failure in verdict.failures:
+                print(f"    - {failure}", flush=True)
+    finally:
+        await runner.close()
     return verdicts
 
 

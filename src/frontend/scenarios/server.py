@@ -57,20 +57,22 @@ class ServerProcess:
             return 0
 
     async def metrics(self) -> dict[str, float]:
-        """Prometheus samples as ``name{labels}`` -> value (labels verbatim)."""
+        """Prometheus samples by metric name, summed over label sets (one model per server)."""
         async with httpx2.AsyncClient(timeout=5.0) as client:
             text = (await client.get(f"{self.base_url}/metrics")).text
         samples = {}
         for line in text.splitlines():
             match = _METRIC.match(line)
-            if match:
-                key = match["name"] + (f"{{{match['labels']}}}" if match["labels"] else "")
-                samples[key] = float(match["value"])
+            if match and not match["name"].startswith("triode:worker_pid"):
+                samples[match["name"]] = samples.get(match["name"], 0.0) + float(match["value"])
         return samples
 
     async def worker_pids(self) -> list[int]:
         """From the server's own statistics: the triode:worker_pid gauge, one per rank."""
-        return [int(v) for k, v in (await self.metrics()).items() if k.startswith("triode:worker_pid")]
+        async with httpx2.AsyncClient(timeout=5.0) as client:
+            text = (await client.get(f"{self.base_url}/metrics")).text
+        return [int(float(m["value"])) for line in text.splitlines()
+                if (m := _METRIC.match(line)) and m["name"] == "triode:worker_pid"]
 
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -90,8 +92,11 @@ class ServerProcess:
         if code is None:
             self.process.kill()
             code = await self.wait(10.0)
+        self._log.close()
         return code
 
     def log_tail(self, lines: int = 30) -> str:
+        if self._log.closed:
+            return ""
         self._log.seek(0)
         return "\n".join(self._log.read().decode(errors="replace").splitlines()[-lines:])

@@ -55,6 +55,7 @@ class Expect:
     statuses: tuple[int, ...] = ()  # non-200 statuses that are acceptable (4xx for malformed input)
     max_p99_ratio: float | None = None  # p99 latency relative to the undisturbed run
     min_preemptions: int = 0
+    min_worker_restarts: int = 0  # proves an injected worker fault really happened
     server_exit_code: int | None = None  # for scenarios that stop the server
     max_rss_growth_mb: float | None = None  # server process memory growth over the run
 
