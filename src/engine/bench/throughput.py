@@ -11,23 +11,29 @@ from tqdm import tqdm
 
 from engine.bench.report import machine_description, plot_bars, print_table, write_json
 from engine.bench.workloads import Workload, make_workload
+from engine.engine_stats import EngineStatistics
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
-def run_triode(llm: LLM, workload: Workload) -> dict:
+def timed_generate(llm: LLM, workload: Workload) -> tuple[float, EngineStatistics, EngineStatistics]:
+    """Runs the workload greedily through ``llm``; (seconds, statistics before, after)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     before = llm.engine.statistics()
     started = time.perf_counter()
     outputs = llm.generate(list(workload.prompts), params, use_tqdm=True)
     seconds = time.perf_counter() - started
-    after = llm.engine.statistics()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
+    return seconds, before, llm.engine.statistics()
+
+
+def run_triode(llm: LLM, workload: Workload) -> dict:
+    seconds, before, after = timed_generate(llm, workload)
     idle = after.worker_idle_seconds - before.worker_idle_seconds
     return {
         "seconds": seconds,
-        "tokens_per_second": produced / seconds,
+        "tokens_per_second": workload.total_output_tokens / seconds,
         "worker_idle_share": idle / seconds,
         "steps": after.steps - before.steps,
         "preemptions": after.num_preemptions - before.num_preemptions,

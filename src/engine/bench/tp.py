@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from engine.bench.report import machine_description, print_table, write_json
+from engine.bench.throughput import timed_generate
 from engine.bench.workloads import Workload, make_workload
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 MiB = 1 << 20
 
@@ -38,14 +38,8 @@ def measure(model: str | None, size: int, workload: Workload, kv_cache_memory: s
     with LLM(model, tensor_parallel_size=size, kv_cache_memory=kv_cache_memory, max_model_len=1024) as llm:
         startup = time.perf_counter() - started
         infos = llm.engine.supervisor.worker_infos
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-        before = llm.engine.statistics()
-        started = time.perf_counter()
-        outputs = llm.generate(list(workload.prompts), params, use_tqdm=True)
-        seconds = time.perf_counter() - started
-        after = llm.engine.statistics()
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
+        seconds, before, after = timed_generate(llm, workload)
+    produced = workload.total_output_tokens
     steps = max(1, after.steps - before.steps)
     step_ms = [
         (a - b) / steps * 1000
