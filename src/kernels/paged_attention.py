@@ -2,12 +2,14 @@
 
 Composes the two attention ops: rows ``0..num_decodes`` go to decode attention (one token per
 sequence), the rest to prefill attention. The torch reference runs everywhere (it is the CPU
-path): decodes are batched into one padded matmul, prefill chunks go through
-scaled_dot_product_attention one sequence at a time. The Triton version launches the decode
+path): decodes are batched into padded scaled_dot_product_attention calls, one per bucket of
+similar context lengths (see :func:`length_buckets`), prefill chunks go one sequence at a time. The Triton version launches the decode
 kernel(s) and the prefill kernel into one output tensor.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -19,6 +21,7 @@ from kernels.prefill_attention import gather_kv, launch_prefill, prefill_attenti
 __all__ = [
     "check_attention_args",
     "gather_kv",
+    "length_buckets",
     "paged_attention_reference",
     "paged_attention_triton",
 ]
@@ -38,13 +41,63 @@ def paged_attention_reference(
     out = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        out[:num_decodes] = decode_attention_reference(
-            query[:num_decodes], k_cache, v_cache, metadata.block_tables,
-            metadata.seq_lens, max(metadata.seq_lens_host[:num_decodes]), scale,
-        )
+        lengths = metadata.seq_lens_host[:num_decodes]
+        for rows, longest in _decode_buckets(metadata, k_cache.shape[1]):
+            if rows is None:
+                out[:num_decodes] = decode_attention_reference(
+                    query[:num_decodes], k_cache, v_cache, metadata.block_tables,
+                    metadata.seq_lens, max(lengths), scale,
+                )
+                continue
+            out.index_copy_(0, rows, decode_attention_reference(
+                query.index_select(0, rows), k_cache, v_cache,
+                metadata.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows),
+                longest, scale,
+            ))
     if num_decodes < metadata.num_seqs:
         prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
     return out
+
+
+# A bucket's sequences are padded to its longest; a shorter one starts a new bucket once the
+# padding would exceed this share of its length, unless the bucket is short anyway (then one
+# more call costs more than the padding). Measured on the CPU path at 128 decodes with 16-528
+# token contexts: one padded call 8.4 ms per layer, about half of it spent on padding.
+BUCKET_MIN_SHARE = 0.7
+BUCKET_FLOOR_TOKENS = 128
+
+
+def length_buckets(lengths: Sequence[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Groups sequence indices by context length: (indices, padded length) per group, longest
+    group first. Lengths are padded to whole blocks, as the gather reads them."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    buckets: list[tuple[list[int], int]] = []
+    for index in order:
+        padded = -(-lengths[index] // block_size) * block_size
+        if buckets:
+            members, longest = buckets[-1]
+            if longest <= BUCKET_FLOOR_TOKENS or padded >= BUCKET_MIN_SHARE * longest:
+                members.append(index)
+                continue
+        buckets.append(([index], padded))
+    return buckets
+
+
+_last_buckets: list = [None, 0, []]
+
+
+def _decode_buckets(metadata: AttentionMetadata, block_size: int) -> list:
+    """(row indices or None for all decodes, padded length) per bucket; computed once per step
+    (every layer passes the same metadata)."""
+    if _last_buckets[0] is metadata and _last_buckets[1] == block_size:
+        return _last_buckets[2]
+    buckets = length_buckets(metadata.seq_lens_host[:metadata.num_decodes], block_size)
+    device = metadata.seq_lens.device
+    result = [(None, longest) if len(buckets) == 1 else
+              (torch.tensor(members, dtype=torch.long, device=device), longest)
+              for members, longest in buckets]
+    _last_buckets[:] = [metadata, block_size, result]
+    return result
 
 
 def check_attention_args(

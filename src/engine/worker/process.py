@@ -28,6 +28,7 @@ from engine.worker.distributed import (
     serve_store,
 )
 from engine.worker.faults import Fault, inject, parse_fault_plan
+from engine.worker.host_memory import keep_freed_memory
 from engine.worker.protocol import StepPlan, StepResult
 from engine.worker.runner import ModelRunner
 
@@ -79,6 +80,7 @@ def load(
     started = time.perf_counter()
     baseline = peak_resident_bytes()
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    keep_freed_memory()
     if _runner is not None:
         _runner.close()
     _runner = _feed = None
