@@ -322,6 +322,8 @@ def test_metrics_names(client, url):
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
         assert f"triode:{name}{{" in text, name
     assert f'triode:worker_pid{{model_name="{MODEL}",rank="0"}}' in text
+    assert f'triode:rank_step_seconds_total{{model_name="{MODEL}",rank="0"}}' in text
+    assert f'triode:engine_steps_total{{model_name="{MODEL}"}}' in text
     assert "process_resident_memory_bytes " in text
     assert f'triode:request_success_total{{finished_reason="length",model_name="{MODEL}"}}' in text
 

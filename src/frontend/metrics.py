@@ -4,8 +4,11 @@
 
 Gauges and the engine's own counters are read from ``AsyncLLM.statistics()`` at scrape time;
 token counters, finish reasons and latency histograms come from an output observer the engine
-calls for every output it delivers (it must not block, and does not). Also exported:
-``triode:worker_pid`` (one gauge per rank) and the server process's own ``process_*`` series."""
+calls for every output it delivers (it must not block, and does not). Also exported: the
+engine's step count and step time, per rank ``triode:worker_pid``,
+``triode:rank_step_seconds_total`` and ``triode:rank_collective_seconds_total`` (the share of
+the step a tensor-parallel rank spent in all-reduce and gather; measured inside the workers),
+and the server process's own ``process_*`` series."""
 
 from __future__ import annotations
 
@@ -71,7 +74,11 @@ class _EngineCollector:
         for rank, pid in enumerate(stats.worker_pids):
             pids.add_metric([self._model_name, str(rank)], pid)
         yield pids
+        yield from self._rank_counters(stats)
         for name, doc, value in (
+            ("triode:engine_steps", "Model steps executed.", stats.steps),
+            ("triode:engine_step_seconds", "Wall time of model steps, as the engine waited for them.",
+             stats.step_seconds_total),
             ("triode:num_preemptions", "Preemptions (requests recomputed).", stats.num_preemptions),
             ("triode:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              stats.prefix_cache_queries),
@@ -80,6 +87,18 @@ class _EngineCollector:
         ):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
+            yield family
+
+    def _rank_counters(self, stats: EngineStatistics):
+        for name, doc, totals in (
+            ("triode:rank_step_seconds", "Step time measured inside each rank's worker.",
+             stats.rank_step_seconds_total),
+            ("triode:rank_collective_seconds", "Of the step time, all-reduce and logits gather.",
+             stats.rank_collective_seconds_total),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name", "rank"])
+            for rank, seconds in enumerate(totals):
+                family.add_metric([self._model_name, str(rank)], seconds)
             yield family
 
 
