@@ -62,10 +62,12 @@ def serve(
     """Joins group after group as ``rank``; returns after ``groups`` groups (None: never)."""
     import torch.distributed as dist
 
+    from engine.worker.host_memory import keep_freed_memory
     from engine.worker.loading import resolve_model
     from engine.worker.runner import ModelRunner
 
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    keep_freed_memory()
     joined: str | None = None
     served = 0
     while groups is None or served < groups:
