@@ -37,6 +37,29 @@ class RequestResult:
     progress_times: list[float] = attrs.Factory(list)  # when output arrived (trio clock)
 
 
+class Progress:
+    """Output chunks all clients have received so far: faults wait for a count of them, so
+    they land mid-stream however fast the machine is, instead of at a guessed second."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self._waiters: list[tuple[int, trio.Event]] = []
+
+    def note(self) -> None:
+        self.chunks += 1
+        for threshold, event in self._waiters:
+            if self.chunks >= threshold:
+                event.set()
+
+    async def wait_for(self, chunks: int) -> None:
+        if self.chunks >= chunks:
+            await trio.lowlevel.checkpoint()
+            return
+        event = trio.Event()
+        self._waiters.append((chunks, event))
+        await event.wait()
+
+
 def build_requests(workload: Workload) -> list[RequestSpec]:
     rng = random.Random(workload.seed)
     specs = []
@@ -65,12 +88,12 @@ def _delta_text(choice: dict) -> str:
     return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
 
 
-async def send(client: httpx2.AsyncClient, spec: RequestSpec) -> RequestResult:
+async def send(client: httpx2.AsyncClient, spec: RequestSpec, progress: Progress) -> RequestResult:
     result = RequestResult(index=spec.index, slow=spec.read_interval > 0)
     started = trio.current_time()
     try:
         if spec.body.get("stream"):
-            await _stream(client, spec, result, started)
+            await _stream(client, spec, result, started, progress)
         else:
             response = await client.post(spec.path, json=spec.body)
             result.status = response.status_code
@@ -87,7 +110,8 @@ async def send(client: httpx2.AsyncClient, spec: RequestSpec) -> RequestResult:
     return result
 
 
-async def _stream(client: httpx2.AsyncClient, spec: RequestSpec, result: RequestResult, started: float) -> None:
+async def _stream(client: httpx2.AsyncClient, spec: RequestSpec, result: RequestResult, started: float,
+                  progress: Progress) -> None:
     async with client.stream("POST", spec.path, json=spec.body) as response:
         result.status = response.status_code
         if response.status_code != 200:
@@ -114,6 +138,7 @@ async def _stream(client: httpx2.AsyncClient, spec: RequestSpec, result: Request
                 result.text += text
                 if text:
                     result.progress_times.append(trio.current_time())
+                    progress.note()
                 result.finish_reason = choice.get("finish_reason") or result.finish_reason
             result.chunks += 1
             if spec.disconnect_after is not None and result.chunks >= spec.disconnect_after:
@@ -123,8 +148,10 @@ async def _stream(client: httpx2.AsyncClient, spec: RequestSpec, result: Request
                 await trio.sleep(spec.read_interval)
 
 
-async def play(base_url: str, specs: list[RequestSpec], workload: Workload) -> list[RequestResult]:
+async def play(base_url: str, specs: list[RequestSpec], workload: Workload,
+               progress: Progress | None = None) -> list[RequestResult]:
     """Fixed concurrency (``concurrency`` clients) or open-loop Poisson arrivals."""
+    progress = progress if progress is not None else Progress()
     results: list[RequestResult] = []
     limits = httpx2.Limits(max_connections=max(workload.concurrency, 1) + 8)
     timeout = httpx2.Timeout(600.0, connect=10.0)
@@ -133,14 +160,14 @@ async def play(base_url: str, specs: list[RequestSpec], workload: Workload) -> l
             rng = random.Random(workload.seed + 1)
             async with trio.open_nursery() as nursery:
                 for spec in specs:
-                    nursery.start_soon(_record, client, spec, results)
+                    nursery.start_soon(_record, client, spec, results, progress)
                     await trio.sleep(rng.expovariate(workload.arrival_rate))
         else:
             queue = list(reversed(specs))
 
             async def worker() -> None:
                 while queue:
-                    await _record(client, queue.pop(), results)
+                    await _record(client, queue.pop(), results, progress)
 
             async with trio.open_nursery() as nursery:
                 for _ in range(min(workload.concurrency, len(specs))):
@@ -148,5 +175,6 @@ async def play(base_url: str, specs: list[RequestSpec], workload: Workload) -> l
     return sorted(results, key=lambda r: r.index)
 
 
-async def _record(client: httpx2.AsyncClient, spec: RequestSpec, results: list[RequestResult]) -> None:
-    results.append(await send(client, spec))
+async def _record(client: httpx2.AsyncClient, spec: RequestSpec, results: list[RequestResult],
+                  progress: Progress) -> None:
+    results.append(await send(client, spec, progress))

@@ -10,10 +10,11 @@ from pathlib import Path
 import attrs
 import trio
 
-from frontend.scenarios.runner import ScenarioRunner, Verdict
+from frontend.scenarios.judge import Verdict
+from frontend.scenarios.runner import ScenarioRunner
 from frontend.scenarios.spec import ScenarioError, load_scenarios
 
-_COLUMNS = ("scenario", "verdict", "requests", "lost", "mismatched", "recovery s", "p99 s", "load s")
+_COLUMNS = ("scenario", "verdict", "requests", "lost", "mismatched", "recovery s", "p99 s", "load s", "wall s")
 
 
 def _row(verdict: Verdict) -> list[str]:
@@ -22,7 +23,7 @@ def _row(verdict: Verdict) -> list[str]:
 
     return [verdict.name, "PASS" if verdict.passed else "FAIL", str(verdict.requests), str(verdict.lost),
             str(verdict.mismatched), num(verdict.recovery_seconds), num(verdict.p99_seconds),
-            num(verdict.load_seconds)]
+            num(verdict.load_seconds), num(verdict.wall_seconds)]
 
 
 async def run_all(target: Path, *, model: str | None) -> list[Verdict]:
@@ -43,6 +44,9 @@ async def run_all(target: Path, *, model: str | None) -> list[Verdict]:
             print("  ".join(c.ljust(w) for c, w in zip(_row(verdict), widths, strict=True)), flush=True)
             for failure in verdict.failures:
                 print(f"    - {failure}", flush=True)
+            if verdict.server_log:
+                print("    server log:\n" + "\n".join(f"      {line}" for line in verdict.server_log.splitlines()),
+                      flush=True)
     finally:
         await runner.close()
     return verdicts

@@ -1,133 +1,178 @@
-"""Plays scenarios: an undisturbed reference run, then the run with faults, then the verdict."""
+"""Plays scenarios: an undisturbed reference run, then the run with faults, then the verdict.
+
+Servers are the expensive part (each start loads the model), so the runner keeps one
+undisturbed server per set of reference arguments for its whole life. It serves the reference
+runs, and also plays the scenarios whose faults only come from clients (disconnects, slow
+readers, malformed input): those leave the server as they found it or fail. A scenario that
+kills workers, stops the server or sets a fault plan gets a fresh server of its own."""
 
 from __future__ import annotations
 
 import math
 import random
 import signal
-from collections.abc import Sequence
 
 import attrs
 import trio
 
-from frontend.scenarios.client import RequestResult, build_requests, play
+from frontend.scenarios.client import Progress, RequestResult, RequestSpec, build_requests, play
 from frontend.scenarios.faults import alive, malformed_burst, sigkill_worker
+from frontend.scenarios.judge import Verdict, check_server_after, judge_requests, service_recovery
 from frontend.scenarios.server import ServerProcess
-from frontend.scenarios.spec import Scenario
+from frontend.scenarios.spec import Scenario, Workload
+
+# Fields of a workload that decide the greedy outputs; how the requests arrive does not.
+_OUTPUT_FIELDS = ("api", "requests", "prompt_tokens", "prompts", "max_tokens", "temperature", "seed")
 
 
-@attrs.define
-class Verdict:
-    name: str
-    passed: bool = True
-    failures: list[str] = attrs.Factory(list)
-    requests: int = 0
-    lost: int = 0
-    mismatched: int = 0
-    recovery_seconds: float | None = None  # /health back to 200 after a worker kill
-    service_recovery_seconds: float | None = None  # output flowing again after it
-    p99_seconds: float | None = None
-    reference_p99_seconds: float | None = None
-    malformed_sent: int = 0
-    worker_restarts: int | None = None
-    load_seconds: float = 0.0
-
-    def fail(self, message: str) -> None:
-        self.passed = False
-        self.failures.append(message)
+def reference_key(scenario: Scenario, args: list[str]) -> tuple:
+    """Scenarios that only compare outputs share a reference run whenever the outputs must be
+    the same; one with a latency bound needs a reference with its own arrival pattern."""
+    workload = scenario.workload
+    if scenario.expect.max_p99_ratio is None:
+        return (tuple(args), tuple(getattr(workload, name) for name in _OUTPUT_FIELDS))
+    return (tuple(args), workload)
 
 
-def _service_recovery(results, fault_time: float) -> float:
-    """Seconds from the fault until output flowed again to any client."""
-    after = [t for r in results for t in r.progress_times if t > fault_time]
-    return round(min(after) - fault_time, 2) if after else 0.0
-
-
-def p99(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+def _client_specs(scenario: Scenario) -> list[RequestSpec]:
+    """The requests, with the disconnecting and slow-reading clients marked."""
+    specs = build_requests(scenario.workload)
+    rng = random.Random(scenario.workload.seed)
+    for fault in scenario.faults_of("disconnect"):
+        specs[: fault.clients] = [
+            attrs.evolve(s, disconnect_after=rng.randint(1, fault.after_chunks)) for s in specs[: fault.clients]
+        ]
+    for fault in scenario.faults_of("slow_reader"):
+        tail = len(specs) - fault.clients
+        specs[tail:] = [attrs.evolve(s, read_interval=fault.chunk_interval) for s in specs[tail:]]
+    return specs
 
 
 class ScenarioRunner:
-    def __init__(self, *, model: str | None) -> None:
+    def __init__(self, *, model: str | None, scenario_timeout: float = 300.0) -> None:
         self.model = model
+        self.scenario_timeout = scenario_timeout  # a hang fails the scenario instead of the run
         self._references: dict[tuple, list[RequestResult]] = {}
-        self._reference_servers: dict[tuple, ServerProcess] = {}
+        self._shared_servers: dict[tuple[str, ...], ServerProcess] = {}
 
     def _args(self, scenario: Scenario, *, reference: bool = False) -> list[str]:
         args = scenario.reference_args if reference else scenario.server_args
         return ([self.model] if self.model else []) + list(args)
 
-    async def reference(self, scenario: Scenario) -> list[RequestResult]:
-        """The same workload on a server without faults. Reference servers stay up for the
-        runner's lifetime and serve every scenario with the same reference arguments."""
-        args = self._args(scenario, reference=True)
-        key = (tuple(args), scenario.workload)
-        if key not in self._references:
-            server = self._reference_servers.get(tuple(args))
-            if server is None:
-                server = ServerProcess(args)
-                self._reference_servers[tuple(args)] = server
+    async def _shared_server(self, args: list[str]) -> ServerProcess:
+        server = self._shared_servers.get(tuple(args))
+        if server is None:
+            server = ServerProcess(args)
+            self._shared_servers[tuple(args)] = server
+            try:
                 await server.start()
-            self._references[key] = await play(server.base_url, build_requests(scenario.workload), scenario.workload)
+            except BaseException:
+                await self._discard_shared_server(args)
+                raise
+        return server
+
+    async def _discard_shared_server(self, args: list[str]) -> None:
+        """After a failure on it: the next scenario gets a fresh one rather than its debris."""
+        server = self._shared_servers.pop(tuple(args), None)
+        if server is not None:
+            with trio.CancelScope(shield=True):
+                await server.stop()
+
+    async def reference(self, scenario: Scenario) -> list[RequestResult]:
+        """The same workload on a server without faults."""
+        args = self._args(scenario, reference=True)
+        key = reference_key(scenario, args)
+        if key not in self._references:
+            server = await self._shared_server(args)
+            workload: Workload = scenario.workload
+            self._references[key] = await play(server.base_url, build_requests(workload), workload)
         return self._references[key]
 
     async def close(self) -> None:
-        for server in self._reference_servers.values():
-            await server.stop()
-        self._reference_servers.clear()
+        for args in list(self._shared_servers):
+            await self._discard_shared_server(list(args))
 
     async def run(self, scenario: Scenario) -> Verdict:
+        started = trio.current_time()
         verdict = Verdict(name=scenario.name)
-        expect = scenario.expect
-        reference = None
-        if expect.match_reference or expect.max_p99_ratio is not None:
-            reference = await self.reference(scenario)
+        shared = not scenario.disturbs_server and scenario.server_args == scenario.reference_args
         args = self._args(scenario)
-        if scenario.fault_plan:
-            args += ["--fault-plan", scenario.fault_plan]
-        server = ServerProcess(args)
+        server: ServerProcess | None = None
+        results: list[RequestResult] = []
+        reference = None
+        code = None
+        pids_seen: set[int] = set()
         try:
-            await server.start()
-        except BaseException:
-            await server.stop()
-            raise
-        verdict.load_seconds = server.load_seconds
-        pids_seen = set(await server.worker_pids())
-        rss_before = (await server.metrics()).get("process_resident_memory_bytes")
-        specs = build_requests(scenario.workload)
-        rng = random.Random(scenario.workload.seed)
-        for fault in scenario.faults_of("disconnect"):
-            specs[: fault.clients] = [
-                attrs.evolve(s, disconnect_after=rng.randint(1, fault.after_chunks)) for s in specs[: fault.clients]
-            ]
-        for fault in scenario.faults_of("slow_reader"):
-            tail = len(specs) - fault.clients
-            specs[tail:] = [attrs.evolve(s, read_interval=fault.chunk_interval) for s in specs[tail:]]
-        statuses: list[int] = []
-        last_fault = {"time": None}
-        start = trio.current_time()
+            with trio.move_on_after(self.scenario_timeout) as limit:
+                if scenario.expect.match_reference or scenario.expect.max_p99_ratio is not None:
+                    reference = await self.reference(scenario)
+                if shared:
+                    server = await self._shared_server(args)
+                else:
+                    server = ServerProcess(args + (["--fault-plan", scenario.fault_plan] if scenario.fault_plan else []))
+                    await server.start()
+                verdict.load_seconds = server.load_seconds
+                pids_seen.update(await server.worker_pids())
+                before = await server.metrics()
+                results = await self._play_with_faults(scenario, server, verdict, pids_seen)
+                await check_server_after(scenario, server, verdict, before, pids_seen)
+            if limit.cancelled_caught:
+                verdict.fail(f"the scenario did not finish within {self.scenario_timeout:.0f}s")
+            if not verdict.passed and server is not None:
+                verdict.server_log = server.log_tail()
+        finally:
+            if shared and not verdict.passed:
+                await self._discard_shared_server(args)
+            elif not shared and server is not None:
+                with trio.CancelScope(shield=True):  # never leave a server behind
+                    code = await server.stop()
+        if scenario.expect.server_exit_code is not None and code != scenario.expect.server_exit_code:
+            verdict.fail(f"server exited with {code}, expected {scenario.expect.server_exit_code}")
+        # A shared server still runs, and so do its workers; the others must all be gone.
+        orphans = [] if shared else [pid for pid in pids_seen if alive(pid)]
+        if orphans:
+            verdict.fail(f"worker processes left behind: {orphans}")
+        judge_requests(scenario, results, reference, verdict)
+        verdict.wall_seconds = round(trio.current_time() - started, 1)
+        return verdict
 
+    async def _play_with_faults(self, scenario: Scenario, server: ServerProcess, verdict: Verdict,
+                                pids_seen: set[int]) -> list[RequestResult]:
+        statuses: list[int] = []
+        progress = Progress()
+        waiting: list[trio.CancelScope] = []
         health_back: list[float] = []
+        last_fault: list[float] = []
+        start = trio.current_time()
 
         async def watch_health(since: float) -> None:
             """Time from the fault until /health is 200 again, once it has noticed the fault
-            (503 while the workers restart); 0 if it never reports the fault."""
+            (503 while the workers restart); 0 if it never reports the fault. A server that
+            exits meanwhile (a scenario that also stops it) never comes back: no figure."""
             with trio.move_on_after(2.0):
                 while True:  # polling another process: there is no event to wait on
                     if await server.health() != 200:
                         break
                     await trio.sleep(0.02)
-            while True:
+            while not server.exited:
                 if await server.health() == 200:
                     health_back.append(trio.current_time() - since)
                     return
                 await trio.sleep(0.05)
+            health_back.append(math.inf)
 
         async def inject(fault) -> None:
-            await trio.sleep_until(start + fault.at)
+            with trio.CancelScope() as trigger:
+                waiting.append(trigger)
+                if fault.after_tokens is not None:
+                    await progress.wait_for(fault.after_tokens)
+                    await trio.sleep(fault.at)
+                else:
+                    await trio.sleep_until(start + fault.at)
+            waiting.remove(trigger)
+            if trigger.cancelled_caught:
+                verdict.fail(f"the {fault.kind} fault never fired: the workload ended first")
+                return
             if fault.kind == "sigkill_worker":
                 pids_seen.update(await sigkill_worker(server))
                 nursery.start_soon(watch_health, trio.current_time())
@@ -136,99 +181,19 @@ class ScenarioRunner:
             elif fault.kind == "malformed":
                 verdict.malformed_sent += fault.count
                 await malformed_burst(server.base_url, fault.count, statuses)
-            last_fault["time"] = trio.current_time()
+            last_fault.append(trio.current_time())
 
-        try:
-            async with trio.open_nursery() as nursery:
-                for fault in scenario.faults:
-                    if fault.kind in ("sigkill_worker", "sigterm_server", "malformed"):
-                        nursery.start_soon(inject, fault)
-                results = await play(server.base_url, specs, scenario.workload)
-            if last_fault["time"] is not None and scenario.faults_of("sigkill_worker"):
-                verdict.recovery_seconds = round(max(health_back, default=0.0), 2)
-                verdict.service_recovery_seconds = _service_recovery(results, last_fault["time"])
-            await self._check_server_after(scenario, server, verdict, pids_seen, rss_before)
-        finally:
-            code = await server.stop()
-        if expect.server_exit_code is not None and code != expect.server_exit_code:
-            verdict.fail(f"server exited with {code}, expected {expect.server_exit_code}")
-        orphans = [pid for pid in pids_seen if alive(pid)]
-        if orphans:
-            verdict.fail(f"worker processes left behind: {orphans}")
-        self._judge_requests(scenario, results, reference, verdict)
+        async with trio.open_nursery() as nursery:
+            for fault in scenario.faults:
+                if fault.kind in ("sigkill_worker", "sigterm_server", "malformed"):
+                    nursery.start_soon(inject, fault)
+            results = await play(server.base_url, _client_specs(scenario), scenario.workload, progress)
+            for trigger in list(waiting):
+                trigger.cancel()
+        if last_fault and scenario.faults_of("sigkill_worker") and math.inf not in health_back:
+            verdict.recovery_seconds = round(max(health_back, default=0.0), 2)
+            verdict.service_recovery_seconds = service_recovery(results, max(last_fault))
         bad = [s for s in statuses if not 400 <= s < 500]
         if bad:
             verdict.fail(f"{len(bad)} of {len(statuses)} malformed requests got no 4xx: {sorted(set(bad))}")
-        return verdict
-
-    async def _check_server_after(self, scenario, server, verdict, pids_seen, rss_before) -> None:
-        expect = scenario.expect
-        if scenario.faults_of("sigterm_server"):
-            await server.wait(120.0)
-            return  # the scenario stops the server; what remains is its exit code
-        bound = expect.health_within
-        if expect.health_within_load_plus is not None:
-            bound = server.load_seconds + expect.health_within_load_plus
-        if bound is not None and verdict.recovery_seconds is not None and verdict.recovery_seconds > bound:
-            verdict.fail(f"/health took {verdict.recovery_seconds:.1f}s to return to 200 (bound {bound:.1f}s)")
-        health = await server.health()
-        if health != expect.health_at_end:
-            verdict.fail(f"/health is {health} at the end, expected {expect.health_at_end}")
-        if health != 200:
-            return
-        metrics = await server.metrics()
-        pids_seen.update(await server.worker_pids())
-        if expect.kv_free_at_end and metrics.get("triode:kv_cache_usage_perc", 0.0) != 0.0:
-            verdict.fail(f"KV cache usage {metrics['triode:kv_cache_usage_perc']} at the end, expected 0")
-        if metrics.get("triode:num_requests_running", 0) or metrics.get("triode:num_requests_waiting", 0):
-            verdict.fail("requests still running or waiting at the end")
-        rss_after = metrics.get("process_resident_memory_bytes")
-        if expect.max_rss_growth_mb is not None and rss_before and rss_after:
-            growth = (rss_after - rss_before) / 2**20
-            if growth > expect.max_rss_growth_mb:
-                verdict.fail(f"server memory grew {growth:.0f} MiB (bound {expect.max_rss_growth_mb} MiB)")
-        verdict.worker_restarts = int(metrics.get("triode:worker_restarts_total", 0))
-        if verdict.worker_restarts < expect.min_worker_restarts:
-            verdict.fail(f"{verdict.worker_restarts} worker restarts, expected at least {expect.min_worker_restarts}")
-        preemptions = metrics.get("triode:num_preemptions_total", 0)
-        if preemptions < expect.min_preemptions:
-            verdict.fail(f"{preemptions:.0f} preemptions, expected at least {expect.min_preemptions}")
-
-    def _judge_requests(self, scenario: Scenario, results, reference, verdict: Verdict) -> None:
-        expect = scenario.expect
-        verdict.requests = len(results)
-        latencies = []
-        lost_examples: list[str] = []
-        for result in results:
-            if result.disconnected:
-                continue
-            if result.status != 200:
-                if result.status not in expect.statuses:
-                    verdict.fail(f"request {result.index}: status {result.status} ({result.error})")
-                continue
-            normal = result.error is None and result.finish_reason in expect.finish_reasons
-            allowed_error = result.error is not None and any(e in result.error for e in expect.errors)
-            if not normal and not allowed_error:
-                verdict.lost += 1
-                if len(lost_examples) < 3:
-                    lost_examples.append(f"#{result.index}: finish={result.finish_reason} error={result.error}")
-                continue
-            if normal:
-                if not result.slow:
-                    latencies.append(result.latency)
-                if expect.match_reference and reference is not None:
-                    twin = reference[result.index]
-                    if (twin.text, twin.finish_reason) != (result.text, result.finish_reason):
-                        verdict.mismatched += 1
-        if verdict.lost:
-            verdict.fail(f"{verdict.lost} accepted requests ended without a normal finish or an expected "
-                         f"error, e.g. {'; '.join(lost_examples)}")
-        if verdict.mismatched:
-            verdict.fail(f"{verdict.mismatched} outputs differ from the undisturbed run")
-        verdict.p99_seconds = p99(latencies)
-        if reference is not None:
-            verdict.reference_p99_seconds = p99([r.latency for r in reference if r.status == 200])
-        if expect.max_p99_ratio is not None and verdict.p99_seconds and verdict.reference_p99_seconds:
-            ratio = verdict.p99_seconds / verdict.reference_p99_seconds
-            if ratio > expect.max_p99_ratio:
-                verdict.fail(f"p99 latency {ratio:.1f}x the undisturbed run (bound {expect.max_p99_ratio}x)")
+        return results

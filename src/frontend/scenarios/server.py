@@ -46,7 +46,7 @@ class ServerProcess:
                 if await self.health() == 200:
                     self.load_seconds = trio.current_time() - started
                     return
-                await trio.sleep(0.2)
+                await trio.sleep(0.05)  # the start-up is the slow part, not this
         raise RuntimeError(f"the server did not become healthy in {limit}s:\n{self.log_tail()}")
 
     async def health(self) -> int:
@@ -73,6 +73,10 @@ class ServerProcess:
             text = (await client.get(f"{self.base_url}/metrics")).text
         return [int(float(m["value"])) for line in text.splitlines()
                 if (m := _METRIC.match(line)) and m["name"] == "triode:worker_pid"]
+
+    @property
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
 
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 EXTERNAL_FAULTS = ("sigkill_worker", "sigterm_server", "disconnect", "slow_reader", "malformed")
+SERVER_FAULTS = ("sigkill_worker", "sigterm_server")
 ENGINE_FAULTS = {"worker_crash": "crash", "worker_hang": "hang", "worker_raise": "raise"}
 
 
@@ -34,7 +35,10 @@ class Workload:
 @attrs.frozen(kw_only=True)
 class Fault:
     kind: str
-    at: float = 0.0  # seconds after the workload starts (external faults)
+    at: float = 0.0  # seconds after the workload starts, or after ``after_tokens`` (external faults)
+    # External faults: wait until the clients have received this many streamed tokens in
+    # all, so the fault lands mid-stream however fast or loaded the machine is.
+    after_tokens: int | None = None
     at_step: int = 0  # engine step (engine faults)
     until_step: int | None = None  # engine faults: every step up to this one
     clients: int = 0  # disconnect / slow_reader: how many requests behave so
@@ -82,6 +86,13 @@ class Scenario:
 
     def faults_of(self, kind: str) -> list[Fault]:
         return [f for f in self.faults if f.kind == kind]
+
+    @property
+    def disturbs_server(self) -> bool:
+        """Whether a fault acts on the server itself (its workers or its process), rather
+        than only through what clients send and read. Only such a scenario needs a server
+        of its own; the others can share the undisturbed reference server."""
+        return any(f.kind in ENGINE_FAULTS or f.kind in SERVER_FAULTS for f in self.faults)
 
 
 def _build(cls: type, raw: dict[str, Any], path: Path, section: str):
