@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
+import trio
 
+from frontend.scenarios.client import Progress
 from frontend.scenarios.command import run_all
+from frontend.scenarios.runner import reference_key
 from frontend.scenarios.spec import ScenarioError, load_scenario, load_scenarios
 
 pytestmark = [pytest.mark.default_model]
@@ -16,7 +20,6 @@ SCENARIOS = Path(__file__).parent.parent / "scenarios"
 
 
 @pytest.mark.scenarios
-@pytest.mark.slow
 async def test_every_scenario_holds():
     # One runner for all files, as `triode scenario run scenarios/` plays them: scenarios with
     # the same reference arguments share one undisturbed reference server.
@@ -43,3 +46,39 @@ def test_malformed_scenario_files_are_rejected_with_the_field(tmp_path):
     bad.write_text('name = "x"\n[[fault]]\nkind = "meteor"\n')
     with pytest.raises(ScenarioError, match="meteor"):
         load_scenario(bad)
+
+
+def test_only_client_side_faults_share_the_reference_server():
+    by_name = {s.name: s for s in load_scenarios(SCENARIOS)}
+    assert not by_name["malformed-burst"].disturbs_server
+    assert not by_name["client-disconnects"].disturbs_server
+    for name in ("worker-sigkill-streaming", "worker-hang-watchdog", "sigterm-drain", "restart-storm"):
+        assert by_name[name].disturbs_server, name
+
+
+def test_reference_runs_are_shared_only_when_outputs_must_agree():
+    by_name = {s.name: s for s in load_scenarios(SCENARIOS)}
+    # The same prompts and lengths, streamed by 32 clients or sent whole by 8: one reference.
+    assert reference_key(by_name["baseline"], []) == reference_key(by_name["worker-exception"], [])
+    # Other server flags, or a latency bound that needs its own arrival pattern: not shared.
+    assert reference_key(by_name["baseline"], []) != reference_key(by_name["baseline"], ["--max-model-len", "128"])
+    slow = by_name["slow-readers"]
+    assert reference_key(slow, []) != reference_key(attrs.evolve(slow, expect=attrs.evolve(
+        slow.expect, max_p99_ratio=None)), [])
+
+
+async def test_faults_wait_for_streamed_output(autojump_clock):
+    progress = Progress()
+    reached = []
+
+    async def fault(threshold: int) -> None:
+        await progress.wait_for(threshold)
+        reached.append((threshold, progress.chunks))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fault, 3)
+        nursery.start_soon(fault, 1)
+        for _ in range(4):
+            await trio.sleep(1)
+            progress.note()
+    assert reached == [(1, 1), (3, 3)]
