@@ -601,6 +601,44 @@ def test_requeue_all_running_recomputes_without_counting_preemptions():
     drain(scheduler, worker)
 
 
+def _steps_under_pressure(restart_at: int | None) -> tuple[int, int]:
+    """Model steps and tokens fed for eight long requests in a cache that holds about one
+    and a half of them (the preemption-during-crash scenario, scaled down)."""
+    rng = random.Random(0)
+    scheduler = make_scheduler(num_blocks=22, block_size=4, max_num_seqs=16, budget=64)
+    worker = FakeWorker(22, 4)
+    for i in range(8):
+        prompt = [rng.randrange(1, 6) for _ in range(rng.randint(25, 45))]
+        scheduler.add_request(make_request(f"r{i}", prompt, arrival=i, max_tokens=6, max_model_len=64))
+    steps = tokens = 0
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        if not plan.chunks:
+            continue
+        steps += 1
+        tokens += sum(len(c.token_ids) for c in plan.chunks)
+        assert steps < 1000, "no progress under KV pressure"
+        if steps == restart_at:
+            scheduler.requeue_all_running()  # the worker died with this step
+            worker.restart()
+            continue
+        scheduler.update_from_output(worker.run(plan))
+        check_invariants(scheduler)
+    assert scheduler.num_preemptions > 0
+    return steps, tokens
+
+
+@pytest.mark.parametrize("restart_at", [2, 5, 12, 25])
+def test_a_restart_under_kv_pressure_costs_only_the_recompute(restart_at):
+    # A worker restart while a small cache forces preemption must not send the scheduler
+    # into thrashing: it costs the lost step and recomputing what was running, nothing more.
+    steps, tokens = _steps_under_pressure(None)
+    steps_restarted, tokens_restarted = _steps_under_pressure(restart_at)
+    running_tokens = 22 * 4  # at most the whole cache was running and must be recomputed
+    assert steps_restarted <= steps + 1 + running_tokens // 64 + 1
+    assert tokens_restarted <= tokens + 64 + running_tokens
+
+
 def test_result_for_a_different_step_is_rejected():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", [1, 2]))
