@@ -23,9 +23,9 @@ serve: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -m "not scenarios" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The scenario files against real servers: about 20 minutes on 2 cores.
+# Only the scenario files against real servers (`make test` plays them too).
 test-scenarios: setup
 	$(BIN)/python -m pytest -m scenarios $(PYTEST_ARGS)
 
