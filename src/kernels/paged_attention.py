@@ -3,8 +3,9 @@
 Composes the two attention ops: rows ``0..num_decodes`` go to decode attention (one token per
 sequence), the rest to prefill attention. The torch reference runs everywhere (it is the CPU
 path): decodes are batched into padded scaled_dot_product_attention calls, one per bucket of
-similar context lengths (see :func:`length_buckets`), prefill chunks go one sequence at a time. The Triton version launches the decode
-kernel(s) and the prefill kernel into one output tensor.
+similar context lengths (see :func:`length_buckets`), prefill chunks go one sequence at a
+time. The Triton version launches the decode kernel(s) and the prefill kernel into one
+output tensor.
 """
 
 from __future__ import annotations
