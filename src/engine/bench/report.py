@@ -97,7 +97,9 @@ def plot_bars(
     axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], list(groups))
     axis.set_title(title)
     axis.set_ylabel(y_label)
-    axis.legend()
+    # Headroom above the tallest bar, so that the legend never hides a bar's label.
+    axis.set_ylim(top=1.25 * max((v for values in series.values() for v in values), default=1))
+    axis.legend(loc="upper center", ncols=len(series))
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

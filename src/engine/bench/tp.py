@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.bench.report import machine_description, print_table, write_json
+from engine.bench.report import machine_description, plot_bars, print_table, write_json
 from engine.bench.throughput import timed_generate
 from engine.bench.workloads import Workload, make_workload
 from engine.llm import LLM
@@ -116,4 +116,20 @@ def run(
                 print(f"TP={size} / TP=1 throughput: {entry['tokens_per_second'] / base:.2f}x")
     write_json(output_dir / "tp.json", {"workload": "W1", "num_prompts": len(workload.prompts),
                                         "results": {str(k): v for k, v in results.items()}})
+    plot_step_times(results, output_dir / "tp.png")
+    print(f"wrote {output_dir / 'tp.json'} and {output_dir / 'tp.png'}")
     return results
+
+
+def plot_step_times(results: dict, path: Path) -> None:
+    """Each rank's step time and its collective part, one group per (size, rank)."""
+    groups, steps, collectives = [], [], []
+    for size, entry in results.items():
+        for rank, (step_ms, collective_ms) in enumerate(
+            zip(entry["rank_step_ms"], entry["rank_collective_ms"], strict=True)
+        ):
+            groups.append(f"TP={size} rank {rank}\n{entry['tokens_per_second']:.0f} tok/s")
+            steps.append(step_ms)
+            collectives.append(collective_ms)
+    plot_bars(path, title="W1 step time per rank (greedy, float32)", y_label="ms per step",
+              groups=groups, series={"step": steps, "of it all-reduce + gather": collectives})
