@@ -27,6 +27,7 @@ def _throughput(namespace: argparse.Namespace) -> int:
         workloads=tuple(namespace.workloads),
         hf_batch_size=namespace.hf_batch_size,
         skip_hf=namespace.skip_hf,
+        dtype=namespace.dtype,
         output_dir=Path(namespace.output_dir),
     )
     return 0
@@ -62,6 +63,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     throughput.add_argument("--workloads", nargs="+", default=["W1", "W1v"], choices=["W1", "W1v"])
     throughput.add_argument("--hf-batch-size", type=int, default=32)
     throughput.add_argument("--skip-hf", action="store_true", help="measure triode only")
+    throughput.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                            help="weights and activations of both engines (the targets are float32)")
     throughput.add_argument("--output-dir", default="bench-results")
     throughput.set_defaults(handler=_throughput)
 

@@ -78,14 +78,15 @@ def run(
     workloads: tuple[str, ...] = ("W1", "W1v"),
     hf_batch_size: int = 32,
     skip_hf: bool = False,
+    dtype: str = "float32",
     output_dir: Path = Path("bench-results"),
 ) -> dict:
-    print(f"triode bench throughput on {machine_description()}")
+    print(f"triode bench throughput ({dtype}, both engines) on {machine_description()}")
     started = time.perf_counter()
-    llm = LLM(model, kv_cache_memory="4GiB", max_model_len=1024)
+    llm = LLM(model, kv_cache_memory="4GiB", max_model_len=1024, dtype=dtype)
     startup = time.perf_counter() - started
     print(f"engine start-up: {startup:.1f} s")
-    results: dict = {"startup_seconds": startup, "workloads": {}}
+    results: dict = {"startup_seconds": startup, "dtype": dtype, "workloads": {}}
     hf_model = None
     try:
         for name in workloads:
@@ -97,7 +98,7 @@ def run(
                     from transformers import AutoModelForCausalLM
 
                     hf_model = AutoModelForCausalLM.from_pretrained(
-                        llm.engine.model_path, dtype=torch.float32
+                        llm.engine.model_path, dtype=getattr(torch, dtype)
                     ).eval()
                 pad = llm.engine.tokenizer.pad_token_id or 0
                 entry["hf"] = run_hf(hf_model, workload, hf_batch_size, pad)
@@ -116,11 +117,12 @@ def run(
             f"{hf['wasted_share'] * 100:.0f}%" if hf else "-",
         ])
     print_table(["workload", "triode tok/s", "HF tok/s", "triode/HF", "worker idle", "HF waste"], rows)
-    write_json(output_dir / "throughput.json", results)
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    write_json(output_dir / f"throughput{suffix}.json", results)
     if not skip_hf:
         names = list(results["workloads"])
         plot_bars(
-            output_dir / "throughput.png", title="Offline output tokens/s (greedy, float32)",
+            output_dir / f"throughput{suffix}.png", title=f"Offline output tokens/s (greedy, {dtype})",
             y_label="output tokens / s", groups=names,
             series={
                 "triode LLM.generate": [results["workloads"][n]["triode"]["tokens_per_second"] for n in names],
