@@ -35,6 +35,8 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="4GiB", help="for the started server and the offline run")
     p.add_argument("--max-model-len", type=int, default=1024, help="for the started server and the offline run")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="for the started server and the offline run (auto: as triode serve)")
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--output-dir", default="bench-results")
     p.set_defaults(handler=_command)
@@ -121,7 +123,8 @@ async def _sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list])
 def _start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-c", "import sys; from frontend.cli import main; sys.exit(main())", "serve",
                *([ns.model] if ns.model else []), "--host", "127.0.0.1", "--port", "0",
-               "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len)]
+               "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
+               "--dtype", ns.dtype]
     log = log_path.open("w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     print(f"starting triode serve (log: {log_path}) ...", flush=True)
@@ -148,7 +151,8 @@ def _offline(ns: argparse.Namespace, chats: list) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_tokens, ignore_eos=True)
-    with LLM(ns.model, kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len) as llm:
+    with LLM(ns.model, kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len,
+             dtype=ns.dtype) as llm:
         started = time.perf_counter()
         outputs = llm.chat(chats, params, use_tqdm=True)
         seconds = time.perf_counter() - started
