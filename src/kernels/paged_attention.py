@@ -10,7 +10,9 @@ output tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -18,6 +20,8 @@ from kernels.checks import check_kv_cache, check_launch_device, check_tensor
 from kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
 from kernels.metadata import AttentionMetadata
 from kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
+
+_T = TypeVar("_T")
 
 __all__ = [
     "check_attention_args",
@@ -42,12 +46,11 @@ def paged_attention_reference(
     out = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        lengths = metadata.seq_lens_host[:num_decodes]
         for rows, longest in _decode_buckets(metadata, k_cache.shape[1]):
             if rows is None:
                 out[:num_decodes] = decode_attention_reference(
                     query[:num_decodes], k_cache, v_cache, metadata.block_tables,
-                    metadata.seq_lens, max(lengths), scale,
+                    metadata.seq_lens, longest, scale,
                 )
                 continue
             out.index_copy_(0, rows, decode_attention_reference(
@@ -84,21 +87,28 @@ def length_buckets(lengths: Sequence[int], block_size: int) -> list[tuple[list[i
     return buckets
 
 
-_last_buckets: list = [None, 0, []]
+def _once_per_step(compute: Callable[[AttentionMetadata, int], _T]) -> Callable[[AttentionMetadata, int], _T]:
+    """Every layer of a step passes the same metadata: ``compute`` runs once per step (the
+    last metadata and argument are kept, not a growing cache)."""
+    last: list = [None, None, None]
+
+    @functools.wraps(compute)
+    def cached(metadata: AttentionMetadata, argument: int) -> _T:
+        if last[0] is not metadata or last[1] != argument:
+            last[:] = [metadata, argument, compute(metadata, argument)]
+        return last[2]
+
+    return cached
 
 
+@_once_per_step
 def _decode_buckets(metadata: AttentionMetadata, block_size: int) -> list:
-    """(row indices or None for all decodes, padded length) per bucket; computed once per step
-    (every layer passes the same metadata)."""
-    if _last_buckets[0] is metadata and _last_buckets[1] == block_size:
-        return _last_buckets[2]
+    """(row indices, or None for all the decodes, padded length) per bucket."""
     buckets = length_buckets(metadata.seq_lens_host[:metadata.num_decodes], block_size)
     device = metadata.seq_lens.device
-    result = [(None, longest) if len(buckets) == 1 else
-              (torch.tensor(members, dtype=torch.long, device=device), longest)
-              for members, longest in buckets]
-    _last_buckets[:] = [metadata, block_size, result]
-    return result
+    return [(None, longest) if len(buckets) == 1 else
+            (torch.tensor(members, dtype=torch.long, device=device), longest)
+            for members, longest in buckets]
 
 
 def check_attention_args(
@@ -132,15 +142,10 @@ def check_attention_args(
         raise ValueError(f"query_start_loc: ends at {metadata.query_start_loc_host[-1]}, query has {num_tokens} rows")
 
 
-# Every layer of a step passes the same metadata: check its host copies once.
-_last_checked: list = [None, 0, (0, 0)]
-
-
+@_once_per_step
 def _check_host_metadata(metadata: AttentionMetadata, capacity: int) -> tuple[int, int]:
     """Checks the host copies that bound what the kernels read; returns (max decode seq_len,
     max prefill chunk length)."""
-    if _last_checked[0] is metadata and _last_checked[1] == capacity:
-        return _last_checked[2]
     starts, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
     num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs
     if len(starts) != num_seqs + 1 or starts[0] != 0:
@@ -158,7 +163,6 @@ def _check_host_metadata(metadata: AttentionMetadata, capacity: int) -> tuple[in
             max_decode_len = max(max_decode_len, seq_len)
         else:
             max_chunk = max(max_chunk, chunk)
-    _last_checked[:] = [metadata, capacity, (max_decode_len, max_chunk)]
     return max_decode_len, max_chunk
 
 
