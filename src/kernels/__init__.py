@@ -1,8 +1,10 @@
 """The one dispatch point for triode's hot-path ops.
 
 Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
-torch references. ``TRIODE_KERNELS=torch|triton|auto`` (or :func:`set_backend`) overrides the
-choice for tests and benchmarks; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
+torch references, except decode attention on a CPU, which runs the native kernel of
+:mod:`kernels.cpu_attention` when a C compiler could build it. ``TRIODE_KERNELS=torch|triton|auto``
+(or :func:`set_backend`) overrides the choice for tests and benchmarks: ``torch`` runs only the
+references; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
 
 One module per op, each with its torch reference, its Triton kernel and the launcher that checks
 the arguments: :mod:`kernels.kv_write`, :mod:`kernels.decode_attention`,
@@ -23,9 +25,14 @@ import os
 
 import torch
 
+from kernels.cpu_attention import cpu_decode_available
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
-from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kernels.paged_attention import (
+    paged_attention_cpu,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
@@ -39,6 +46,7 @@ __all__ = [
     "backend_for",
     "get_backend",
     "paged_attention",
+    "prepare",
     "rms_norm",
     "rotary_embedding",
     "set_backend",
@@ -77,6 +85,13 @@ def _triton_available() -> bool:
     return True
 
 
+def prepare(device: torch.device) -> None:
+    """Builds what the ops will need on ``device`` (the CPU decode-attention kernel), so that
+    the first step does not pay for it."""
+    if device.type == "cpu" and _backend == "auto":
+        cpu_decode_available()
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return backend_for(tensor.device) == "triton"
 
@@ -94,6 +109,8 @@ def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMeta
     The step's key/value must already be in the cache (the Triton path reads only the cache)."""
     if _use_triton(query):
         return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
+    if _backend == "auto" and query.device.type == "cpu":
+        return paged_attention_cpu(query, key, value, k_cache, v_cache, metadata, scale)
     return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
 
 

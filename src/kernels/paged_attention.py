@@ -1,11 +1,12 @@
 """Attention over the paged KV cache for a batch that mixes decodes and prefill chunks.
 
 Composes the two attention ops: rows ``0..num_decodes`` go to decode attention (one token per
-sequence), the rest to prefill attention. The torch reference runs everywhere (it is the CPU
-path): decodes are batched into padded scaled_dot_product_attention calls, one per bucket of
-similar context lengths (see :func:`length_buckets`), prefill chunks go one sequence at a
-time. The Triton version launches the decode kernel(s) and the prefill kernel into one
-output tensor.
+sequence), the rest to prefill attention. The torch reference runs everywhere: decodes are
+batched into padded scaled_dot_product_attention calls, one per bucket of similar context
+lengths (see :func:`length_buckets`), prefill chunks go one sequence at a time. The CPU path
+is the reference with its decodes taken by the native kernel of :mod:`kernels.cpu_attention`,
+which reads the cache in place. The Triton version launches the decode kernel(s) and the
+prefill kernel into one output tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TypeVar
 import torch
 
 from kernels.checks import check_kv_cache, check_launch_device, check_tensor
+from kernels.cpu_attention import cpu_decode_supports, paged_decode_cpu
 from kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
 from kernels.metadata import AttentionMetadata
 from kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
@@ -27,6 +29,7 @@ __all__ = [
     "check_attention_args",
     "gather_kv",
     "length_buckets",
+    "paged_attention_cpu",
     "paged_attention_reference",
     "paged_attention_triton",
 ]
@@ -58,6 +61,31 @@ def paged_attention_reference(
                 metadata.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows),
                 longest, scale,
             ))
+    if num_decodes < metadata.num_seqs:
+        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
+    return out
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """As :func:`paged_attention_reference`, with the decodes read from the cache in place by
+    the native CPU kernel when it is built and fits these tensors."""
+    num_decodes = metadata.num_decodes
+    if not num_decodes or not cpu_decode_supports(query, k_cache):
+        return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
+    # The kernel trusts the metadata it reads; the checks run once per step, not per layer.
+    _check_host_metadata(metadata, metadata.block_tables.shape[1] * k_cache.shape[1])
+    _check_block_ids(metadata, k_cache.shape[0])
+    out = torch.empty_like(query)
+    paged_decode_cpu(query[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
+                     metadata.seq_lens[:num_decodes], scale, out[:num_decodes])
     if num_decodes < metadata.num_seqs:
         prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
     return out
@@ -109,6 +137,14 @@ def _decode_buckets(metadata: AttentionMetadata, block_size: int) -> list:
     return [(None, longest) if len(buckets) == 1 else
             (torch.tensor(members, dtype=torch.long, device=device), longest)
             for members, longest in buckets]
+
+
+@_once_per_step
+def _check_block_ids(metadata: AttentionMetadata, num_blocks: int) -> None:
+    tables = metadata.block_tables
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), got "
+                         f"{int(tables.min())}..{int(tables.max())}")
 
 
 def check_attention_args(

@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 import torch
 
+import kernels
 from engine.config import EngineArgs
 from engine.errors import InvalidRequestError, KVCacheTooSmallError
 from engine.sampling_params import SamplingParams
@@ -126,6 +127,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
+        kernels.prepare(self.device)
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()

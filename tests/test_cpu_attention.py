@@ -1,0 +1,118 @@
+"""Kernels: the native CPU decode attention (kernels.cpu_attention) against the torch reference.
+
+The caches are poisoned with NaN outside every sequence's tokens, so a read past a sequence's
+length or outside its blocks shows in the output. Needs a C compiler; without one the module
+is skipped and the fallback test below still runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_attention
+from kernels.cpu_attention import cpu_decode_available, cpu_decode_supports, paged_decode_cpu
+from kernels.decode_attention import decode_attention_reference
+from kernels.paged_attention import paged_attention_cpu, paged_attention_reference
+from kernels.testing import make_paged_batch
+
+needs_kernel = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernel")
+
+# Context lengths: one token, a block exactly, a block and one, and longer ones.
+DECODES = [(0, 1), (15, 1), (16, 1), (99, 1), (300, 1), (42, 1)]
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _decode_batch(*, kv_heads, group, head_dim, block_size, dtype, seed=0):
+    return make_paged_batch(DECODES, num_decodes=len(DECODES), kv_heads=kv_heads, group=group,
+                            head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "block_size"),
+    [(3, 3, 64, 16), (4, 1, 32, 8), (2, 4, 128, 16), (1, 6, 48, 4), (2, 2, 256, 64)],
+)
+def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype):
+    batch = _decode_batch(kv_heads=kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+                          dtype=dtype)
+    md = batch.metadata
+    k_clean, v_clean = batch.clean_caches(torch.float32)
+    expected = decode_attention_reference(batch.query.float(), k_clean, v_clean, md.block_tables,
+                                          md.seq_lens, md.max_seq_len, batch.scale)
+    assert cpu_decode_supports(batch.query, batch.k_cache)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode_cpu(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                     batch.scale, out)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+def test_strided_query_and_output_rows():
+    """The query is a view of the fused qkv projection; out may be rows of a larger tensor."""
+    batch = _decode_batch(kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+    md = batch.metadata
+    seqs, heads, dim = batch.query.shape
+    fused = torch.randn(seqs, (heads + 6) * dim)
+    fused[:, :heads * dim] = batch.query.reshape(seqs, -1)
+    query = fused[:, :heads * dim].view(seqs, heads, dim)
+    wide = torch.full((seqs, 2 * heads, dim), 7.0)
+    out = wide[:, :heads]
+    paged_decode_cpu(query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, batch.scale, out)
+    k_clean, v_clean = batch.clean_caches()
+    expected = decode_attention_reference(batch.query, k_clean, v_clean, md.block_tables,
+                                          md.seq_lens, md.max_seq_len, batch.scale)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+    assert bool((wide[:, heads:] == 7.0).all())
+
+
+@needs_kernel
+def test_mixed_batch_takes_decodes_natively_and_prefill_as_the_reference():
+    seqs = [*DECODES, (0, 9), (40, 20)]
+    batch = make_paged_batch(seqs, num_decodes=len(DECODES), kv_heads=3, group=3, head_dim=64,
+                             block_size=16, poison=False)
+    md = batch.metadata
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, md, batch.scale)
+    torch.testing.assert_close(paged_attention_cpu(*args), paged_attention_reference(*args),
+                               rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_block_ids_outside_the_cache_are_refused_before_the_kernel_reads():
+    batch = make_paged_batch(DECODES, num_decodes=len(DECODES), kv_heads=3, group=3, head_dim=64,
+                             block_size=16, poison=False)
+    md = batch.metadata
+    md.block_tables[2, 0] = batch.k_cache.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        paged_attention_cpu(batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, md,
+                            batch.scale)
+
+
+def test_shapes_beyond_the_kernel_take_the_reference():
+    batch = make_paged_batch([(20, 1)], num_decodes=1, kv_heads=1, group=2, head_dim=512,
+                             block_size=16, poison=False)
+    assert not cpu_decode_supports(batch.query, batch.k_cache)
+    md = batch.metadata
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, md, batch.scale)
+    torch.testing.assert_close(paged_attention_cpu(*args), paged_attention_reference(*args))
+
+
+def test_without_a_compiler_decode_attention_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("TRIODE_CACHE", str(tmp_path))
+    cpu_attention._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_attention"):
+            assert not cpu_decode_available()
+        assert "torch reference" in caplog.text
+        batch = make_paged_batch(DECODES, num_decodes=len(DECODES), kv_heads=3, group=3,
+                                 head_dim=64, block_size=16, poison=False)
+        md = batch.metadata
+        args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, md, batch.scale)
+        torch.testing.assert_close(kernels.paged_attention(*args), paged_attention_reference(*args))
+    finally:
+        cpu_attention._library.cache_clear()
