@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_linear, native
 from kernels.cpu_attention import cpu_decode_available, cpu_decode_supports, paged_decode_cpu
 from kernels.decode_attention import decode_attention_reference
 from kernels.paged_attention import paged_attention_cpu, paged_attention_reference
 from kernels.testing import make_paged_batch
 
-needs_kernel = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernel")
+needs_kernel = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernels")
 
 # Context lengths: one token, a block exactly, a block and one, and longer ones.
 DECODES = [(0, 1), (15, 1), (16, 1), (99, 1), (300, 1), (42, 1)]
@@ -101,18 +101,25 @@ def test_shapes_beyond_the_kernel_take_the_reference():
     torch.testing.assert_close(paged_attention_cpu(*args), paged_attention_reference(*args))
 
 
-def test_without_a_compiler_decode_attention_falls_back(monkeypatch, tmp_path, caplog):
+def _forget_the_library() -> None:
+    for cached in (native.native_library, cpu_attention._entry, cpu_linear._entry):
+        cached.cache_clear()
+
+
+def test_without_a_compiler_the_ops_fall_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("TRIODE_CACHE", str(tmp_path))
-    cpu_attention._library.cache_clear()
+    _forget_the_library()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_attention"):
+        with caplog.at_level(logging.WARNING, logger="kernels.native"):
             assert not cpu_decode_available()
-        assert "torch reference" in caplog.text
+        assert "torch references" in caplog.text
+        weight, x = torch.randn(8, 16), torch.randn(2, 16)
+        torch.testing.assert_close(kernels.linear(x, weight), x @ weight.T)
         batch = make_paged_batch(DECODES, num_decodes=len(DECODES), kv_heads=3, group=3,
                                  head_dim=64, block_size=16, poison=False)
         md = batch.metadata
         args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, md, batch.scale)
         torch.testing.assert_close(kernels.paged_attention(*args), paged_attention_reference(*args))
     finally:
-        cpu_attention._library.cache_clear()
+        _forget_the_library()

@@ -1,8 +1,9 @@
 """The one dispatch point for triode's hot-path ops.
 
 Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
-torch references, except decode attention on a CPU, which runs the native kernel of
-:mod:`kernels.cpu_attention` when a C compiler could build it. ``TRIODE_KERNELS=torch|triton|auto``
+torch references, except two ops on a CPU, which run triode's C kernels when a C compiler
+could build them (:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`) and
+linear layers of a few rows (:mod:`kernels.cpu_linear`). ``TRIODE_KERNELS=torch|triton|auto``
 (or :func:`set_backend`) overrides the choice for tests and benchmarks: ``torch`` runs only the
 references; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
 
@@ -25,9 +26,10 @@ import os
 
 import torch
 
-from kernels.cpu_attention import cpu_decode_available
+from kernels.cpu_linear import small_linear_cpu, small_linear_supports
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
+from kernels.native import native_library
 from kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_reference,
@@ -45,6 +47,7 @@ __all__ = [
     "AttentionMetadata",
     "backend_for",
     "get_backend",
+    "linear",
     "paged_attention",
     "prepare",
     "rms_norm",
@@ -86,10 +89,10 @@ def _triton_available() -> bool:
 
 
 def prepare(device: torch.device) -> None:
-    """Builds what the ops will need on ``device`` (the CPU decode-attention kernel), so that
-    the first step does not pay for it."""
+    """Builds what the ops will need on ``device`` (the C kernels on a CPU), so that the first
+    step does not pay for it."""
     if device.type == "cpu" and _backend == "auto":
-        cpu_decode_available()
+        native_library()
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
@@ -112,6 +115,13 @@ def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMeta
     if _backend == "auto" and query.device.type == "cpu":
         return paged_attention_cpu(query, key, value, k_cache, v_cache, metadata, scale)
     return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight.T + bias``, x [rows, in], weight [out, in]."""
+    if _backend == "auto" and small_linear_supports(x, weight, bias):
+        return small_linear_cpu(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

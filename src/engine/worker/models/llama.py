@@ -30,6 +30,13 @@ from engine.worker.models.rope import cos_sin_cache
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class Linear(nn.Linear):
+    """nn.Linear through ``kernels.linear`` (a CPU decode of a few rows takes a C loop)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -51,8 +58,8 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -88,8 +95,8 @@ class MLP(nn.Module):
         size = parallel.partition.intermediate_size if parallel else config.intermediate_size
         self.size = size
         self.parallel = parallel
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -141,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, vocab, bias=False)
+            else Linear(config.hidden_size, vocab, bias=False)
         )
         self.max_positions = max_positions
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
@@ -182,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [rows, vocab]. Under tensor parallelism every rank must call it (it
         gathers the vocabulary shards); rank 0 gets the logits, the other ranks None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = kernels.linear(hidden, weight)
         if self.parallel is not None:
             logits = self.parallel.gather_vocab(logits)
             if logits is None:

@@ -1,0 +1,65 @@
+"""Linear layers of a few rows on CPUs (``csrc/small_linear.c``).
+
+A decode step of one to eight sequences multiplies each weight matrix by that many rows: the
+step is a pass over all the weights, and its speed is the memory bandwidth the matmul
+reaches. torch's CPU matmul reaches about a third of it at these shapes (one to three rows
+are its slowest), the C loop most of it. Larger batches, and anything the loop does not fit,
+take ``torch.nn.functional.linear``: from :data:`ROWS_TAKEN` rows up torch is as fast (in
+bfloat16 the loop's conversions cost more than the memory it saves beyond three rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.native import bind
+
+_ENTRY_POINTS = {torch.float32: "triode_small_linear_f32", torch.bfloat16: "triode_small_linear_bf16"}
+MAX_ROWS = 8  # as in the C source
+# Rows the dispatch gives the loop, per dtype. Decode steps of the default model on this
+# 2-core CPU (ms, torch -> loop): float32 1 row 60 -> 21, 8 rows 91 -> 67; bfloat16 1 row
+# 37 -> 16, 4 rows 38 -> 37, 8 rows 43 -> 51.
+ROWS_TAKEN = {torch.float32: MAX_ROWS, torch.bfloat16: 3}
+
+__all__ = ["MAX_ROWS", "ROWS_TAKEN", "small_linear_cpu", "small_linear_supports"]
+
+
+@functools.cache
+def _entry(dtype: torch.dtype):
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return bind(_ENTRY_POINTS[dtype], pointer, i64, pointer, pointer, pointer, i64, i32, i32, i64)
+
+
+def small_linear_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the C loop takes ``linear(x, weight, bias)``: CPU, float32 or bfloat16 rows (1 to
+    ``ROWS_TAKEN[dtype]``) with unit column stride, a contiguous weight and bias of that dtype."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in ROWS_TAKEN
+        and 1 <= x.shape[0] <= ROWS_TAKEN[x.dtype]
+        and x.stride(1) == 1
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == weight.shape[:1]))
+        and _entry(x.dtype) is not None
+    )
+
+
+def small_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x [rows, in] with rows in 1..MAX_ROWS (see
+    :func:`small_linear_supports`); returns a new [rows, out] tensor."""
+    rows, features = x.shape
+    out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+    status = _entry(x.dtype)(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), out.stride(0), rows, features, weight.shape[0],
+    )
+    if status:
+        raise ValueError(f"small_linear_cpu: {rows} rows; the loop takes 1..{MAX_ROWS}")
+    return out

@@ -1,0 +1,67 @@
+"""Kernels: the C loop for linear layers of a few rows (kernels.cpu_linear) against
+torch.nn.functional.linear, and the dispatch around it. Needs a C compiler; without one the
+kernel cases are skipped and the dispatch falls back (tested in test_cpu_attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.cpu_linear import MAX_ROWS, ROWS_TAKEN, small_linear_cpu, small_linear_supports
+from kernels.native import native_library
+
+needs_kernel = pytest.mark.skipif(native_library() is None, reason="no C compiler to build the kernels")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize(("features", "out", "with_bias"), [(576, 192, False), (37, 50, True), (16, 1, True)])
+def test_matches_torch_linear(rows, features, out, with_bias, dtype):
+    gen = torch.Generator().manual_seed(rows * 1000 + features)
+    x = torch.randn(rows, features, generator=gen).to(dtype)
+    weight = torch.randn(out, features, generator=gen).to(dtype)
+    bias = torch.randn(out, generator=gen).to(dtype) if with_bias else None
+    assert small_linear_supports(x, weight, bias) == (rows <= ROWS_TAKEN[dtype])
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(small_linear_cpu(x, weight, bias).float(), expected,
+                               rtol=tolerance, atol=tolerance * features ** 0.5)
+
+
+@needs_kernel
+def test_rows_may_be_strided_views():
+    """The rows of a decode batch are often a view of a wider tensor (e.g. attention output)."""
+    wide = torch.randn(4, 2 * 64)
+    x = wide[:, :64]
+    weight = torch.randn(96, 64)
+    torch.testing.assert_close(small_linear_cpu(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_dispatch_takes_the_loop_for_few_rows_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "small_linear_cpu", lambda *a: calls.append(a) or small_linear_cpu(*a))
+    weight = torch.randn(32, 16)
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(kernels.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert [a[0].shape[0] for a in calls] == [1, MAX_ROWS]
+    kernels.set_backend("torch")
+    try:
+        kernels.linear(torch.randn(1, 16), weight)
+    finally:
+        kernels.set_backend("auto")
+    assert len(calls) == 2
+
+
+def test_what_the_loop_does_not_take():
+    weight = torch.randn(8, 16)
+    assert not small_linear_supports(torch.randn(MAX_ROWS + 1, 16), weight, None)
+    assert not small_linear_supports(torch.randn(4, 16, dtype=torch.bfloat16), weight.bfloat16(), None)
+    assert not small_linear_supports(torch.randn(2, 16, dtype=torch.float64), weight.double(), None)
+    assert not small_linear_supports(torch.randn(2, 16), weight.t().contiguous().t(), None)
+    assert not small_linear_supports(torch.randn(16, 2).t(), weight, None)
+    assert not small_linear_supports(torch.randn(2, 3, 16), weight, None)
