@@ -28,4 +28,6 @@ def test_bench_serve_small(tiny_model_factory, tmp_path):
         assert level["failed"] == 0 and level["mean_output_tokens"] == 8
         assert level["ttft_p50_ms"] > 0 and level["itl_p99_ms"] >= level["itl_p50_ms"] > 0
     assert report["offline"]["output_tokens_per_second"] > 0 and report["served_over_offline"] > 0
+    assert report["offline_capped"]["max_num_seqs"] == max(level["concurrency"] for level in report["levels"])
+    assert report["served_over_offline_capped"] > 0
     assert (tmp_path / "serve.png").stat().st_size > 0
