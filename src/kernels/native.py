@@ -20,7 +20,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-_SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(sorted(_CSRC.glob("*.c")))
+_HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 # -ffast-math lets the dot products vectorize; it is given to the compile step only, since
 # linking a shared library with it would set flush-to-zero for the whole process (gcc < 13).
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
@@ -39,7 +41,8 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    text = "\0".join([*(source.read_text() for source in _SOURCES), *_COMPILE_FLAGS, *_LINK_FLAGS, version])
+    files = (path.read_text() for path in (*_SOURCES, *_HEADERS))
+    text = "\0".join([*files, *_COMPILE_FLAGS, *_LINK_FLAGS, version])
     library = _cache_dir() / f"triode-kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
     if library.exists():
         return library

@@ -18,6 +18,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "bf16.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,19 +34,6 @@ typedef struct {
     float running_max[MAX_HEADS], denominator[MAX_HEADS];
     float row[MAX_DIM];
 } Scratch;
-
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)bits << 16;
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    union { uint32_t u; float f; } v;
-    v.f = value;
-    v.u += 0x7FFFu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
-}
 
 /* One sequence; ELEM is float or uint16_t (bfloat16 bits). */
 #define DEFINE_SEQUENCE(NAME, ELEM, LOAD, STORE)                                                 \

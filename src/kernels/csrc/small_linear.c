@@ -11,21 +11,10 @@
  */
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define MAX_ROWS 8
 #define LANES 16
-
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)bits << 16;
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    union { uint32_t u; float f; } v;
-    v.f = value;
-    v.u += 0x7FFFu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
-}
 
 /* One output row j for ROWS rows of x; ROWS is a constant after inlining, so the partial
  * sums stay in vector registers and each loaded weight vector feeds ROWS fused multiply-adds. */
