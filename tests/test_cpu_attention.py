@@ -92,6 +92,19 @@ def test_block_ids_outside_the_cache_are_refused_before_the_kernel_reads():
                             batch.scale)
 
 
+@needs_kernel
+def test_wrong_metadata_dtypes_are_refused():
+    batch = _decode_batch(kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+    md = batch.metadata
+    out = torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_cpu(batch.query, batch.k_cache, batch.v_cache, md.block_tables.long(),
+                         md.seq_lens, batch.scale, out)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_cpu(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                         batch.scale, out.bfloat16())
+
+
 def test_shapes_beyond_the_kernel_take_the_reference():
     batch = make_paged_batch([(20, 1)], num_decodes=1, kv_heads=1, group=2, head_dim=512,
                              block_size=16, poison=False)

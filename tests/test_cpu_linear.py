@@ -65,3 +65,15 @@ def test_what_the_loop_does_not_take():
     assert not small_linear_supports(torch.randn(2, 16), weight.t().contiguous().t(), None)
     assert not small_linear_supports(torch.randn(16, 2).t(), weight, None)
     assert not small_linear_supports(torch.randn(2, 3, 16), weight, None)
+
+
+@needs_kernel
+def test_autograd_keeps_torch_linear():
+    """Outside inference mode a parameter wants gradients: the dispatch leaves it to torch."""
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(2, 16)
+    assert not small_linear_supports(x, layer.weight, layer.bias)
+    kernels.linear(x, layer.weight, layer.bias).sum().backward()
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        assert small_linear_supports(x, layer.weight, layer.bias)

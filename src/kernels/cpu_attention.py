@@ -34,12 +34,15 @@ def cpu_decode_available() -> bool:
 
 
 def cpu_decode_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether these tensors fit the kernel: CPU, float32 or bfloat16, heads, head dim and block
-    size within the C source's limits, and row layouts it can stride over."""
+    """Whether these tensors fit the kernel: CPU, float32 or bfloat16 (query and cache alike),
+    heads, head dim and block size within the C source's limits, row layouts it can stride
+    over, and no autograd to record (the kernel is invisible to it)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     return (
         query.device.type == "cpu"
         and query.dtype in _ENTRY_POINTS
+        and k_cache.dtype == query.dtype
+        and not (torch.is_grad_enabled() and query.requires_grad)
         and head_dim <= MAX_HEAD_DIM
         and block_size <= MAX_BLOCK_SIZE
         and query.shape[1] <= MAX_HEADS
@@ -67,6 +70,12 @@ def paged_decode_cpu(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
             and seq_lens.is_contiguous() and out.stride(2) == 1 and out.stride(1) == head_dim):
         raise ValueError("paged_decode_cpu: caches, block tables, seq_lens and out rows must be contiguous")
+    if not (v_cache.dtype == out.dtype == k_cache.dtype == query.dtype
+            and block_tables.dtype == seq_lens.dtype == torch.int32
+            and out.shape == query.shape and seq_lens.shape == (num_seqs,)
+            and block_tables.shape[0] >= num_seqs):
+        raise ValueError("paged_decode_cpu: query, caches and out must share a dtype, block tables and "
+                         "seq_lens must be int32, with a row and a length per sequence")
     status = _entry(query.dtype)(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),

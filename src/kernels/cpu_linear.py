@@ -35,9 +35,11 @@ def _entry(dtype: torch.dtype):
 
 def small_linear_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the C loop takes ``linear(x, weight, bias)``: CPU, float32 or bfloat16 rows (1 to
-    ``ROWS_TAKEN[dtype]``) with unit column stride, a contiguous weight and bias of that dtype."""
+    ``ROWS_TAKEN[dtype]``) with unit column stride, a contiguous weight and bias of that dtype,
+    and no autograd to record (the loop is invisible to it: the model runs in inference mode)."""
     return (
         x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and x.dim() == 2
         and x.dtype in ROWS_TAKEN
         and 1 <= x.shape[0] <= ROWS_TAKEN[x.dtype]
