@@ -17,10 +17,10 @@ from tests.driver import Driver
 TOP = 5
 
 
-def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int):
+def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, dtype=torch.float32):
     """(token ids, per-step log-softmax rows) for each prompt, one prompt at a time so that no
     padding enters the comparison."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     # Without this, generate merges the model's own EOS back in and stops early.
     model.generation_config.eos_token_id = None
     config = GenerationConfig(
@@ -45,13 +45,13 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
 
 
-def make_driver(path: Path) -> Driver:
-    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=512)
+def make_driver(path: Path, *, dtype: str = "auto") -> Driver:
+    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=512, dtype=dtype)
     return Driver(ModelRunner(args, path))
 
 
-def ours_greedy(path: Path, prompts, max_tokens: int, **driver_options):
-    return make_driver(path).generate(prompts, greedy_params(max_tokens), **driver_options)
+def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", **driver_options):
+    return make_driver(path, dtype=dtype).generate(prompts, greedy_params(max_tokens), **driver_options)
 
 
 def assert_matches_hf(
