@@ -25,6 +25,7 @@ import torch
 
 from engine import LLM, EngineArgs, SamplingParams
 from engine.errors import KVCacheTooSmallError
+from engine.worker.checkpoint import iter_safetensors, load_hf_config
 from engine.worker.distributed import (
     Partition,
     RendezvousError,
@@ -32,7 +33,6 @@ from engine.worker.distributed import (
     check_tensor_parallel,
     supported_sizes,
 )
-from engine.worker.loading import iter_safetensors, load_hf_config
 from engine.worker.models.config import ModelConfig
 from engine.worker.models.llama import checkpoint_slices
 from tests.hf_compare import greedy_params, ours_greedy

@@ -79,7 +79,7 @@ def check_before_spawn(args: EngineArgs, model_path: str) -> None:
     the model's heads (and the CUDA devices), and a MASTER_PORT that must be free."""
     if args.tensor_parallel_size == 1:
         return
-    from engine.worker.loading import load_hf_config
+    from engine.worker.checkpoint import load_hf_config
     from engine.worker.models.config import ModelConfig
     from engine.worker.runner import resolve_device
 

@@ -19,13 +19,13 @@ import kernels
 from engine.config import EngineArgs
 from engine.errors import InvalidRequestError, KVCacheTooSmallError
 from engine.sampling_params import SamplingParams
+from engine.worker.checkpoint import iter_safetensors, load_hf_config
 from engine.worker.distributed import (
     Partition,
     Rendezvous,
     TensorParallelGroup,
     peak_resident_bytes,
 )
-from engine.worker.loading import iter_safetensors, load_hf_config
 from engine.worker.models.config import ModelConfig
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
