@@ -18,14 +18,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import (
-    Sampler,
-    SamplingBatch,
-    SamplingRow,
-    adjust_logits,
-    compute_logprobs,
-    mask_logits,
-)
+from engine.worker.sampler import Sampler, adjust_logits, compute_logprobs, mask_logits
+from engine.worker.sampling_batch import SamplingBatch, SamplingRow
 
 CPU = torch.device("cpu")
 PROPERTY = settings(max_examples=60, deadline=None)

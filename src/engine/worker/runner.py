@@ -30,7 +30,8 @@ from engine.worker.models.config import ModelConfig
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
 from engine.worker.protocol import SampledToken, ScheduledChunk, StepPlan, StepResult
-from engine.worker.sampler import Sampler, SamplingBatch, SamplingRow, compute_logprobs
+from engine.worker.sampler import Sampler, compute_logprobs
+from engine.worker.sampling_batch import SamplingBatch, SamplingRow
 from engine.worker.step_inputs import StepInputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
