@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from kernels.cpu_linear import small_linear_cpu, small_linear_supports
+from kernels.cpu_linear import small_linear_cpu
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
 from kernels.native import native_library
@@ -119,8 +119,8 @@ def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMeta
 
 def linear(x, weight, bias=None):
     """``x @ weight.T + bias``, x [rows, in], weight [out, in]."""
-    if _backend == "auto" and small_linear_supports(x, weight, bias):
-        return small_linear_cpu(x, weight, bias)
+    if _backend == "auto" and (out := small_linear_cpu(x, weight, bias)) is not None:
+        return out
     return torch.nn.functional.linear(x, weight, bias)
 
 

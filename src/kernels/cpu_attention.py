@@ -73,9 +73,10 @@ def paged_decode_cpu(
     if not (v_cache.dtype == out.dtype == k_cache.dtype == query.dtype
             and block_tables.dtype == seq_lens.dtype == torch.int32
             and out.shape == query.shape and seq_lens.shape == (num_seqs,)
+            and k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
             and block_tables.shape[0] >= num_seqs):
-        raise ValueError("paged_decode_cpu: query, caches and out must share a dtype, block tables and "
-                         "seq_lens must be int32, with a row and a length per sequence")
+        raise ValueError("paged_decode_cpu: query, caches and out must share a dtype and head dim, "
+                         "block tables and seq_lens must be int32, with a row and a length per sequence")
     status = _entry(query.dtype)(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),

@@ -53,9 +53,13 @@ def small_linear_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     )
 
 
-def small_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for x [rows, in] with rows in 1..MAX_ROWS (see
-    :func:`small_linear_supports`); returns a new [rows, out] tensor."""
+def small_linear_cpu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` as a new [rows, out] tensor, or None when the loop does not take
+    these tensors (:func:`small_linear_supports`), so that the caller uses torch."""
+    if not small_linear_supports(x, weight, bias):
+        return None
     rows, features = x.shape
     out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
     status = _entry(x.dtype)(
