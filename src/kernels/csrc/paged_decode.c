@@ -12,16 +12,16 @@
  *   seq_lens   [seqs] int32, 1..table capacity
  *   out        [seqs, heads, dim], token stride out_stride
  *
- * Compiled by kernels.cpu_attention with -O3 -march=native -ffast-math -fopenmp; nothing
+ * Compiled by kernels.native with -O3 -march=native -ffast-math -fopenmp; nothing
  * here relies on infinities or NaNs (scores are finite, the running max starts at -FLT_MAX).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-
-#include "bf16.h"
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 #define MAX_HEADS 64
 #define MAX_DIM 256
