@@ -54,6 +54,11 @@ def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", **
     return make_driver(path, dtype=dtype).generate(prompts, greedy_params(max_tokens), **driver_options)
 
 
+def _tops(logprobs: TokenLogprobs, hf_row: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(our top-5 token ids, HF's top-5 token ids) at one step."""
+    return [t for t, _ in logprobs.top], torch.topk(hf_row, TOP).indices.tolist()
+
+
 def assert_matches_hf(
     ours: list[tuple[list[int], list[TokenLogprobs | None]]],
     reference,
@@ -65,8 +70,7 @@ def assert_matches_hf(
     for index, ((tokens, logprobs), (hf_tokens, hf_logprobs)) in enumerate(zip(ours, reference, strict=True)):
         for step, (token, hf_token) in enumerate(zip(tokens, hf_tokens, strict=True)):
             hf_row = hf_logprobs[step]
-            ours_top = [t for t, _ in logprobs[step].top]
-            hf_top = torch.topk(hf_row, TOP).indices.tolist()
+            ours_top, hf_top = _tops(logprobs[step], hf_row)
             assert token == hf_token, (
                 f"prompt {index}, step {step}: ours {token} vs HF {hf_token} "
                 f"(ours in HF top-5: {token in hf_top}, HF in our top-5: {hf_token in ours_top})"
@@ -74,3 +78,22 @@ def assert_matches_hf(
             assert abs(logprobs[step].logprob - hf_row[token].item()) < logprob_atol
             for top_token, top_logprob in logprobs[step].top:
                 assert abs(top_logprob - hf_row[top_token].item()) < logprob_atol
+
+
+def assert_close_to_hf(
+    ours: list[tuple[list[int], list[TokenLogprobs | None]]],
+    reference,
+    *,
+    logprob_atol: float,
+) -> None:
+    """vLLM's rule for two implementations that round differently (e.g. both in bfloat16):
+    until the first differing token the chosen tokens' logprobs agree within ``logprob_atol``;
+    at that token each side's choice is in the other's top-5, and the contexts part there."""
+    for index, ((tokens, logprobs), (hf_tokens, hf_logprobs)) in enumerate(zip(ours, reference, strict=True)):
+        for step, (token, hf_token) in enumerate(zip(tokens, hf_tokens, strict=True)):
+            if token != hf_token:
+                ours_top, hf_top = _tops(logprobs[step], hf_logprobs[step])
+                assert token in hf_top and hf_token in ours_top, (
+                    f"prompt {index}, step {step}: ours {token} vs HF {hf_token}, not a near-tie")
+                break
+            assert abs(logprobs[step].logprob - hf_logprobs[step][token].item()) < logprob_atol, (index, step)

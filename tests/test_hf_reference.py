@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.hf_compare import (
-    TOP,
+    assert_close_to_hf,
     assert_matches_hf,
     greedy_params,
     hf_greedy,
@@ -92,8 +92,9 @@ def default_model_path():
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 
 
-@pytest.mark.default_model
-def test_default_model_matches_hf(default_model_path):
+@pytest.fixture(scope="module")
+def default_model_prompts(default_model_path):
+    """(tokenizer, prompts): a chat turn and three plain continuations."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(default_model_path))
@@ -104,35 +105,23 @@ def test_default_model_matches_hf(default_model_path):
         "def fibonacci(n):",
         "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     ]
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return tokenizer, [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+@pytest.mark.default_model
+def test_default_model_matches_hf(default_model_path, default_model_prompts):
+    tokenizer, prompts = default_model_prompts
     ours = ours_greedy(default_model_path, prompts, MAX_TOKENS)
     assert_matches_hf(ours, hf_greedy(default_model_path, prompts, MAX_TOKENS))
     assert tokenizer.decode(ours[0][0]).startswith("The capital of France is Paris.")
 
 
 @pytest.mark.default_model
-def test_default_model_in_bfloat16_is_close_to_hf(default_model_path):
-    """Both in bfloat16, where two correct implementations round differently: until the first
-    differing token the logprobs agree within 0.3 (measured: at most 0.13), and at that token
-    each side's choice is in the other's top 5, after which the contexts differ (vLLM's rule)."""
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(default_model_path))
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    texts = [
-        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-        "The history of structured concurrency begins with",
-        "def fibonacci(n):",
-    ]
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+def test_default_model_in_bfloat16_is_close_to_hf(default_model_path, default_model_prompts):
+    """Both in bfloat16, where two correct implementations round differently: vLLM's rule,
+    with logprobs within 0.3 before the first differing token (measured: at most 0.13)."""
+    tokenizer, prompts = default_model_prompts
     ours = ours_greedy(default_model_path, prompts, 24, dtype="bfloat16")
     reference = hf_greedy(default_model_path, prompts, 24, dtype=torch.bfloat16)
-    for index, ((tokens, logprobs), (hf_tokens, hf_rows)) in enumerate(zip(ours, reference, strict=True)):
-        for step, (token, hf_token) in enumerate(zip(tokens, hf_tokens, strict=True)):
-            if token != hf_token:
-                hf_top = torch.topk(hf_rows[step], TOP).indices.tolist()
-                assert token in hf_top and hf_token in [t for t, _ in logprobs[step].top], (
-                    f"prompt {index}, step {step}: ours {token} vs HF {hf_token}, not a near-tie")
-                break
-            assert abs(logprobs[step].logprob - hf_rows[step][token].item()) < 0.3, (index, step)
+    assert_close_to_hf(ours, reference, logprob_atol=0.3)
     assert tokenizer.decode(ours[0][0]).startswith("The capital of France is Paris.")
