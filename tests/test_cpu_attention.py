@@ -121,7 +121,7 @@ def _forget_the_library() -> None:
 
 def test_without_a_compiler_the_ops_fall_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "/bin/false")
-    monkeypatch.setenv("TRIODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_directory", tmp_path)
     _forget_the_library()
     try:
         with caplog.at_level(logging.WARNING, logger="kernels.native"):

@@ -29,7 +29,7 @@ import torch
 from kernels.cpu_linear import small_linear_cpu
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
-from kernels.native import native_library
+from kernels.native import native_library, use_cache_dir
 from kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_reference,
@@ -88,10 +88,12 @@ def _triton_available() -> bool:
     return True
 
 
-def prepare(device: torch.device) -> None:
-    """Builds what the ops will need on ``device`` (the C kernels on a CPU), so that the first
-    step does not pay for it."""
+def prepare(device: torch.device, *, cache_dir: str | None = None) -> None:
+    """Builds what the ops will need on ``device`` (the C kernels on a CPU, into
+    ``cache_dir/kernels``), so that the first step does not pay for it."""
     if device.type == "cpu" and _backend == "auto":
+        if cache_dir is not None:
+            use_cache_dir(cache_dir)
         native_library()
 
 

@@ -1,8 +1,10 @@
 """triode's C kernels for CPUs (``csrc/*.c``): built on first use, loaded with ctypes.
 
 The sources are compiled with the system C compiler (``$CC``, else ``cc``) for this CPU
-(``-march=native``) into one shared library under ``<cache>/kernels/``, named by a hash of the
-sources, the flags and the compiler, so every start after the first costs a ``dlopen``.
+(``-march=native``) into one shared library under ``<cache>/kernels/`` (the engine's cache
+directory, given by :func:`use_cache_dir`; a per-user temporary directory when no engine set
+it), named by a hash of the sources, the flags and the compiler, so every start after the
+first costs a ``dlopen``.
 Without a compiler (or if the build fails) :func:`native_library` returns None, the reason
 is logged once, and the ops take their torch references. The library links the
 ``libgomp.so.1`` that torch has already loaded, so the kernels share torch's OpenMP thread
@@ -30,20 +32,22 @@ _LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["native_library"]
+__all__ = ["bind", "native_library", "use_cache_dir"]
+
+_directory = Path(tempfile.gettempdir()) / f"triode-kernels-{os.getuid()}"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TRIODE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "triode")
-    return Path(root) / "kernels"
+def use_cache_dir(cache_dir: str | Path) -> None:
+    """Builds into ``cache_dir/kernels`` from now on (a library already loaded stays)."""
+    global _directory
+    _directory = Path(cache_dir) / "kernels"
 
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     files = (path.read_text() for path in (*_SOURCES, *_HEADERS))
     text = "\0".join([*files, *_COMPILE_FLAGS, *_LINK_FLAGS, version])
-    library = _cache_dir() / f"triode-kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
+    library = _directory / f"triode-kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)

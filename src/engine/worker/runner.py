@@ -128,7 +128,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
-        kernels.prepare(self.device)
+        kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
