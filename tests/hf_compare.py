@@ -17,10 +17,11 @@ from tests.driver import Driver
 TOP = 5
 
 
-def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, dtype=torch.float32):
-    """(token ids, per-step log-softmax rows) for each prompt, one prompt at a time so that no
-    padding enters the comparison."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, dtype=torch.float32,
+              device: str = "cpu"):
+    """(token ids, per-step log-softmax rows, on the CPU) for each prompt, one prompt at a time
+    so that no padding enters the comparison."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     # Without this, generate merges the model's own EOS back in and stops early.
     model.generation_config.eos_token_id = None
     config = GenerationConfig(
@@ -30,13 +31,13 @@ def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, 
     )
     results = []
     for prompt in prompts:
-        input_ids = torch.tensor([list(prompt)])
+        input_ids = torch.tensor([list(prompt)], device=device)
         with torch.no_grad():
             out = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
             )
         tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+        logprobs = [torch.log_softmax(step[0].float(), dim=-1).cpu() for step in out.logits]
         results.append((tokens, logprobs))
     return results
 
@@ -45,13 +46,16 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
 
 
-def make_driver(path: Path, *, dtype: str = "auto") -> Driver:
-    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=512, dtype=dtype)
+def make_driver(path: Path, *, dtype: str = "auto", device: str = "auto") -> Driver:
+    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=512, dtype=dtype,
+                      device=device)
     return Driver(ModelRunner(args, path))
 
 
-def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", **driver_options):
-    return make_driver(path, dtype=dtype).generate(prompts, greedy_params(max_tokens), **driver_options)
+def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", device: str = "auto",
+                **driver_options):
+    return make_driver(path, dtype=dtype, device=device).generate(prompts, greedy_params(max_tokens),
+                                                                  **driver_options)
 
 
 def _tops(logprobs: TokenLogprobs, hf_row: torch.Tensor) -> tuple[list[int], list[int]]:
