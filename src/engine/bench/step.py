@@ -52,9 +52,12 @@ def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
 
 
 def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
+    """The same for HF's forward with its cache. The sampled ids come back to the host each
+    step, as ours do, so that on a GPU both figures include the step's synchronisation."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    prompts = prompts.to(model.device)
     with torch.inference_mode():
         out = model(prompts, cache=cache, use_cache=True, logits_to_keep=1)
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -63,6 +66,7 @@ def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
             started = time.perf_counter()
             out = model(next_ids, cache=cache, use_cache=True, logits_to_keep=1)
             next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            next_ids.tolist()
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -80,10 +84,10 @@ def run(
     args = EngineArgs(model=model, kv_cache_memory="2GiB")
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
     runner = ModelRunner(args, resolved.path)
-    hf_model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=runner.dtype).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=runner.dtype).to(runner.device).eval()
     vocab = runner.config.vocab_size
     print(f"triode bench step: {resolved.source}, context {context} tokens, {steps} decode steps, "
-          f"{runner.dtype}; {machine_description()}")
+          f"{runner.dtype} on {runner.device}; {machine_description()}")
     rows = []
     for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
         prompts = _context(batch, context, vocab, seed=batch)
