@@ -143,4 +143,8 @@ async def test_async_llm_streams_match_and_cancel_frees_blocks(prompts, referenc
                 async for _ in llm.generate("Tell me a long story.", SamplingParams(max_tokens=500)):
                     pass
         assert [results[i] for i in range(len(prompts))] == reference
+        # The abort takes effect before the next step, and a step may be in flight when the
+        # consumer is cancelled: one more request makes sure a step has started since.
+        async for _ in llm.generate(prompts[0], SamplingParams(max_tokens=1)):
+            pass
         assert_all_blocks_free(llm.statistics())
