@@ -1,10 +1,11 @@
 """The one dispatch point for triode's hot-path ops.
 
 Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
-torch references, except two ops on a CPU, which run triode's C kernels when a C compiler
-could build them (:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`) and
-linear layers of a few rows (:mod:`kernels.cpu_linear`). ``TRIODE_KERNELS=torch|triton|auto``
-(or :func:`set_backend`) overrides the choice for tests and benchmarks: ``torch`` runs only the
+torch references, except two ops on a CPU: decode attention runs triode's C kernel when a C
+compiler could build it (:mod:`kernels.native`, :mod:`kernels.cpu_attention`), and linear
+layers run oneDNN with weights packed at load time (:mod:`kernels.packed_linear`), one row the
+C loop of :mod:`kernels.cpu_linear`. ``TRIODE_KERNELS=torch|triton|auto`` (or
+:func:`set_backend`) overrides the choice for tests and benchmarks: ``torch`` runs only the
 references; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
 
 One module per op, each with its torch reference, its Triton kernel and the launcher that checks
@@ -30,6 +31,7 @@ from kernels.cpu_linear import small_linear_cpu
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
 from kernels.native import native_library, use_cache_dir
+from kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_supports
 from kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_reference,
@@ -48,6 +50,7 @@ __all__ = [
     "backend_for",
     "get_backend",
     "linear",
+    "pack_linear_weight",
     "paged_attention",
     "prepare",
     "rms_norm",
@@ -119,10 +122,15 @@ def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMeta
     return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
 
 
-def linear(x, weight, bias=None):
-    """``x @ weight.T + bias``, x [rows, in], weight [out, in]."""
-    if _backend == "auto" and (out := small_linear_cpu(x, weight, bias)) is not None:
-        return out
+def linear(x, weight, bias=None, packed=None):
+    """``x @ weight.T + bias``, x [rows, in], weight [out, in]; ``packed``: the weight as
+    :func:`pack_linear_weight` made it, or None. On a CPU one row goes to the C loop, more
+    rows to oneDNN with the packed weight (without one, the C loop takes a few rows)."""
+    if _backend == "auto":
+        if (packed is None or x.shape[0] == 1) and (out := small_linear_cpu(x, weight, bias)) is not None:
+            return out
+        if packed is not None and packed_linear_supports(x, packed, bias):
+            return packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -3,9 +3,11 @@
 A decode step of one to eight sequences multiplies each weight matrix by that many rows: the
 step is a pass over all the weights, and its speed is the memory bandwidth the matmul
 reaches. torch's CPU matmul reaches about a third of it at these shapes (one to three rows
-are its slowest), the C loop most of it. Larger batches, and anything the loop does not fit,
-take ``torch.nn.functional.linear``: from :data:`ROWS_TAKEN` rows up torch is as fast (in
-bfloat16 the loop's conversions cost more than the memory it saves beyond three rows).
+are its slowest), the C loop most of it. Where the model has packed its weights for oneDNN
+(:mod:`kernels.packed_linear`), the dispatch gives the loop one row only: oneDNN is faster
+from two rows. Without packed weights the loop takes up to :data:`ROWS_TAKEN` rows, and torch
+the rest (in bfloat16 the loop's conversions cost more than the memory it saves beyond three
+rows).
 """
 
 from __future__ import annotations

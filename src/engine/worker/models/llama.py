@@ -31,10 +31,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Linear(nn.Linear):
-    """nn.Linear through ``kernels.linear`` (a CPU decode of a few rows takes a C loop)."""
+    """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
+    gives it oneDNN's packed copy of the weight."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class RMSNorm(nn.Module):
@@ -151,7 +157,17 @@ class LlamaForCausalLM(nn.Module):
             else Linear(config.hidden_size, vocab, bias=False)
         )
         self.max_positions = max_positions
+        self.tied_head_packed: torch.Tensor | None = None
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
+
+    def pack_linear_weights(self) -> None:
+        """Packs every linear weight for ``kernels.linear`` (on a CPU; elsewhere nothing is
+        packed). Call after the weights are loaded: a later change to them is not seen."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
 
     def init_rope(self) -> None:
         config = self.config
@@ -188,8 +204,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab]. Under tensor parallelism every rank must call it (it
         gathers the vocabulary shards); rank 0 gets the logits, the other ranks None."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = kernels.linear(hidden, weight)
+        if self.lm_head is None:
+            logits = kernels.linear(hidden, self.embed_tokens.weight, packed=self.tied_head_packed)
+        else:
+            logits = self.lm_head(hidden)
         if self.parallel is not None:
             logits = self.parallel.gather_vocab(logits)
             if logits is None:

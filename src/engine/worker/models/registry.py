@@ -39,5 +39,6 @@ def build_model(
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(weights, source=source)
+    model.pack_linear_weights()
     model.init_rope()
     return model.eval()

@@ -1,0 +1,98 @@
+"""Kernels: linear layers through oneDNN with packed weights (kernels.packed_linear) against
+torch.nn.functional.linear, the dispatch between them and the C loop, and the model packing
+every linear weight once it is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine.worker.models.llama import Linear
+from kernels.native import native_library
+from kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_supports
+from tests.hf_compare import make_driver
+
+needs_onednn = pytest.mark.skipif(pack_linear_weight(torch.zeros(2, 2)) is None,
+                                  reason="this torch has no oneDNN")
+pytestmark = pytest.mark.kernels
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 33, 130])
+@pytest.mark.parametrize(("features", "out", "with_bias"), [(576, 192, False), (37, 50, True), (16, 1, True)])
+def test_matches_torch_linear(rows, features, out, with_bias, dtype):
+    gen = torch.Generator().manual_seed(rows * 1000 + features)
+    x = torch.randn(rows, features, generator=gen).to(dtype)
+    weight = torch.randn(out, features, generator=gen).to(dtype)
+    bias = torch.randn(out, generator=gen).to(dtype) if with_bias else None
+    packed = pack_linear_weight(weight)
+    assert packed_linear_supports(x, packed, bias)
+    result = packed_linear(x, packed, bias)
+    assert result.shape == (rows, out) and result.dtype == dtype
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(result.float(), expected, rtol=tolerance, atol=tolerance * features ** 0.5)
+
+
+@needs_onednn
+def test_strided_rows_are_copied_not_misread():
+    wide = torch.randn(5, 2 * 64)
+    x = wide[:, :64]
+    weight = torch.randn(96, 64)
+    torch.testing.assert_close(packed_linear(x, pack_linear_weight(weight)), x @ weight.T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_what_is_not_packed():
+    assert pack_linear_weight(torch.zeros(4, 8, device="meta")) is None
+    assert pack_linear_weight(torch.zeros(4, 8, dtype=torch.float16)) is None
+    assert pack_linear_weight(torch.zeros(8)) is None
+    assert pack_linear_weight(torch.nn.Linear(8, 4).weight) is None  # autograd tracks it
+
+
+@needs_onednn
+def test_what_packed_linear_does_not_take():
+    packed = pack_linear_weight(torch.randn(8, 16))
+    assert not packed_linear_supports(torch.randn(2, 17), packed, None)
+    assert not packed_linear_supports(torch.randn(2, 16, dtype=torch.bfloat16), packed, None)
+    assert not packed_linear_supports(torch.randn(2, 3, 16), packed, None)
+    assert not packed_linear_supports(torch.randn(2, 16), packed, torch.randn(7))
+    assert not packed_linear_supports(torch.randn(2, 16, requires_grad=True), packed, None)
+
+
+@needs_onednn
+def test_dispatch_one_row_to_the_loop_more_to_onednn(monkeypatch):
+    taken = []
+
+    def recording(x, packed, bias=None):
+        taken.append(x.shape[0])
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(kernels, "packed_linear", recording)
+    weight = torch.randn(32, 16)
+    packed = pack_linear_weight(weight)
+    for rows in (1, 2, 8, 64):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(kernels.linear(x, weight, packed=packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    # without a C compiler the single row goes to oneDNN as well
+    assert taken == ([2, 8, 64] if native_library() is not None else [1, 2, 8, 64])
+    kernels.set_backend("torch")
+    try:
+        kernels.linear(torch.randn(4, 16), weight, packed=packed)
+    finally:
+        kernels.set_backend("auto")
+    assert len(taken) == (3 if native_library() is not None else 4)
+
+
+@needs_onednn
+def test_the_model_packs_every_linear_weight(tiny_model_factory):
+    tied = make_driver(tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4))
+    untied = make_driver(tiny_model_factory("qwen2"))
+    for model in (tied.runner.model, untied.runner.model):
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        assert layers and all(m.packed_weight is not None for m in layers)
+    assert tied.runner.model.lm_head is None and tied.runner.model.tied_head_packed is not None
+    assert untied.runner.model.tied_head_packed is None
