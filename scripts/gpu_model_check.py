@@ -32,14 +32,6 @@ for entry in (ROOT / "src", ROOT):  # the engine and the tests package, without 
         sys.path.insert(0, str(entry))
 
 MAX_TOKENS = 24
-TEXTS = [
-    "The quick brown fox",
-    "Paris is the capital of",
-    "A paged key-value cache stores attention keys in fixed-size blocks of tokens, and "
-    "structured concurrency keeps every task inside a nursery.",
-    "héllo 世界",
-    "def add(a, b):",
-]
 
 
 def check_runner(path: Path, prompts: list[list[int]], device: str) -> list[str]:
@@ -97,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_model_check: no CUDA device here", file=sys.stderr)
         return 2
+    from tests.hf_compare import TINY_MODEL_TEXTS
     from tests.tiny_models import ARCHITECTURES, build_tiny_model, train_tokenizer
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"gpu_model_check: {name}; torch {torch.__version__}")
     tokenizer = train_tokenizer()
-    prompts = [tokenizer.encode(text) for text in TEXTS]
+    prompts = [tokenizer.encode(text) for text in TINY_MODEL_TEXTS]
     failures = 0
     with tempfile.TemporaryDirectory() as scratch:
         paths = {}

@@ -15,6 +15,15 @@ from engine.worker.runner import ModelRunner
 from tests.driver import Driver
 
 TOP = 5
+# Mixed lengths, and characters split across byte-level tokens.
+TINY_MODEL_TEXTS = (
+    "The quick brown fox",
+    "Paris is the capital of",
+    "A paged key-value cache stores attention keys in fixed-size blocks of tokens, and "
+    "structured concurrency keeps every task inside a nursery.",
+    "héllo 世界",
+    "def add(a, b):",
+)
 
 
 def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, dtype=torch.float32,

@@ -10,27 +10,22 @@ import torch
 import kernels
 from kernels.cpu_linear import MAX_ROWS, ROWS_TAKEN, small_linear_cpu, small_linear_supports
 from kernels.native import native_library
+from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
 
 needs_kernel = pytest.mark.skipif(native_library() is None, reason="no C compiler to build the kernels")
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
-@pytest.mark.parametrize(("features", "out", "with_bias"), [(576, 192, False), (37, 50, True), (16, 1, True)])
+@pytest.mark.parametrize(("features", "out", "with_bias"), SHAPES)
 def test_matches_torch_linear(rows, features, out, with_bias, dtype):
-    gen = torch.Generator().manual_seed(rows * 1000 + features)
-    x = torch.randn(rows, features, generator=gen).to(dtype)
-    weight = torch.randn(out, features, generator=gen).to(dtype)
-    bias = torch.randn(out, generator=gen).to(dtype) if with_bias else None
-    out = small_linear_cpu(x, weight, bias)
+    x, weight, bias = linear_inputs(rows, features, out, with_bias, dtype)
+    result = small_linear_cpu(x, weight, bias)
     if rows > ROWS_TAKEN[dtype]:
-        assert out is None  # torch's matmul is as fast there: the caller falls back to it
+        assert result is None  # torch's matmul is as fast there: the caller falls back to it
         return
-    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance * features ** 0.5)
+    assert_matches_linear(result, x, weight, bias)
 
 
 @needs_kernel

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.hf_compare import (
+    TINY_MODEL_TEXTS,
     assert_close_to_hf,
     assert_matches_hf,
     greedy_params,
@@ -24,15 +25,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def prompts(tiny_tokenizer):
-    texts = [
-        "The quick brown fox",
-        "Paris is the capital of",
-        "A paged key-value cache stores attention keys in fixed-size blocks of tokens, and "
-        "structured concurrency keeps every task inside a nursery.",
-        "héllo 世界",
-        "def add(a, b):",
-    ]
-    return [tiny_tokenizer.encode(t) for t in texts]
+    return [tiny_tokenizer.encode(t) for t in TINY_MODEL_TEXTS]
 
 
 def test_greedy_matches_hf(tiny_model, prompts):

@@ -12,29 +12,24 @@ from engine.worker.models.llama import Linear
 from kernels.native import native_library
 from kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_supports
 from tests.hf_compare import make_driver
+from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
 
 needs_onednn = pytest.mark.skipif(pack_linear_weight(torch.zeros(2, 2)) is None,
                                   reason="this torch has no oneDNN")
 pytestmark = pytest.mark.kernels
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 7, 33, 130])
-@pytest.mark.parametrize(("features", "out", "with_bias"), [(576, 192, False), (37, 50, True), (16, 1, True)])
+@pytest.mark.parametrize(("features", "out", "with_bias"), SHAPES)
 def test_matches_torch_linear(rows, features, out, with_bias, dtype):
-    gen = torch.Generator().manual_seed(rows * 1000 + features)
-    x = torch.randn(rows, features, generator=gen).to(dtype)
-    weight = torch.randn(out, features, generator=gen).to(dtype)
-    bias = torch.randn(out, generator=gen).to(dtype) if with_bias else None
+    x, weight, bias = linear_inputs(rows, features, out, with_bias, dtype)
     packed = pack_linear_weight(weight)
     assert packed_linear_supports(x, packed, bias)
     result = packed_linear(x, packed, bias)
     assert result.shape == (rows, out) and result.dtype == dtype
-    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(result.float(), expected, rtol=tolerance, atol=tolerance * features ** 0.5)
+    assert_matches_linear(result, x, weight, bias)
 
 
 @needs_onednn
