@@ -11,8 +11,8 @@ loop -> packed): float32 2 rows 43 -> 37, 8 rows 66 -> 39, 32 rows 118 -> 79, 64
 
 The packed copy is kept beside the plain weight, which the one-row loop and the torch
 reference read (and, for a tied LM head, the embedding), so on a CPU the linear weights take
-twice their memory.
-The two oneDNN entry points used are the ones torch's own compiler uses for frozen CPU models.
+twice their memory. The two oneDNN entry points used are the ones torch's own compiler uses
+for frozen CPU models.
 """
 
 from __future__ import annotations
