@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_attention, cpu_linear, native
+from kernels import cpu_attention, cpu_elementwise, cpu_linear, native
 from kernels.cpu_attention import cpu_decode_available, cpu_decode_supports, paged_decode_cpu
 from kernels.decode_attention import decode_attention_reference
 from kernels.paged_attention import paged_attention_cpu, paged_attention_reference
@@ -115,7 +115,8 @@ def test_shapes_beyond_the_kernel_take_the_reference():
 
 
 def _forget_the_library() -> None:
-    for cached in (native.native_library, cpu_attention._entry, cpu_linear._entry):
+    for cached in (native.native_library, cpu_attention._entry, cpu_linear._entry,
+                   cpu_elementwise._entry, cpu_elementwise._write_kv_entry):
         cached.cache_clear()
 
 
@@ -129,6 +130,8 @@ def test_without_a_compiler_the_ops_fall_back(monkeypatch, tmp_path, caplog):
         assert "torch references" in caplog.text
         weight, x = torch.randn(8, 16), torch.randn(2, 16)
         torch.testing.assert_close(kernels.linear(x, weight), x @ weight.T)
+        normed, _ = kernels.rms_norm(x, torch.ones(16), 1e-6)
+        torch.testing.assert_close(normed, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
         batch = make_paged_batch(DECODES, num_decodes=len(DECODES), kv_heads=3, group=3,
                                  head_dim=64, block_size=16, poison=False)
         md = batch.metadata

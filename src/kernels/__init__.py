@@ -1,10 +1,10 @@
 """The one dispatch point for triode's hot-path ops.
 
 Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
-torch references, except two ops on a CPU: decode attention runs triode's C kernel when a C
-compiler could build it (:mod:`kernels.native`, :mod:`kernels.cpu_attention`), and linear
-layers run oneDNN with weights packed at load time (:mod:`kernels.packed_linear`), one row the
-C loop of :mod:`kernels.cpu_linear`. ``TRIODE_KERNELS=torch|triton|auto`` (or
+torch references, except on a CPU where a C compiler could build triode's C kernels
+(:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`) and the elementwise
+ops (:mod:`kernels.cpu_elementwise`) run them, and linear layers run oneDNN with weights packed
+at load time (:mod:`kernels.packed_linear`), one row the C loop of :mod:`kernels.cpu_linear`. ``TRIODE_KERNELS=torch|triton|auto`` (or
 :func:`set_backend`) overrides the choice for tests and benchmarks: ``torch`` runs only the
 references; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
 
@@ -27,6 +27,12 @@ import os
 
 import torch
 
+from kernels.cpu_elementwise import (
+    rms_norm_cpu,
+    rotary_embedding_cpu,
+    silu_and_mul_cpu,
+    write_kv_cpu,
+)
 from kernels.cpu_linear import small_linear_cpu
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
@@ -108,7 +114,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Scatter key/value [tokens, kv_heads, dim] into the caches at ``slot_mapping``."""
     if _use_triton(key):
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
+    elif not (_backend == "auto" and write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)):
         write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -138,6 +144,8 @@ def rms_norm(x, weight, eps: float, residual=None):
     """RMSNorm of ``x`` (+ ``residual`` when given); returns (normed, new_residual)."""
     if _use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
+    if _backend == "auto" and (result := rms_norm_cpu(x, weight, eps, residual)) is not None:
+        return result
     return rms_norm_reference(x, weight, eps, residual)
 
 
@@ -145,7 +153,7 @@ def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
     """Rotate query and key in place (neox style)."""
     if _use_triton(query):
         rotary_embedding_triton(positions, query, key, cos_sin_cache)
-    else:
+    elif not (_backend == "auto" and rotary_embedding_cpu(positions, query, key, cos_sin_cache)):
         rotary_embedding_reference(positions, query, key, cos_sin_cache)
 
 
@@ -153,4 +161,6 @@ def silu_and_mul(x):
     """silu(gate) * up of x [..., 2 * d] (gate then up); returns [..., d]."""
     if _use_triton(x):
         return silu_and_mul_triton(x)
+    if _backend == "auto" and (out := silu_and_mul_cpu(x)) is not None:
+        return out
     return silu_and_mul_reference(x)
