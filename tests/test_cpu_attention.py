@@ -115,8 +115,7 @@ def test_shapes_beyond_the_kernel_take_the_reference():
 
 
 def _forget_the_library() -> None:
-    for cached in (native.native_library, cpu_attention._entry, cpu_linear._entry,
-                   cpu_elementwise._entry, cpu_elementwise._write_kv_entry):
+    for cached in (native.native_library, cpu_attention._entry, cpu_linear._entry, cpu_elementwise._entry):
         cached.cache_clear()
 
 

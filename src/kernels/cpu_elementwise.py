@@ -3,7 +3,7 @@
 
 Each torch reference is 2 to 20 ops with a temporary apiece; a decode step of the default
 model calls these 150 times, and at decode sizes a call is mostly dispatch (on this 2-core CPU
-0.1-0.2 ms each: 20 of a 64-sequence step's 156 ms, 4 once in C). The C versions are one pass
+0.1-0.2 ms each: 19 of a 64-sequence step's 158 ms, 6 once in C). The C versions are one pass
 over the rows. Each function here returns None (rotary, KV write: False) when its tensors do
 not fit the C source, so that the caller runs the reference: CPU, float32 or bfloat16, row
 layouts the source can stride over, and no autograd to record.
@@ -24,8 +24,8 @@ _SIGNATURES = {
     "rms_norm": (_POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _I32, _FLOAT),
     "silu_mul": (_POINTER, _I64, _POINTER, _I64, _I32),
     "rotary": (_POINTER, _I64, _POINTER, _I64, _I32, _POINTER, _I64, _I32, _POINTER, _I64, _I32),
+    "write_kv": (_POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _I64, _I32),
 }
-_WRITE_KV_SIGNATURE = (_POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _I64, _I64, _I32)
 
 __all__ = ["rms_norm_cpu", "rotary_embedding_cpu", "silu_and_mul_cpu", "write_kv_cpu"]
 
@@ -35,11 +35,6 @@ def _entry(op: str, dtype: torch.dtype):
     return bind(f"triode_{op}_{_SUFFIX[dtype]}", *_SIGNATURES[op])
 
 
-@functools.cache
-def _write_kv_entry():
-    return bind("triode_write_kv", *_WRITE_KV_SIGNATURE)
-
-
 def _takes(op: str, x: torch.Tensor) -> bool:
     """Whether ``op``'s C function is built and takes rows like x (the checks every op shares)."""
     return (
@@ -47,7 +42,7 @@ def _takes(op: str, x: torch.Tensor) -> bool:
         and x.dtype in _SUFFIX
         and not (torch.is_grad_enabled() and x.requires_grad)
         and x.stride(-1) == 1
-        and (_write_kv_entry() if op == "write_kv" else _entry(op, x.dtype)) is not None
+        and _entry(op, x.dtype) is not None
     )
 
 
@@ -121,10 +116,9 @@ def write_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> bool:
     ):
         return False
     slots = k_cache.shape[0] * k_cache.shape[1]
-    status = _write_kv_entry()(
+    status = _entry("write_kv", key.dtype)(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], slots,
-        key.shape[1] * key.shape[2] * key.element_size(), key.element_size(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], slots, key.shape[1] * key.shape[2],
     )
     if status:
         raise ValueError(f"write_kv: a slot outside the caches' {slots} slots")

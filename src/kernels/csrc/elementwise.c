@@ -108,19 +108,20 @@ int NAME(const int64_t *positions, int64_t tokens, ELEM *query, int64_t query_st
     return outside ? -1 : 0;                                                                    \
 }
 
-/* Copies each token's key and value rows into its cache slot; 0, or -1 (nothing written) for
- * a slot outside the caches. */
-int triode_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
-                    void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
-                    int64_t num_slots, int64_t row_bytes, int element_bytes)
-{
-    for (int64_t t = 0; t < tokens; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    for (int64_t t = 0; t < tokens; t++) {
-        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)key + t * key_stride * element_bytes, row_bytes);
-        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)value + t * value_stride * element_bytes, row_bytes);
-    }
-    return 0;
+/* Copies each token's key and value rows (row = kv_heads * dim elements) into its cache slot;
+ * 0, or -1 (nothing written) for a slot outside the caches. */
+#define DEFINE_WRITE_KV(NAME, ELEM)                                                              \
+int NAME(const ELEM *key, int64_t key_stride, const ELEM *value, int64_t value_stride,         \
+         ELEM *k_cache, ELEM *v_cache, const int64_t *slots, int64_t tokens, int64_t num_slots, \
+         int row)                                                                               \
+{                                                                                               \
+    for (int64_t t = 0; t < tokens; t++)                                                        \
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;                                   \
+    for (int64_t t = 0; t < tokens; t++) {                                                      \
+        memcpy(k_cache + slots[t] * row, key + t * key_stride, sizeof(ELEM) * row);             \
+        memcpy(v_cache + slots[t] * row, value + t * value_stride, sizeof(ELEM) * row);         \
+    }                                                                                           \
+    return 0;                                                                                   \
 }
 
 DEFINE_RMS_NORM(triode_rms_norm_f32, float, LOAD_F32, STORE_F32)
@@ -129,3 +130,5 @@ DEFINE_SILU_MUL(triode_silu_mul_f32, float, LOAD_F32, STORE_F32)
 DEFINE_SILU_MUL(triode_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_ROTARY(triode_rotary_f32, float, LOAD_F32, STORE_F32)
 DEFINE_ROTARY(triode_rotary_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_WRITE_KV(triode_write_kv_f32, float)
+DEFINE_WRITE_KV(triode_write_kv_bf16, uint16_t)
