@@ -28,13 +28,13 @@ from engine.errors import KVCacheTooSmallError
 from engine.worker.checkpoint import iter_safetensors, load_hf_config
 from engine.worker.distributed import (
     Partition,
-    RendezvousError,
     TensorParallelSizeError,
     check_tensor_parallel,
     supported_sizes,
 )
 from engine.worker.models.config import ModelConfig
 from engine.worker.models.llama import checkpoint_slices
+from engine.worker.rendezvous import RendezvousError
 from tests.hf_compare import greedy_params, ours_greedy
 from tests.tp_ranks import Job, run_sharded
 

@@ -25,14 +25,14 @@ import trio_parallel
 
 from engine.config import EngineArgs
 from engine.worker import process
-from engine.worker.distributed import (
+from engine.worker.distributed import check_tensor_parallel
+from engine.worker.protocol import StepPlan, StepResult
+from engine.worker.rendezvous import (
     Rendezvous,
     check_port_free,
-    check_tensor_parallel,
     local_rank_count,
     rendezvous_address,
 )
-from engine.worker.protocol import StepPlan, StepResult
 
 
 class WorkerCrashed(Exception):

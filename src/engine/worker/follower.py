@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from engine.worker.distributed import (
+from engine.worker.rendezvous import (
     MASTER_PORT_ENV,
     PlanFeed,
     Rendezvous,

@@ -20,16 +20,11 @@ import attrs
 import torch
 
 from engine.config import EngineArgs
-from engine.worker.distributed import (
-    PlanFeed,
-    Rendezvous,
-    announce,
-    peak_resident_bytes,
-    serve_store,
-)
+from engine.worker.distributed import peak_resident_bytes
 from engine.worker.faults import Fault, inject, parse_fault_plan
 from engine.worker.host_memory import keep_freed_memory
 from engine.worker.protocol import StepPlan, StepResult
+from engine.worker.rendezvous import PlanFeed, Rendezvous, announce, serve_store
 from engine.worker.runner import ModelRunner
 
 _runner: ModelRunner | None = None

@@ -20,16 +20,12 @@ from engine.config import EngineArgs
 from engine.errors import InvalidRequestError, KVCacheTooSmallError
 from engine.sampling_params import SamplingParams
 from engine.worker.checkpoint import iter_safetensors, load_hf_config
-from engine.worker.distributed import (
-    Partition,
-    Rendezvous,
-    TensorParallelGroup,
-    peak_resident_bytes,
-)
+from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from engine.worker.models.config import ModelConfig
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
 from engine.worker.protocol import SampledToken, ScheduledChunk, StepPlan, StepResult
+from engine.worker.rendezvous import Rendezvous
 from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.sampling_batch import SamplingBatch, SamplingRow
 from engine.worker.step_inputs import StepInputs
