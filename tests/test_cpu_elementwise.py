@@ -1,9 +1,9 @@
-"""Kernels: the C versions of RMSNorm, SiLU-and-multiply, rotary embedding and the KV cache
-write (kernels.cpu_elementwise) against their torch references, and the dispatch to them.
-The C source rounds where torch does, so bfloat16 results may differ from the reference's
-by an ulp or two (silu, then the product) only where their float32 values (exp, sums in another order) straddle a
-rounding midpoint: a few in ten thousand. Needs a C compiler; without one the module is skipped (the
-fallback is tested in test_cpu_attention)."""
+"""Kernels: the C versions of RMSNorm, SiLU-and-multiply, rotary embedding and the KV cache write
+(kernels.cpu_elementwise) against their torch references, and the dispatch to them. The C source
+rounds where torch does, so bfloat16 results may differ from the reference's by an ulp or two
+(silu, then the product) only where their float32 values (exp, sums in another order) straddle a
+rounding midpoint: a few in ten thousand. Needs a C compiler; without one the module is skipped
+(the fallback is tested in test_cpu_attention)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ def test_silu_and_mul_matches_reference(rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (40, 4, 2, 128), (300, 2, 1, 16)])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (40, 4, 2, 128), (300, 2, 1, 16)]
+)
 def test_rotary_matches_reference_in_place(tokens, heads, kv_heads, dim, dtype):
     cache = cos_sin_cache(dim, 10000.0, None, 2048, torch.device("cpu"))
     positions = torch.randint(0, 2048, (tokens,), generator=torch.Generator().manual_seed(3))
@@ -79,11 +81,13 @@ def test_rotary_matches_reference_in_place(tokens, heads, kv_heads, dim, dtype):
     _assert_matches(qkv, expected)  # the values' third is untouched in both
 
 
-def test_rotary_position_outside_the_cache_raises():
+def test_rotary_position_outside_the_cache_raises_and_rotates_nothing():
     cache = cos_sin_cache(16, 10000.0, None, 8, torch.device("cpu"))
     query, key = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    before = query.clone(), key.clone()
     with pytest.raises(ValueError, match="outside the cache"):
         rotary_embedding_cpu(torch.tensor([3, 8]), query, key, cache)
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,6 +117,7 @@ def test_what_the_c_versions_do_not_take():
     assert rms_norm_cpu(x.view(4, 2, 16), torch.ones(16), 1e-6) is None  # Qwen3's per-head norm
     assert rms_norm_cpu(x, torch.ones(32, dtype=torch.bfloat16), 1e-6) is None  # mixed dtypes
     assert rms_norm_cpu(x.t(), torch.ones(4), 1e-6) is None  # columns not contiguous
+    assert rms_norm_cpu(x, torch.ones(32, device="meta"), 1e-6) is None  # a weight not on the CPU
     assert silu_and_mul_cpu(torch.randn(4, 3)) is None  # odd width
     with torch.enable_grad():
         assert silu_and_mul_cpu(x.requires_grad_()) is None  # autograd would not see it
@@ -127,7 +132,11 @@ def test_dispatch_takes_the_c_versions_and_torch_when_forced(monkeypatch):
     calls = []
     for name in ("rms_norm_cpu", "silu_and_mul_cpu", "rotary_embedding_cpu", "write_kv_cpu"):
         original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
     x, cache = torch.randn(3, 2 * 16), cos_sin_cache(16, 10000.0, None, 8, torch.device("cpu"))
     query, key = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
 
@@ -135,7 +144,8 @@ def test_dispatch_takes_the_c_versions_and_torch_when_forced(monkeypatch):
         kernels.rms_norm(x, torch.ones(32), 1e-6)
         kernels.silu_and_mul(x)
         kernels.rotary_embedding(torch.tensor([0, 1, 2]), query, key, cache)
-        kernels.write_kv(key, key, torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16), torch.tensor([0, 1, 2]))
+        caches = torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16)
+        kernels.write_kv(key, key, *caches, torch.tensor([0, 1, 2]))
 
     run_all()
     assert calls == ["rms_norm_cpu", "silu_and_mul_cpu", "rotary_embedding_cpu", "write_kv_cpu"]

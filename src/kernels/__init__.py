@@ -4,9 +4,10 @@ Models call these functions and nothing else. On CUDA they run Triton kernels, e
 torch references, except on a CPU where a C compiler could build triode's C kernels
 (:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`) and the elementwise
 ops (:mod:`kernels.cpu_elementwise`) run them, and linear layers run oneDNN with weights packed
-at load time (:mod:`kernels.packed_linear`), one row the C loop of :mod:`kernels.cpu_linear`. ``TRIODE_KERNELS=torch|triton|auto`` (or
-:func:`set_backend`) overrides the choice for tests and benchmarks: ``torch`` runs only the
-references; forcing triton on CPU needs ``TRITON_INTERPRET=1``.
+at load time (:mod:`kernels.packed_linear`), one row the C loop of :mod:`kernels.cpu_linear`.
+``TRIODE_KERNELS=torch|triton|auto`` (or :func:`set_backend`) overrides the choice for tests
+and benchmarks: ``torch`` runs only the references; forcing triton on CPU needs
+``TRITON_INTERPRET=1``.
 
 One module per op, each with its torch reference, its Triton kernel and the launcher that checks
 the arguments: :mod:`kernels.kv_write`, :mod:`kernels.decode_attention`,

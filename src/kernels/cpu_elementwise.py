@@ -35,6 +35,10 @@ def _entry(op: str, dtype: torch.dtype):
     return bind(f"triode_{op}_{_SUFFIX[dtype]}", *_SIGNATURES[op])
 
 
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def _takes(op: str, x: torch.Tensor) -> bool:
     """Whether ``op``'s C function is built and takes rows like x (the checks every op shares)."""
     return (
@@ -52,6 +56,7 @@ def rms_norm_cpu(
     """:func:`kernels.rms_norm.rms_norm_reference` for 2-D rows, or None."""
     if not (
         _takes("rms_norm", x) and x.dim() == 2 and weight.dtype == x.dtype and weight.is_contiguous()
+        and _on_cpu(weight, *(() if residual is None else (residual,)))
         and weight.shape == x.shape[1:] and not (torch.is_grad_enabled() and weight.requires_grad)
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
                                   and residual.stride(1) == 1))
@@ -82,10 +87,12 @@ def rotary_embedding_cpu(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> bool:
     """:func:`kernels.rotary.rotary_embedding_reference` (in place), or False without touching
-    anything. Positions outside the cache raise ValueError, as the reference's lookup does."""
+    anything. Positions outside the cache raise ValueError before anything is rotated, as the
+    reference's lookup does."""
     dim = query.shape[-1]
     if not (
-        _takes("rotary", query) and query.dim() == key.dim() == 3 and key.dtype == query.dtype
+        _takes("rotary", query) and _on_cpu(key, positions, cos_sin_cache)
+        and query.dim() == key.dim() == 3 and key.dtype == query.dtype
         and key.shape[-1] == dim and dim % 2 == 0 and query.stride(1) == key.stride(1) == dim
         and key.stride(2) == 1 and key.shape[0] == query.shape[0] == positions.shape[0]
         and positions.dtype == torch.int64 and positions.is_contiguous() and positions.dim() == 1
@@ -98,15 +105,24 @@ def rotary_embedding_cpu(
         key.data_ptr(), key.stride(0), key.shape[1], cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], dim,
     )
     if status:
-        raise ValueError(f"rotary_embedding: a position outside the cache's {cos_sin_cache.shape[0]} positions")
+        raise ValueError(
+            f"rotary_embedding: a position outside the cache's {cos_sin_cache.shape[0]} positions"
+        )
     return True
 
 
-def write_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> bool:
+def write_kv_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
     """:func:`kernels.kv_write.write_kv_reference`, or False without touching anything. A slot
     outside the caches raises ValueError (nothing written), as the reference's copy does."""
     if not (
-        _takes("write_kv", key) and key.dim() == value.dim() == 3 and k_cache.dim() == 4
+        _takes("write_kv", key) and _on_cpu(value, k_cache, v_cache, slot_mapping)
+        and key.dim() == value.dim() == 3 and k_cache.dim() == 4
         and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
         and key.shape == value.shape and key.shape[1:] == k_cache.shape[2:] == v_cache.shape[2:]
         and key.stride(1) == value.stride(1) == key.shape[2] and value.stride(2) == 1

@@ -73,7 +73,8 @@ int NAME(const ELEM *x, int64_t x_stride, ELEM *out, int64_t rows, int d)       
     return 0;                                                                                   \
 }
 
-/* Rotates heads [tokens, heads, dim] in place; 0, or -1 for a position outside the cache. */
+/* Rotates heads [tokens, heads, dim] in place; 0, or -1 (nothing rotated) for a position
+ * outside the cache. */
 #define DEFINE_ROTARY(NAME, ELEM, LOAD, STORE)                                                   \
 static inline void NAME##_heads(ELEM *heads_start, int heads, int dim, const float *cos_sin)   \
 {                                                                                               \
@@ -92,20 +93,16 @@ int NAME(const int64_t *positions, int64_t tokens, ELEM *query, int64_t query_st
          int query_heads, ELEM *key, int64_t key_stride, int key_heads, const float *cos_sin,   \
          int64_t max_positions, int dim)                                                        \
 {                                                                                               \
-    int outside = 0;                                                                            \
+    for (int64_t t = 0; t < tokens; t++)                                                        \
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;                       \
     const int64_t elements = tokens * (query_heads + key_heads) * dim;                         \
-    _Pragma("omp parallel for reduction(|:outside) if (elements >= PARALLEL_MIN_ELEMENTS)")     \
+    _Pragma("omp parallel for if (elements >= PARALLEL_MIN_ELEMENTS)")                          \
     for (int64_t t = 0; t < tokens; t++) {                                                      \
-        const int64_t position = positions[t];                                                  \
-        if (position < 0 || position >= max_positions) {                                        \
-            outside = 1;                                                                        \
-            continue;                                                                           \
-        }                                                                                       \
-        const float *row = cos_sin + position * dim;                                            \
+        const float *row = cos_sin + positions[t] * dim;                                        \
         NAME##_heads(query + t * query_stride, query_heads, dim, row);                          \
         NAME##_heads(key + t * key_stride, key_heads, dim, row);                                \
     }                                                                                           \
-    return outside ? -1 : 0;                                                                    \
+    return 0;                                                                                   \
 }
 
 /* Copies each token's key and value rows (row = kv_heads * dim elements) into its cache slot;
