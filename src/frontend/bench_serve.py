@@ -95,8 +95,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         print(f"offline LLM.chat, same {len(levels[top])} requests: {offline['output_tokens_per_second']:.1f} "
               f"output tok/s all at once, {capped['output_tokens_per_second']:.1f} with at most {top} "
               f"sequences per step; served at concurrency {top}: {served:.1f} "
-              f"({report['served_over_offline'] * 100:.0f}% of offline, "
-              f"{report['served_over_offline_capped'] * 100:.0f}% of offline at {top} sequences)")
+              f"({report['served_over_offline']:.1%} of offline, "
+              f"{report['served_over_offline_capped']:.1%} of offline at {top} sequences)")
     print(f"load generator CPU time: {client_cpu:.1f} s in total (process_time of this client)")
     write_json(output_dir / "serve.json", report)
     _plot(output_dir / "serve.png", results["levels"], report.get("offline"), report.get("offline_capped"))
