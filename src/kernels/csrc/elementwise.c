@@ -1,11 +1,11 @@
 /* The decoder layer's per-token ops, for CPUs: RMSNorm (with the residual add), SiLU-and-
  * multiply, rotary embedding (neox style, in place) and the KV cache write.
  *
- * Each is one pass over its rows. The torch references take 5 to 20 ops per call, each with
+ * Each is one pass over its rows. The torch references take 2 to 20 ops per call, each with
  * its own temporary, and at decode sizes most of a call is that dispatch. Results are rounded
  * where the references round (a bfloat16 intermediate is rounded wherever torch would hold
  * one); what differs is float32 arithmetic (exp, the order of a sum), which moves a bfloat16
- * result by one ulp where it lands on a rounding midpoint.
+ * result by an ulp or two where a value lands on a rounding midpoint.
  *
  * Layouts (element strides): rows of x / out are contiguous within a row, rows apart by the
  * given stride; rotary's query and key are [tokens, heads, dim] with contiguous heads, and its
