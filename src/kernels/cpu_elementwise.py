@@ -55,11 +55,11 @@ def rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`kernels.rms_norm.rms_norm_reference` for 2-D rows, or None."""
     if not (
-        _takes("rms_norm", x) and x.dim() == 2 and weight.dtype == x.dtype and weight.is_contiguous()
-        and _on_cpu(weight, *(() if residual is None else (residual,)))
-        and weight.shape == x.shape[1:] and not (torch.is_grad_enabled() and weight.requires_grad)
-        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
-                                  and residual.stride(1) == 1))
+        _takes("rms_norm", x) and x.dim() == 2 and _on_cpu(weight) and weight.dtype == x.dtype
+        and weight.is_contiguous() and weight.shape == x.shape[1:]
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and (residual is None or (_on_cpu(residual) and residual.dtype == x.dtype
+                                  and residual.shape == x.shape and residual.stride(1) == 1))
     ):
         return None
     rows, hidden = x.shape
