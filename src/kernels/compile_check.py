@@ -28,9 +28,9 @@ def _configs(dtype: str) -> list[tuple[LazyKernel, dict[str, str], dict[str, Any
     """(kernel, pointer element types, constexprs, num_warps, label) for representative
     launches, with the num_warps their launchers pick."""
     # (import_module: the package's rms_norm/... attributes are the dispatch functions)
-    decode_attention, kv_write, prefill_attention, rms_norm, rotary, silu_mul = (
+    decode_triton, kv_write, prefill_attention, rms_norm, rotary, silu_mul = (
         importlib.import_module(f"kernels.{name}")
-        for name in ("decode_attention", "kv_write", "prefill_attention", "rms_norm", "rotary", "silu_mul")
+        for name in ("decode_triton", "kv_write", "prefill_attention", "rms_norm", "rotary", "silu_mul")
     )
     fp32_dot = "ieee" if dtype == "fp32" else "tf32"
     attention_ptrs = {"out_ptr": dtype, "query_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
@@ -43,11 +43,11 @@ def _configs(dtype: str) -> list[tuple[LazyKernel, dict[str, str], dict[str, Any
         (kv_write._write_kv_kernel, {"key_ptr": dtype, "value_ptr": dtype, "k_cache_ptr": dtype,
                                      "v_cache_ptr": dtype, "slot_mapping_ptr": "i64"},
          dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), 1, "kv heads 8, dim 128"),
-        (decode_attention._decode_partition_kernel, attention_ptrs, {**decode, "SPLIT": True}, 4,
+        (decode_triton.decode_partition_kernel, attention_ptrs, {**decode, "SPLIT": True}, 4,
          "split, GQA 4"),
-        (decode_attention._decode_partition_kernel, attention_ptrs,
+        (decode_triton.decode_partition_kernel, attention_ptrs,
          {**decode, "GROUP": 1, "HEAD_DIM": 64, "BLOCK_D": 64, "SPLIT": False}, 4, "unsplit, GQA 1, dim 64"),
-        (decode_attention._decode_reduce_kernel, attention_ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=32),
+        (decode_triton.decode_reduce_kernel, attention_ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=32),
          4, "dim 128"),
         (prefill_attention._prefill_kernel, attention_ptrs,
          dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=blocks, BLOCK_N=blocks,
