@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from engine.core.scheduler import SequenceUpdate
+from engine.core.scheduler_output import SequenceUpdate
 from engine.inputs import ChatMessage, ProcessedPrompt, Prompt
 from engine.sampling_params import SamplingParams
 

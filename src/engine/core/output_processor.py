@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.scheduler import SequenceUpdate
+from engine.core.scheduler_output import SequenceUpdate
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import OutputKind, SamplingParams
 from engine.worker.protocol import TokenLogprobs

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.worker.protocol import TokenLogprobs
 
 _INT64_MIN = -(2**63)
 
@@ -152,6 +156,17 @@ class Request:
         if self.num_tokens >= self.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def unsent_prompt_logprobs(
+        self, start: int, entries: tuple[TokenLogprobs, ...]
+    ) -> tuple[TokenLogprobs, ...]:
+        """The prompt logprobs of a chunk fed at ``start`` (entry i is for prompt token
+        ``start + 1 + i``) that were not reported before a recompute; marks them reported."""
+        if not entries:
+            return ()
+        skip = max(0, self.num_prompt_logprobs_sent - start)
+        self.num_prompt_logprobs_sent = max(self.num_prompt_logprobs_sent, start + len(entries))
+        return tuple(entries[skip:])
 
     def reset_for_recompute(self) -> None:
         """Forgets the KV cache (preemption or worker restart). The caller frees the blocks."""

@@ -28,6 +28,7 @@ import attrs
 from engine.config import EngineArgs
 from engine.core.kv_blocks import BlockManager
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from engine.errors import InvalidRequestError
 from engine.worker.protocol import (
     NewSequence,
@@ -36,32 +37,6 @@ from engine.worker.protocol import (
     StepResult,
     TokenLogprobs,
 )
-
-
-@attrs.frozen(kw_only=True)
-class SequenceUpdate:
-    """What one step did to one sequence, for the output side (detokenizer, streams)."""
-
-    seq_id: str
-    request_id: str  # the user's request id (the parent of an n > 1 sequence)
-    index: int  # which of the parent's n outputs
-    new_token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprobs | None, ...] = ()  # one per new token, when requested
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # for prompt tokens this step computed
-    finish_reason: str | None = None  # "stop" / "length" once finished by a token-id check
-    stop_reason: int | str | None = None  # the stop token id that ended it (None for EOS)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-@attrs.frozen(kw_only=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 @attrs.frozen
@@ -337,7 +312,7 @@ class Scheduler:
                 continue  # finished or aborted after the plan was made
             request.num_computed_tokens += step.num_tokens
             self.block_manager.cache_computed_blocks(request)
-            plp = self._new_prompt_logprobs(request, step.start, prompt_logprobs.get(seq_id, ()))
+            plp = request.unsent_prompt_logprobs(step.start, prompt_logprobs.get(seq_id, ()))
             new_token_ids: tuple[int, ...] = ()
             logprobs: tuple[TokenLogprobs | None, ...] = ()
             if step.sample:
@@ -366,19 +341,6 @@ class Scheduler:
                     )
                 )
         return updates
-
-    @staticmethod
-    def _new_prompt_logprobs(
-        request: Request, start: int, entries: tuple[TokenLogprobs, ...]
-    ) -> tuple[TokenLogprobs, ...]:
-        """Drops prompt logprobs already reported before a recompute. Entry i of a chunk fed at
-        ``start`` is for prompt token ``start + 1 + i``."""
-        if not entries:
-            return ()
-        skip = max(0, request.num_prompt_logprobs_sent - start)
-        fresh = entries[skip:]
-        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
-        return tuple(fresh)
 
     # ---- state ---------------------------------------------------------------------------
 

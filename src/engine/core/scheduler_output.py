@@ -1,0 +1,33 @@
+"""What the scheduler hands out: per-step updates of each sequence, and its statistics."""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.worker.protocol import TokenLogprobs
+
+
+@attrs.frozen(kw_only=True)
+class SequenceUpdate:
+    """What one step did to one sequence, for the output side (detokenizer, streams)."""
+
+    seq_id: str
+    request_id: str  # the user's request id (the parent of an n > 1 sequence)
+    index: int  # which of the parent's n outputs
+    new_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()  # one per new token, when requested
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # for prompt tokens this step computed
+    finish_reason: str | None = None  # "stop" / "length" once finished by a token-id check
+    stop_reason: int | str | None = None  # the stop token id that ended it (None for EOS)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
