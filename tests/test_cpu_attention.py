@@ -34,7 +34,6 @@ def _decode_batch(*, kv_heads, group, head_dim, block_size, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "block_size"),
-    # compiled for dims 64/128 and groups up to 8; the rest take the loop over query heads
     [(3, 3, 64, 16), (1, 8, 64, 16), (2, 1, 128, 16), (2, 4, 128, 16), (1, 9, 64, 32),
      (4, 1, 32, 8), (1, 6, 48, 4), (2, 2, 256, 64)],
 )
@@ -107,9 +106,8 @@ def test_wrong_metadata_dtypes_are_refused():
                          batch.scale, out.bfloat16())
 
 
-@pytest.mark.parametrize("head_dim", [512, 40])
-def test_shapes_beyond_the_kernel_take_the_reference(head_dim):
-    batch = make_paged_batch([(20, 1)], num_decodes=1, kv_heads=1, group=2, head_dim=head_dim,
+def test_shapes_beyond_the_kernel_take_the_reference():
+    batch = make_paged_batch([(20, 1)], num_decodes=1, kv_heads=1, group=2, head_dim=512,
                              block_size=16, poison=False)
     assert not cpu_decode_supports(batch.query, batch.k_cache)
     md = batch.metadata
