@@ -34,6 +34,7 @@ def _decode_batch(*, kv_heads, group, head_dim, block_size, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "block_size"),
+    # compiled for dims 64/128 and groups up to 8; the rest take the loop over query heads
     [(3, 3, 64, 16), (1, 8, 64, 16), (2, 1, 128, 16), (2, 4, 128, 16), (1, 9, 64, 32),
      (4, 1, 32, 8), (1, 6, 48, 4), (2, 2, 256, 64)],
 )
@@ -50,6 +51,22 @@ def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype):
                      batch.scale, out)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("query_scale", [0.01, 30.0, 300.0])
+def test_flat_and_peaked_scores(query_scale):
+    """Scores from nearly equal to hundreds apart: the kernel's own exponential (clamped far
+    below the max) and its running-max rescaling between tiles must match torch's softmax."""
+    batch = _decode_batch(kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32, seed=3)
+    md = batch.metadata
+    query = batch.query * query_scale
+    k_clean, v_clean = batch.clean_caches()
+    expected = decode_attention_reference(query, k_clean, v_clean, md.block_tables, md.seq_lens,
+                                          md.max_seq_len, batch.scale)
+    out = torch.empty_like(query)
+    paged_decode_cpu(query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, batch.scale, out)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernel
@@ -106,8 +123,9 @@ def test_wrong_metadata_dtypes_are_refused():
                          batch.scale, out.bfloat16())
 
 
-def test_shapes_beyond_the_kernel_take_the_reference():
-    batch = make_paged_batch([(20, 1)], num_decodes=1, kv_heads=1, group=2, head_dim=512,
+@pytest.mark.parametrize("head_dim", [512, 40])
+def test_shapes_beyond_the_kernel_take_the_reference(head_dim):
+    batch = make_paged_batch([(20, 1)], num_decodes=1, kv_heads=1, group=2, head_dim=head_dim,
                              block_size=16, poison=False)
     assert not cpu_decode_supports(batch.query, batch.k_cache)
     md = batch.metadata

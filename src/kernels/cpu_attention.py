@@ -17,6 +17,7 @@ from kernels.native import bind
 
 _ENTRY_POINTS = {torch.float32: "triode_paged_decode_f32", torch.bfloat16: "triode_paged_decode_bf16"}
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64  # as in the C source
+HEAD_DIM_MULTIPLE = 16  # the kernel's vectors are 16 floats
 
 __all__ = ["cpu_decode_available", "cpu_decode_supports", "paged_decode_cpu"]
 
@@ -35,8 +36,8 @@ def cpu_decode_available() -> bool:
 
 def cpu_decode_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether these tensors fit the kernel: CPU, float32 or bfloat16 (query and cache alike),
-    heads, head dim and block size within the C source's limits, row layouts it can stride
-    over, and no autograd to record (the kernel is invisible to it)."""
+    heads, head dim (a multiple of 16) and block size within the C source's limits, row
+    layouts it can stride over, and no autograd to record (the kernel is invisible to it)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     return (
         query.device.type == "cpu"
@@ -44,6 +45,7 @@ def cpu_decode_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.dtype == query.dtype
         and not (torch.is_grad_enabled() and query.requires_grad)
         and head_dim <= MAX_HEAD_DIM
+        and head_dim % HEAD_DIM_MULTIPLE == 0
         and block_size <= MAX_BLOCK_SIZE
         and query.shape[1] <= MAX_HEADS
         and query.shape[1] % kv_heads == 0
@@ -82,8 +84,6 @@ def paged_decode_cpu(
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
         out.stride(0), num_seqs, num_heads, kv_heads, head_dim, block_size, scale,
     )
-    if status == -2:
-        raise MemoryError("paged_decode_cpu: no memory for the per-thread scratch")
     if status:
         raise ValueError(f"paged_decode_cpu: unsupported shape (heads {num_heads}, kv heads {kv_heads}, "
                          f"dim {head_dim}, block size {block_size})")

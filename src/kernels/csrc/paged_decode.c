@@ -1,9 +1,20 @@
 /* Decode attention over the paged KV cache, for CPUs.
  *
  * One query token per sequence attends to the sequence's cached tokens, read in place from
- * its blocks (no gathered copy). A sequence is one unit of work: its blocks are read whole
- * and in order (each cached row, all KV heads, is loaded once and serves every query head of
- * its group), and softmax is computed online, one block at a time.
+ * its blocks (no gathered copy). A sequence is one unit of work. Its cache is walked in tiles
+ * of up to 16 consecutive rows of one block; for each KV head, the tile's keys and values are
+ * loaded once and serve every query head of the head's group, and softmax is computed online,
+ * one tile at a time.
+ *
+ * A head's 16 scores of a tile come from 16 partial-sum vectors (vec16.h) added together in a
+ * transpose-and-add tree instead of 16 horizontal sums, and their exponentials are one vector
+ * polynomial; for head dims 64 and 128 with groups of up to 8 query heads the tile's queries
+ * and accumulators are compile-time arrays, kept in registers. With the cache in L2, the
+ * default model's shape (float32, 2 threads) runs at 44 GB/s against 19.5 for the scalar
+ * row-at-a-time loops this replaced; from memory, 64 sequences of 96-192 tokens x 30 layers
+ * take 23.4 ms against 26.7 in blocks in order and 25.3 against 35.6 in scattered blocks
+ * (bfloat16: 17.8 / 19.3 ms against 20.7 / 22.7). Calling libm's expf once per score, as this
+ * kernel first did, cost more than the rest of the arithmetic and lost to the row loops.
  *
  * Layouts (element strides):
  *   query      [seqs, heads, dim], token stride q_stride, head stride dim
@@ -11,133 +22,214 @@
  *   tables     [seqs, table_stride] int32 block ids
  *   seq_lens   [seqs] int32, 1..table capacity
  *   out        [seqs, heads, dim], token stride out_stride
+ * dim is a multiple of 16.
  *
- * Compiled by kernels.native with -O3 -march=native -ffast-math -fopenmp; nothing
- * here relies on infinities or NaNs (scores are finite, the running max starts at -FLT_MAX).
+ * Rows of a block past the sequence's length are never loaded (they may hold anything).
+ * Compiled by kernels.native with -O3 -march=native -ffast-math -fopenmp; nothing here relies
+ * on infinities or NaNs (scores are finite, the running max starts at -FLT_MAX).
  */
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
+#include "vec16.h"
 
 #define MAX_HEADS 64
 #define MAX_DIM 256
 #define MAX_BLOCK 64
 
-typedef struct {
-    float query[MAX_HEADS * MAX_DIM]; /* pre-scaled */
-    float acc[MAX_HEADS * MAX_DIM];
-    float scores[MAX_HEADS][MAX_BLOCK];
-    float running_max[MAX_HEADS], denominator[MAX_HEADS];
-    float row[MAX_DIM];
-} Scratch;
+/* Rows of a sequence's cache from token `start`: within one block, at most one tile. */
+static inline int tile_rows(int start, int seq_len, int block_size) {
+    const int left_in_block = block_size - start % block_size, left = seq_len - start;
+    const int rows = left < LANES ? left : LANES;
+    return left_in_block < rows ? left_in_block : rows;
+}
 
-/* One sequence; ELEM is float or uint16_t (bfloat16 bits). */
-#define DEFINE_SEQUENCE(NAME, ELEM, LOAD, STORE)                                                 \
-static inline __attribute__((always_inline)) void NAME(                                        \
-    Scratch *s, const ELEM *query, const ELEM *k_cache, const ELEM *v_cache,                   \
-    const int32_t *table, int seq_len, ELEM *out, int heads, int kv_heads, const int dim,      \
-    int block_size, float scale)                                                                \
-{                                                                                               \
-    const int group = heads / kv_heads;                                                         \
-    const int64_t row_stride = (int64_t)kv_heads * dim;                                         \
-    for (int h = 0; h < heads; h++) {                                                           \
-        for (int d = 0; d < dim; d++) s->query[h * dim + d] = LOAD(query[h * dim + d]) * scale; \
-        memset(s->acc + h * dim, 0, sizeof(float) * dim);                                       \
-        s->running_max[h] = -FLT_MAX;                                                           \
-        s->denominator[h] = 0.0f;                                                               \
+/* Element offset of token `token`'s row in the cache. */
+static inline int64_t row_offset(const int32_t *table, int token, int block_size, int64_t row_stride) {
+    return ((int64_t)table[token / block_size] * block_size + token % block_size) * row_stride;
+}
+
+/* Into L2, ahead of use: the tiles are read one KV head at a time (a strided pattern the
+ * hardware prefetchers follow poorly), so the next tile is fetched whole while this one is
+ * computed. At 64 sequences of 96-192 tokens, float32, 30 layers: 25.0 -> 22.6 ms in blocks in
+ * order, 29.0 -> 25.1 scattered (prefetching two tiles ahead gained nothing more). */
+static inline void prefetch_rows(const char *keys, const char *values, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
+        __builtin_prefetch(keys + offset, 0, 2);
+        __builtin_prefetch(values + offset, 0, 2);
+    }
+}
+
+/* A sequence's running state, per query head: the pre-scaled query, the accumulator, the
+ * running max and the softmax denominator. */
+typedef struct {
+    f32x16 *query, *acc;
+    float *running_max, *denominator;
+} State;
+
+/* One tile (count <= 16 rows, row stride row_stride) of one KV head for its GROUP query
+ * heads of VEC vectors each. With GROUP and VEC literals the local arrays are registers. */
+#define TILE_BODY(ELEM, LOADV, GROUP, VEC)                                                      \
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                 \
+    const i32x16 valid = lane < count;                                                          \
+    float weights[GROUP][LANES], rescale[GROUP];                                                \
+    UNROLL                                                                                      \
+    for (int h = 0; h < (GROUP); h++) {                                                         \
+        f32x16 q[VEC], half[LANES / 2];                                                         \
+        UNROLL                                                                                  \
+        for (int v = 0; v < (VEC); v++) q[v] = query[h * (VEC) + v];                            \
+        UNROLL                                                                                  \
+        for (int t = 0; t < LANES; t += 2) {                                                    \
+            f32x16 even = {0}, odd = {0};                                                       \
+            if (t < count) {                                                                    \
+                UNROLL                                                                          \
+                for (int v = 0; v < (VEC); v++) even += q[v] * LOADV(keys + t * row_stride + v * LANES); \
+            }                                                                                   \
+            if (t + 1 < count) {                                                                \
+                UNROLL                                                                          \
+                for (int v = 0; v < (VEC); v++) odd += q[v] * LOADV(keys + (t + 1) * row_stride + v * LANES); \
+            }                                                                                   \
+            half[t / 2] = pair_rows(even, odd);                                                 \
+        }                                                                                       \
+        const f32x16 scores = select(valid, finish_rows(half), splat(-FLT_MAX));                \
+        const float previous = running_max[h], tile_max = lane_max(scores);                     \
+        const float new_max = tile_max > previous ? tile_max : previous;                        \
+        rescale[h] = new_max > previous ? exp_nonpositive(splat(previous - new_max))[0] : 1.0f; \
+        const f32x16 p = select(valid, exp_nonpositive(scores - new_max), splat(0.0f));         \
+        store_f32(weights[h], p);                                                               \
+        denominator[h] = denominator[h] * rescale[h] + lane_sum(p);                             \
+        running_max[h] = new_max;                                                               \
     }                                                                                           \
-    for (int start = 0; start < seq_len; start += block_size) {                                \
-        const int count = seq_len - start < block_size ? seq_len - start : block_size;         \
-        const int64_t base = (int64_t)table[start / block_size] * block_size * row_stride;     \
-        for (int p = 0; p < count; p++) {                                                       \
+    f32x16 acc[GROUP][VEC];                                                                     \
+    UNROLL                                                                                      \
+    for (int h = 0; h < (GROUP); h++) {                                                         \
+        UNROLL                                                                                  \
+        for (int v = 0; v < (VEC); v++) acc[h][v] = accumulators[h * (VEC) + v] * rescale[h];   \
+    }                                                                                           \
+    for (int t = 0; t < count; t++) {                                                           \
+        f32x16 row[VEC];                                                                        \
+        UNROLL                                                                                  \
+        for (int v = 0; v < (VEC); v++) row[v] = LOADV(values + t * row_stride + v * LANES);    \
+        UNROLL                                                                                  \
+        for (int h = 0; h < (GROUP); h++) {                                                     \
+            const f32x16 w = splat(weights[h][t]);                                              \
+            UNROLL                                                                              \
+            for (int v = 0; v < (VEC); v++) acc[h][v] += w * row[v];                            \
+        }                                                                                       \
+    }                                                                                           \
+    UNROLL                                                                                      \
+    for (int h = 0; h < (GROUP); h++) {                                                         \
+        UNROLL                                                                                  \
+        for (int v = 0; v < (VEC); v++) accumulators[h * (VEC) + v] = acc[h][v];                \
+    }
+
+#define TILE_ARGS(ELEM)                                                                         \
+    const ELEM *restrict keys, const ELEM *restrict values, int64_t row_stride, int count,      \
+    const f32x16 *restrict query, f32x16 *restrict accumulators, float *restrict running_max,   \
+    float *restrict denominator
+
+#define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
+    static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) { TILE_BODY(ELEM, LOADV, GROUP, VEC) }
+
+/* One sequence: SPECIALISED[v][g] takes a tile for head dim 64 (v = 0) or 128 (v = 1) and
+ * groups of g + 1 query heads; any other shape goes one query head at a time, its vector
+ * count known only at run time. */
+#define DEFINE_SEQUENCE(SUFFIX, ELEM, LOADV, STORE)                                             \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, 4)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, 4)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, 4)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, 4)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, 8)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, 8)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, 8)               \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, 8)               \
+    static void (*const SPECIALISED_##SUFFIX[2][8])(TILE_ARGS(ELEM)) = {                        \
+        {tile_##SUFFIX##_g1_v4, tile_##SUFFIX##_g2_v4, tile_##SUFFIX##_g3_v4,                   \
+         tile_##SUFFIX##_g4_v4, tile_##SUFFIX##_g5_v4, tile_##SUFFIX##_g6_v4,                   \
+         tile_##SUFFIX##_g7_v4, tile_##SUFFIX##_g8_v4},                                         \
+        {tile_##SUFFIX##_g1_v8, tile_##SUFFIX##_g2_v8, tile_##SUFFIX##_g3_v8,                   \
+         tile_##SUFFIX##_g4_v8, tile_##SUFFIX##_g5_v8, tile_##SUFFIX##_g6_v8,                   \
+         tile_##SUFFIX##_g7_v8, tile_##SUFFIX##_g8_v8}};                                        \
+    static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
+        TILE_BODY(ELEM, LOADV, 1, vec)                                                          \
+    }                                                                                           \
+    static void sequence_##SUFFIX(const State *s, const ELEM *query, const ELEM *k_cache,       \
+                                  const ELEM *v_cache, const int32_t *table, int seq_len,       \
+                                  ELEM *out, int heads, int kv_heads, int dim, int block_size,  \
+                                  float scale) {                                                \
+        const int group = heads / kv_heads, vec = dim / LANES;                                  \
+        const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
+        void (*specialised)(TILE_ARGS(ELEM)) =                                                  \
+            (dim == 64 || dim == 128) && group <= 8 ? SPECIALISED_##SUFFIX[dim == 128][group - 1] \
+                                                    : NULL;                                     \
+        for (int h = 0; h < heads; h++) {                                                       \
+            for (int v = 0; v < vec; v++) {                                                     \
+                s->query[h * vec + v] = LOADV(query + h * dim + v * LANES) * scale;             \
+                s->acc[h * vec + v] = splat(0.0f);                                              \
+            }                                                                                   \
+            s->running_max[h] = -FLT_MAX;                                                       \
+            s->denominator[h] = 0.0f;                                                           \
+        }                                                                                       \
+        for (int start = 0, count; start < seq_len; start += count) {                           \
+            count = tile_rows(start, seq_len, block_size);                                      \
+            const int64_t row = row_offset(table, start, block_size, row_stride);               \
+            if (start + count < seq_len) {                                                      \
+                const int next = start + count;                                                 \
+                const int64_t next_row = row_offset(table, next, block_size, row_stride);       \
+                prefetch_rows((const char *)(k_cache + next_row), (const char *)(v_cache + next_row), \
+                              tile_rows(next, seq_len, block_size) * row_stride * (int64_t)sizeof(ELEM)); \
+            }                                                                                   \
             for (int kv = 0; kv < kv_heads; kv++) {                                             \
-                const ELEM *key = k_cache + base + p * row_stride + kv * dim;                   \
-                for (int d = 0; d < dim; d++) s->row[d] = LOAD(key[d]);                         \
-                for (int h = kv * group; h < (kv + 1) * group; h++) {                           \
-                    const float *q = s->query + h * dim;                                        \
-                    float dot = 0.0f;                                                           \
-                    for (int d = 0; d < dim; d++) dot += q[d] * s->row[d];                      \
-                    s->scores[h][p] = dot;                                                      \
+                const ELEM *keys = k_cache + row + kv * dim, *values = v_cache + row + kv * dim; \
+                const int first = kv * group;                                                   \
+                if (specialised) {                                                              \
+                    specialised(keys, values, row_stride, count, s->query + first * vec,        \
+                                s->acc + first * vec, s->running_max + first, s->denominator + first); \
+                    continue;                                                                   \
                 }                                                                               \
+                for (int h = first; h < first + group; h++)                                     \
+                    tile_##SUFFIX##_one_head(keys, values, row_stride, count, s->query + h * vec, \
+                                             s->acc + h * vec, s->running_max + h,              \
+                                             s->denominator + h, vec);                          \
             }                                                                                   \
         }                                                                                       \
         for (int h = 0; h < heads; h++) {                                                       \
-            float *scores = s->scores[h];                                                       \
-            float block_max = s->running_max[h];                                                \
-            for (int p = 0; p < count; p++) block_max = scores[p] > block_max ? scores[p] : block_max; \
-            const float rescale = expf(s->running_max[h] - block_max);                          \
-            float sum = 0.0f;                                                                   \
-            for (int p = 0; p < count; p++) {                                                   \
-                scores[p] = expf(scores[p] - block_max);                                        \
-                sum += scores[p];                                                               \
-            }                                                                                   \
-            s->denominator[h] = s->denominator[h] * rescale + sum;                              \
-            s->running_max[h] = block_max;                                                      \
-            float *acc = s->acc + h * dim;                                                      \
-            for (int d = 0; d < dim; d++) acc[d] *= rescale;                                    \
-        }                                                                                       \
-        for (int p = 0; p < count; p++) {                                                       \
-            for (int kv = 0; kv < kv_heads; kv++) {                                             \
-                const ELEM *value = v_cache + base + p * row_stride + kv * dim;                 \
-                for (int d = 0; d < dim; d++) s->row[d] = LOAD(value[d]);                       \
-                for (int h = kv * group; h < (kv + 1) * group; h++) {                           \
-                    const float weight = s->scores[h][p];                                       \
-                    float *acc = s->acc + h * dim;                                              \
-                    for (int d = 0; d < dim; d++) acc[d] += weight * s->row[d];                 \
-                }                                                                               \
+            const float inverse = 1.0f / s->denominator[h];                                     \
+            for (int v = 0; v < vec; v++) {                                                     \
+                const f32x16 result = s->acc[h * vec + v] * inverse;                            \
+                for (int i = 0; i < LANES; i++) out[h * dim + v * LANES + i] = STORE(result[i]); \
             }                                                                                   \
         }                                                                                       \
-    }                                                                                           \
-    for (int h = 0; h < heads; h++) {                                                           \
-        const float inverse = 1.0f / s->denominator[h];                                         \
-        for (int d = 0; d < dim; d++) out[h * dim + d] = STORE(s->acc[h * dim + d] * inverse);  \
-    }                                                                                           \
-}
+    }
 
-#define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_SEQUENCE(sequence_f32, float, LOAD_F32, STORE_F32)
-DEFINE_SEQUENCE(sequence_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_SEQUENCE(f32, float, load_f32, STORE_F32)
+DEFINE_SEQUENCE(bf16, uint16_t, load_bf16, float_to_bf16)
 
-/* Returns 0, -1 for a shape beyond the limits above, -2 when out of memory. The dim of the
- * default models is specialised so that the inner loops have a constant trip count. */
+/* Returns 0, or -1 for a shape beyond the limits above. */
 #define DEFINE_ENTRY(NAME, SEQUENCE, ELEM)                                                      \
-int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,        \
-         const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out,      \
-         int64_t out_stride, int num_seqs, int heads, int kv_heads, int dim, int block_size,   \
+int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,         \
+         const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out,       \
+         int64_t out_stride, int num_seqs, int heads, int kv_heads, int dim, int block_size,    \
          float scale)                                                                           \
 {                                                                                               \
-    if (dim < 1 || dim > MAX_DIM || block_size < 1 || block_size > MAX_BLOCK ||                 \
-        kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads)                                   \
+    if (dim < LANES || dim > MAX_DIM || dim % LANES || block_size < 1 ||                        \
+        block_size > MAX_BLOCK || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads)        \
         return -1;                                                                              \
-    int failed = 0;                                                                             \
+    const int vectors = heads * (dim / LANES);                                                  \
     _Pragma("omp parallel")                                                                     \
     {                                                                                           \
-        Scratch *scratch = malloc(sizeof(Scratch));                                             \
-        if (!scratch) {                                                                         \
-            _Pragma("omp atomic write")                                                         \
-            failed = 1;                                                                         \
-        }                                                                                       \
+        f32x16 queries[vectors], accumulators[vectors];                                         \
+        float running_max[heads], denominator[heads];                                           \
+        const State state = {queries, accumulators, running_max, denominator};                  \
         _Pragma("omp for schedule(dynamic, 1)")                                                 \
-        for (int seq = 0; seq < num_seqs; seq++) {                                              \
-            if (!scratch) continue;                                                             \
-            const ELEM *q = query + seq * q_stride;                                             \
-            const int32_t *table = tables + seq * table_stride;                                 \
-            ELEM *o = out + seq * out_stride;                                                   \
-            if (dim == 64)                                                                      \
-                SEQUENCE(scratch, q, k_cache, v_cache, table, seq_lens[seq], o, heads,          \
-                         kv_heads, 64, block_size, scale);                                      \
-            else                                                                                \
-                SEQUENCE(scratch, q, k_cache, v_cache, table, seq_lens[seq], o, heads,          \
-                         kv_heads, dim, block_size, scale);                                     \
-        }                                                                                       \
-        free(scratch);                                                                          \
+        for (int seq = 0; seq < num_seqs; seq++)                                                \
+            SEQUENCE(&state, query + seq * q_stride, k_cache, v_cache,                          \
+                     tables + seq * table_stride, seq_lens[seq], out + seq * out_stride, heads, \
+                     kv_heads, dim, block_size, scale);                                         \
     }                                                                                           \
-    return failed ? -2 : 0;                                                                     \
+    return 0;                                                                                   \
 }
 
 DEFINE_ENTRY(triode_paged_decode_f32, sequence_f32, float)
