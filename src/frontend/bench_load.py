@@ -1,11 +1,16 @@
 """The load generator of ``triode bench serve``: N concurrent streaming chat clients on trio.
 
 It shares the machine with the server it measures, so it must stay light: every client
-sleeps in the socket (trio + the openai SDK's ``AsyncOpenAI``, no busy polling), and the
-generator reports its own CPU time so a reader can check it did not steal the server's."""
+sleeps in the socket (trio + httpx, no busy polling), and the generator reports its own CPU
+time so a reader can check it did not steal the server's. The clients speak the wire format
+(``POST /chat/completions``, server-sent events) directly: through the openai SDK, which
+builds a typed object per chunk, the clients used 1.85 s of CPU at concurrency 32 (8,192
+chunks), the server's own process 1.33 s, and every step of the server's worker took 10%
+longer than offline."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -13,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import openai
+import httpx2
 import trio
 
 # Short, common English words: about one token each in the usual BPE vocabularies.
@@ -51,39 +56,66 @@ class RequestResult:
     error: str | None = None
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, messages: list[dict[str, str]],
+def open_client(base_url: str, api_key: str | None) -> httpx2.AsyncClient:
+    """A client for an OpenAI-compatible ``base_url`` (ending in ``/v1``), enough connections
+    for any concurrency, no retries."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx2.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=3600,
+                              limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None))
+
+
+async def served_model(client: httpx2.AsyncClient) -> str:
+    response = await client.get("/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def one_request(client: httpx2.AsyncClient, model: str, messages: list[dict[str, str]],
                       output_tokens: int) -> RequestResult:
     started = trio.current_time()
     first = last = None
     gaps: list[float] = []
-    usage = None
+    usage: dict[str, int] = {}
+    body = {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     try:
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=output_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )
-        async with stream:
-            async for chunk in stream:
+        async with client.stream("POST", "/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return _failed(started, f"HTTP {response.status_code}: {response.text[:200]}")
+            pending = b""
+            async for data in response.aiter_bytes():
                 now = trio.current_time()
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                if chunk.choices and chunk.choices[0].delta.content:
-                    if first is None:
-                        first = now
-                    else:
-                        gaps.append(now - last)
-                    last = now
-    except openai.OpenAIError as e:
-        return RequestResult(ok=False, seconds=trio.current_time() - started, error=f"{type(e).__name__}: {e}")
+                events = (pending + data).split(b"\n\n")
+                pending = events.pop()
+                for event in events:
+                    if event.startswith(b"event: error"):
+                        return _failed(started, event.decode(errors="replace")[:200])
+                    if not event.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(event[6:])
+                    usage = chunk.get("usage") or usage
+                    choices = chunk.get("choices")
+                    if choices and choices[0].get("delta", {}).get("content"):
+                        if first is None:
+                            first = now
+                        else:
+                            gaps.append(now - last)
+                        last = now
+    except (httpx2.HTTPError, ValueError) as e:
+        return _failed(started, f"{type(e).__name__}: {e}")
     return RequestResult(
         ok=True, seconds=trio.current_time() - started,
         ttft=None if first is None else first - started, gaps=tuple(gaps),
-        prompt_tokens=usage.prompt_tokens if usage else 0,
-        completion_tokens=usage.completion_tokens if usage else 0,
+        prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
     )
 
 
-async def run_level(client: openai.AsyncOpenAI, model: str, chats: Sequence[list[dict[str, str]]], *,
+def _failed(started: float, error: str) -> RequestResult:
+    return RequestResult(ok=False, seconds=trio.current_time() - started, error=error)
+
+
+async def run_level(client: httpx2.AsyncClient, model: str, chats: Sequence[list[dict[str, str]]], *,
                     concurrency: int, output_tokens: int, progress: Any = None) -> dict[str, Any]:
     """Sends every chat with at most ``concurrency`` in flight; returns the level's figures."""
     results: list[RequestResult] = []

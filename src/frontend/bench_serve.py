@@ -109,13 +109,12 @@ def _cell(value: Any) -> Any:
 
 
 async def _sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list]) -> dict[str, Any]:
-    import openai
     from tqdm import tqdm
 
-    from frontend.bench_load import one_request, run_level
+    from frontend.bench_load import one_request, open_client, run_level, served_model
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=ns.api_key, max_retries=0, timeout=3600) as client:
-        model = ns.model_name or (await client.models.list()).data[0].id
+    async with open_client(base_url, ns.api_key) as client:
+        model = ns.model_name or await served_model(client)
         warm = await one_request(client, model, levels[min(levels)][0], 4)  # first-request costs
         if not warm.ok:
             raise SystemExit(f"triode: error: the server at {base_url} failed a request: {warm.error}")
