@@ -12,8 +12,8 @@
  * and accumulators are compile-time arrays, kept in registers. With the cache in L2, the
  * default model's shape (float32, 2 threads) runs at 44 GB/s against 19.5 for the scalar
  * row-at-a-time loops this replaced; from memory, 64 sequences of 96-192 tokens x 30 layers
- * take 23.4 ms against 26.7 in blocks in order and 25.3 against 35.6 in scattered blocks
- * (bfloat16: 17.8 / 19.3 ms against 20.7 / 22.7). Calling libm's expf once per score, as this
+ * take 22.1 ms against 27.4 in blocks in order and 24.2 against 33.6 in scattered blocks
+ * (bfloat16: 15.5 / 16.6 ms against 16.5 / 24.4). Calling libm's expf once per score, as this
  * kernel first did, cost more than the rest of the arithmetic and lost to the row loops.
  *
  * Layouts (element strides):
@@ -51,9 +51,12 @@ static inline int64_t row_offset(const int32_t *table, int token, int block_size
 }
 
 /* Into L2, ahead of use: the tiles are read one KV head at a time (a strided pattern the
- * hardware prefetchers follow poorly), so the next tile is fetched whole while this one is
- * computed. At 64 sequences of 96-192 tokens, float32, 30 layers: 25.0 -> 22.6 ms in blocks in
- * order, 29.0 -> 25.1 scattered (prefetching two tiles ahead gained nothing more). */
+ * hardware prefetchers follow poorly), so the next tile is fetched while this one is computed,
+ * a share of it before each KV head rather than all at once (more requests than the miss
+ * queues hold). At 64 sequences of 96-192 tokens, float32, 30 layers: 25.0 -> 22.6 ms in
+ * blocks in order, 29.0 -> 25.1 scattered with the whole tile fetched first; spread out,
+ * 23.6 -> 22.1 and 25.0 -> 24.4 more (bfloat16 scattered 18.5 -> 16.6). Two tiles ahead
+ * gained nothing; into L1 (prefetcht0) lost 5-10%. */
 static inline void prefetch_rows(const char *keys, const char *values, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) {
         __builtin_prefetch(keys + offset, 0, 2);
@@ -174,13 +177,21 @@ typedef struct {
         for (int start = 0, count; start < seq_len; start += count) {                           \
             count = tile_rows(start, seq_len, block_size);                                      \
             const int64_t row = row_offset(table, start, block_size, row_stride);               \
+            int64_t next_row = 0, next_bytes = 0;                                               \
             if (start + count < seq_len) {                                                      \
                 const int next = start + count;                                                 \
-                const int64_t next_row = row_offset(table, next, block_size, row_stride);       \
-                prefetch_rows((const char *)(k_cache + next_row), (const char *)(v_cache + next_row), \
-                              tile_rows(next, seq_len, block_size) * row_stride * (int64_t)sizeof(ELEM)); \
+                next_row = row_offset(table, next, block_size, row_stride);                     \
+                next_bytes = tile_rows(next, seq_len, block_size) * row_stride * (int64_t)sizeof(ELEM); \
             }                                                                                   \
+            const int64_t share = (next_bytes / kv_heads + 63) & ~(int64_t)63;                   \
             for (int kv = 0; kv < kv_heads; kv++) {                                             \
+                if (next_bytes) {                                                               \
+                    const int64_t from = kv * share;                                            \
+                    const int64_t upto = from + share < next_bytes ? from + share : next_bytes; \
+                    if (upto > from)                                                            \
+                        prefetch_rows((const char *)(k_cache + next_row) + from,                \
+                                      (const char *)(v_cache + next_row) + from, upto - from);  \
+                }                                                                               \
                 const ELEM *keys = k_cache + row + kv * dim, *values = v_cache + row + kv * dim; \
                 const int first = kv * group;                                                   \
                 if (specialised) {                                                              \
