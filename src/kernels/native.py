@@ -56,15 +56,25 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         objects = [str(Path(scratch) / f"{source.stem}.o") for source in _SOURCES]
         built = Path(scratch) / library.name
-        commands = [[compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", obj]
-                    for source, obj in zip(_SOURCES, objects, strict=True)]
-        commands.append([compiler, *objects, *_LINK_FLAGS, "-o", str(built)])
-        for command in commands:
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+        _run_all([[compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", obj]
+                  for source, obj in zip(_SOURCES, objects, strict=True)])
+        _run_all([[compiler, *objects, *_LINK_FLAGS, "-o", str(built)]])
         os.replace(built, library)
     return library
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Runs the commands side by side (the decode kernels' units take seconds each); raises
+    with the first failure's command and error output once all have finished."""
+    processes = [(command, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                 for command in commands]
+    failures = []
+    for command, process in processes:
+        _, errors = process.communicate()
+        if process.returncode:
+            failures.append(f"{' '.join(command)} failed: {errors.strip()[-2000:]}")
+    if failures:
+        raise RuntimeError(failures[0])
 
 
 @functools.cache
