@@ -34,6 +34,7 @@
 #define TRIODE_PAGED_DECODE_H
 
 #include <float.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bf16.h"
