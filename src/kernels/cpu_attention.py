@@ -1,4 +1,4 @@
-"""Decode attention for CPUs that reads the paged KV cache in place (``csrc/paged_decode.c``).
+"""Decode attention for CPUs that reads the paged KV cache in place (``csrc/paged_decode.h``).
 
 The torch reference gathers every sequence's blocks into a padded copy before its fused
 attention call; on a CPU that copy and the padded math were half of a large decode step. This
