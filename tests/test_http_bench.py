@@ -1,13 +1,19 @@
 """HTTP tests: ``triode bench serve`` at a tiny scale (it starts its own server, sweeps two
-concurrency levels, runs the same chats offline, and writes its JSON and PNG)."""
+concurrency levels, runs the same chats offline, and writes its JSON and PNG), and its load
+generator's stream reading against a canned server on 127.0.0.1 (event streams cut at odd
+places, CRLF line ends, an error event, an HTTP error)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import subprocess
 
 import pytest
+import trio
 
+from frontend.bench_load import one_request, open_client
 from tests.http_server import BIN
 
 
@@ -31,3 +37,69 @@ def test_bench_serve_small(tiny_model_factory, tmp_path):
     assert report["offline_capped"]["max_num_seqs"] == max(level["concurrency"] for level in report["levels"])
     assert report["served_over_offline_capped"] > 0
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def _sse(*events: str, newline: str = "\n") -> bytes:
+    return "".join(f"{event}{newline}{newline}" for event in events).encode()
+
+
+def _chunk(content: str | None = None, usage: dict | None = None) -> str:
+    choices = [] if content is None else [{"index": 0, "delta": {"content": content}}]
+    return "data: " + json.dumps({"choices": choices, "usage": usage})
+
+
+async def _serve_canned(status: str, body: bytes, *, piece: int, task_status=trio.TASK_STATUS_IGNORED):
+    """Answers every request with ``body`` (chunked), written ``piece`` bytes at a time."""
+    async def answer(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        head, _, received = request.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(received) < length:
+            received += await stream.receive_some(65536)
+        # A client that stops at an error event closes its end while we still write.
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(f"HTTP/1.1 {status}\r\ncontent-type: text/event-stream\r\n"
+                                  "transfer-encoding: chunked\r\nconnection: close\r\n\r\n".encode())
+            for start in range(0, len(body), piece):
+                data = body[start:start + piece]
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(data), data))
+                await trio.sleep(0.001)
+            await stream.send_all(b"0\r\n\r\n")
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(answer, listeners)
+
+
+async def _one(nursery: trio.Nursery, status: str, body: bytes, *, piece: int = 7):
+    port = await nursery.start(functools.partial(_serve_canned, status, body, piece=piece))
+    async with open_client(f"http://127.0.0.1:{port}/v1", "key") as client:
+        return await one_request(client, "m", [{"role": "user", "content": "hi"}], 3)
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+@pytest.mark.parametrize("piece", [5, 64, 4096])
+async def test_load_generator_reads_streams_cut_anywhere(newline, piece):
+    body = _sse(_chunk("a"), _chunk("b"), _chunk(""), _chunk("c"),
+                _chunk(usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}),
+                "data: [DONE]", newline=newline)
+    async with trio.open_nursery() as nursery:
+        result = await _one(nursery, "200 OK", body, piece=piece)
+        nursery.cancel_scope.cancel()
+    assert result.ok, result.error
+    assert (result.prompt_tokens, result.completion_tokens) == (9, 3)
+    assert len(result.gaps) == 2 and result.ttft is not None  # three chunks with content
+
+
+async def test_load_generator_records_error_events_and_statuses():
+    error = json.dumps({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}})
+    async with trio.open_nursery() as nursery:
+        streamed = await _one(nursery, "200 OK", _sse(_chunk("a"), f"event: error\ndata: {error}", "data: [DONE]"))
+        refused = await _one(nursery, "503 Service Unavailable", b'{"error": {"message": "full"}}')
+        nursery.cancel_scope.cancel()
+    assert not streamed.ok and "boom" in streamed.error
+    assert not refused.ok and refused.error.startswith("HTTP 503") and "full" in refused.error

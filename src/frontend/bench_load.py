@@ -78,20 +78,23 @@ async def one_request(client: httpx2.AsyncClient, model: str, messages: list[dic
     usage: dict[str, int] = {}
     body = {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    error = None
     try:
         async with client.stream("POST", "/chat/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 return _failed(started, f"HTTP {response.status_code}: {response.text[:200]}")
             pending = b""
+            # Read to the end even after an error event: leaving httpx's byte iterator early
+            # abandons the generators under it.
             async for data in response.aiter_bytes():
                 now = trio.current_time()
-                events = (pending + data).split(b"\n\n")
+                events = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
                 pending = events.pop()
                 for event in events:
                     if event.startswith(b"event: error"):
-                        return _failed(started, event.decode(errors="replace")[:200])
-                    if not event.startswith(b"data: {"):
+                        error = error or event.decode(errors="replace")[:200]
+                    if error or not event.startswith(b"data: {"):
                         continue
                     chunk = json.loads(event[6:])
                     usage = chunk.get("usage") or usage
@@ -104,6 +107,8 @@ async def one_request(client: httpx2.AsyncClient, model: str, messages: list[dic
                         last = now
     except (httpx2.HTTPError, ValueError) as e:
         return _failed(started, f"{type(e).__name__}: {e}")
+    if error:
+        return _failed(started, error)
     return RequestResult(
         ok=True, seconds=trio.current_time() - started,
         ttft=None if first is None else first - started, gaps=tuple(gaps),
