@@ -26,7 +26,7 @@
  *
  * Rows of a block past the sequence's length are never loaded (they may hold anything).
  * Instantiated once per element type (paged_decode_f32.c, paged_decode_bf16.c): the
- * specialised tiles take 10 s to compile, and two translation units build side by side.
+ * specialised tiles took 11 s to compile in one unit; two units build side by side.
  * Compiled with -O3 -march=native -ffast-math -fopenmp; nothing here relies on infinities or
  * NaNs (scores are finite, the running max starts at -FLT_MAX).
  */
