@@ -191,13 +191,11 @@ typedef struct {
             }                                                                                   \
             const int64_t share = (next_bytes / kv_heads + 63) & ~(int64_t)63;                   \
             for (int kv = 0; kv < kv_heads; kv++) {                                             \
-                if (next_bytes) {                                                               \
-                    const int64_t from = kv * share;                                            \
-                    const int64_t upto = from + share < next_bytes ? from + share : next_bytes; \
-                    if (upto > from)                                                            \
-                        prefetch_rows((const char *)(k_cache + next_row) + from,                \
-                                      (const char *)(v_cache + next_row) + from, upto - from);  \
-                }                                                                               \
+                const int64_t from = kv * share;                                                \
+                const int64_t upto = from + share < next_bytes ? from + share : next_bytes;     \
+                if (upto > from) /* nothing past the last tile or the next tile's end */        \
+                    prefetch_rows((const char *)(k_cache + next_row) + from,                    \
+                                  (const char *)(v_cache + next_row) + from, upto - from);      \
                 const ELEM *keys = k_cache + row + kv * dim, *values = v_cache + row + kv * dim; \
                 const int first = kv * group;                                                   \
                 if (specialised) {                                                              \
