@@ -112,9 +112,13 @@ def test_default_model_matches_hf(default_model_path, default_model_prompts):
 @pytest.mark.default_model
 def test_default_model_in_bfloat16_is_close_to_hf(default_model_path, default_model_prompts):
     """Both in bfloat16, where two correct implementations round differently: vLLM's rule,
-    with logprobs within 0.3 before the first differing token (measured: at most 0.13)."""
-    tokenizer, prompts = default_model_prompts
+    with logprobs within 0.3 before the first differing token (measured: at most 0.13).
+
+    The chat answer's first token is a near tie ("The" -1.88 against "L" -1.97 in float32),
+    so in bfloat16 either may win: on an AVX-512 CPU (oneDNN linear layers) ours answers
+    "The capital of France is Paris.", on an AVX2 CPU (MKL) "L'Étoile...", one rounding of the
+    RMSNorm sum apart. The rule, not the text, is what holds for both."""
+    _, prompts = default_model_prompts
     ours = ours_greedy(default_model_path, prompts, 24, dtype="bfloat16")
     reference = hf_greedy(default_model_path, prompts, 24, dtype=torch.bfloat16)
     assert_close_to_hf(ours, reference, logprob_atol=0.3)
-    assert tokenizer.decode(ours[0][0]).startswith("The capital of France is Paris.")

@@ -24,7 +24,7 @@ import torch
 PACK_ROWS_HINT = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-__all__ = ["PACKED_DTYPES", "pack_linear_weight", "packed_linear", "packed_linear_supports"]
+__all__ = ["PACKED_DTYPES", "onednn_packs", "pack_linear_weight", "packed_linear", "packed_linear_supports"]
 
 
 def _onednn_available() -> bool:
@@ -33,11 +33,20 @@ def _onednn_available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of ``dtype`` on this CPU. Its bfloat16 path needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU refuses it at the reorder."""
+    if dtype not in PACKED_DTYPES or not _onednn_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed copy of ``weight`` [out, in], or None where packing does not apply: not a
-    CPU tensor, a dtype other than float32/bfloat16, a weight autograd tracks, no oneDNN."""
-    if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2
-            or weight.requires_grad or not _onednn_available()):
+    CPU tensor, a dtype oneDNN does not pack here (see :func:`onednn_packs`), a weight autograd
+    tracks."""
+    if (weight.device.type != "cpu" or weight.dim() != 2 or weight.requires_grad
+            or not onednn_packs(weight.dtype)):
         return None
     with torch.inference_mode():
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
