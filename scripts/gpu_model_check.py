@@ -62,7 +62,7 @@ def check_engine(path: Path, prompts: list[list[int]], device: str) -> list[str]
     with LLM(str(path), device=device, dtype="float32", max_num_batched_tokens=16, block_size=16,
              max_model_len=128, kv_cache_memory=_blocks_of(path, 9)) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.engine.statistics()
+        stats = llm.llm_engine.statistics()
     got = [list(o.outputs[0].token_ids) for o in outputs]
     want = [tokens for tokens, _ in reference]
     assert got == want, f"engine tokens differ from HF: {got} vs {want}"

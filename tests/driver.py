@@ -6,8 +6,8 @@ import itertools
 from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
-from engine.worker.protocol import NewSequence, ScheduledChunk, StepPlan, TokenLogprobs
 from engine.worker.runner import ModelRunner
+from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, TokenLogprobs
 
 
 class Driver:

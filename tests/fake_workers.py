@@ -8,8 +8,7 @@ import contextlib
 import trio
 
 from engine.actors.workers import WorkerCrashed
-from engine.worker.process import WorkerInfo
-from engine.worker.protocol import SampledToken, StepPlan, StepResult
+from engine.worker_messages import SampledToken, StepPlan, StepResult, WorkerInfo
 
 
 def fake_token(seq_id: str, position: int) -> int:
@@ -22,7 +21,7 @@ class FakeWorkerGroup:
                  max_model_len: int = 256, vocab_size: int = 400) -> None:
         self.info = WorkerInfo(
             pid=0, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-            vocab_size=vocab_size, eos_token_ids=(0,), dtype="float32", device="cpu", load_seconds=0.0,
+            vocab_size=vocab_size, dtype="float32", device="cpu", load_seconds=0.0,
         )
         self.step_seconds = step_seconds
         self.pids = (0,)

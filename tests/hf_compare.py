@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.config import EngineArgs
 from engine.sampling_params import SamplingParams
-from engine.worker.protocol import TokenLogprobs
 from engine.worker.runner import ModelRunner
+from engine.worker_messages import TokenLogprobs
 from tests.driver import Driver
 
 TOP = 5

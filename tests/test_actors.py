@@ -4,6 +4,11 @@ consumers, overload, watchdog restarts and the restart budget."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import threading
+
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -11,6 +16,7 @@ import trio.testing
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFull
+from engine.inputs import ChatOptions
 from engine.sampling_params import OutputKind, SamplingParams
 from tests.fake_workers import FakeWorkerGroup, fake_token
 
@@ -199,3 +205,122 @@ async def test_bad_requests_fail_alone(model_dir, autojump_clock):
             with pytest.raises(InvalidRequestError, match="prompt"):
                 await collect(llm, [1] * 300, greedy(4))
         assert good["out"].outputs[0].token_ids == expected_tokens("good", 3, 6)
+
+
+@pytest.fixture
+def eos_model_dir(model_dir, tmp_path):
+    """The tiny model with end-of-sequence ids the fake worker emits: 39 in config.json and
+    46 in generation_config.json only, with a sampling default there too."""
+    copy = tmp_path / "eos-model"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": [39]}))
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": 46, "temperature": 0.25}))
+    return copy
+
+
+async def test_every_end_of_sequence_id_stops_a_request(eos_model_dir, autojump_clock):
+    # Request "r" after a 3-token prompt emits 32, 39, 46, 53, ... (fake_token).
+    assert expected_tokens("r", 3, 4) == (32, 39, 46, 53)
+    async with open_engine(eos_model_dir, FakeWorkerGroup()) as llm:
+        assert llm.generation.eos_token_ids == (0, 39, 46)  # the tokenizer's own first
+        stop = SamplingParams(temperature=0.0, max_tokens=10)
+        by_config = await collect(llm, [5, 6, 7], stop, request_id="r")
+        assert by_config.outputs[0].token_ids == (32, 39)
+        assert (by_config.outputs[0].finish_reason, by_config.outputs[0].stop_reason) == ("stop", 39)
+        later = await collect(llm, [5, 6, 7], attrs.evolve(stop, min_tokens=3), request_id="r")
+        assert later.outputs[0].token_ids == (32, 39, 46)
+        assert (later.outputs[0].finish_reason, later.outputs[0].stop_reason) == ("stop", 46)
+        ignored = await collect(llm, [5, 6, 7], attrs.evolve(stop, ignore_eos=True, max_tokens=4),
+                                request_id="r")
+        assert ignored.outputs[0].finish_reason == "length"
+        assert llm.get_default_sampling_params().temperature == 0.25
+        assert llm.statistics().kv_blocks_free == llm.statistics().kv_blocks_total
+
+
+async def test_generation_config_vllm_keeps_eos_ids_and_drops_sampling_defaults(eos_model_dir, autojump_clock):
+    async with open_engine(eos_model_dir, FakeWorkerGroup(), generation_config="vllm") as llm:
+        assert llm.generation.eos_token_ids == (0, 39, 46)
+        assert llm.get_default_sampling_params().temperature == 1.0
+
+
+async def test_a_colliding_sample_id_rejects_the_request_whole(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group) as llm:
+        results = {}
+
+        async def holder() -> None:
+            results["x-1"] = await collect(llm, [1, 2, 3], greedy(20), request_id="x-1")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(holder)
+            await group.next_step()
+            with pytest.raises(InvalidRequestError, match="sample 1 of 'x'") as error:
+                await collect(llm, [4, 5, 6], greedy(4, n=2), request_id="x")
+            assert error.value.field == "request_id"
+            stats = llm.statistics()
+            assert stats.num_running + stats.num_waiting == 1  # x-0 was never admitted
+        assert results["x-1"].outputs[0].token_ids == expected_tokens("x-1", 3, 20)
+        assert all(not s.seq_id.startswith("x-0") for p in group.plans for s in p.new_sequences)
+
+
+async def test_abort_before_the_request_reaches_the_scheduler_still_ends_it(
+    model_dir, autojump_clock, monkeypatch
+):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group) as llm:
+        # Text prompts are tokenized in a thread: hold it there until the abort was sent.
+        release = threading.Event()
+        process = llm.intake.processor.process
+        monkeypatch.setattr(llm.intake.processor, "process",
+                            lambda *args: release.wait(10) and process(*args))
+        finals = []
+
+        async def consume() -> None:
+            async for output in llm.generate("held in intake", greedy(50), "early"):
+                finals.append(output)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            await trio.testing.wait_all_tasks_blocked()
+            await llm.abort("early")
+            release.set()
+        assert [o.outputs[0].finish_reason for o in finals] == ["abort"]
+        assert not any(c.seq_id == "early" for p in group.plans for c in p.chunks)
+        stats = llm.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
+
+
+async def test_stop_strings_end_the_sequence_in_the_scheduler(model_dir, autojump_clock):
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group) as llm:
+        tokenizer = llm.tokenizer
+        # The text of the fake's fourth token (after a 3-token prompt) as the stop string.
+        stop = tokenizer.decode([expected_tokens("s", 3, 4)[3]])
+        params = greedy(30, stop=[stop], include_stop_str_in_output=True)
+        output = await collect(llm, [1, 2, 3], params, request_id="s")
+        assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == stop
+        # The scheduler ended it at once (a step may have been in flight), and the worker
+        # forgets it with the next plan.
+        assert sum(1 for p in group.plans for c in p.chunks if c.seq_id == "s") <= 5
+        assert llm.statistics().kv_blocks_free == llm.statistics().kv_blocks_total
+        await collect(llm, [4, 5], greedy(1), request_id="next")
+        assert "s" in group.plans[-1].finished_seq_ids
+
+
+async def test_bad_chat_options_fail_naming_the_field(model_dir, autojump_clock):
+    async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(InvalidRequestError) as error:
+            await collect(llm, ChatOptions(messages=messages, chat_template="{% for %}"), greedy(2))
+        assert error.value.field == "chat_template"
+        with pytest.raises(InvalidRequestError) as error:
+            ChatOptions(messages=messages, chat_template_kwargs=[("a", 1)])
+        assert error.value.field == "chat_template_kwargs"
+        with pytest.raises(InvalidRequestError) as error:
+            await collect(llm, {"prompt": "x", "images": []}, greedy(2))
+        assert error.value.field == "prompt" and "'images'" in str(error.value)
+        rendered = await collect(llm, ChatOptions(messages=messages, chat_template="{{ messages[0].content }}!"),
+                                 greedy(2))
+        assert rendered.prompt == "hi!"
+        assert llm.statistics().num_waiting == 0

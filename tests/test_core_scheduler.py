@@ -21,7 +21,7 @@ from engine.core.request import Request, RequestStatus, make_requests
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.worker.protocol import SampledToken, StepPlan, StepResult, TokenLogprobs
+from engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
 
 EOS = 0
 
@@ -161,7 +161,7 @@ def make_request(
     params.setdefault("ignore_eos", True)
     return Request(
         request_id, prompt, SamplingParams(**params), arrival_time=arrival,
-        max_model_len=max_model_len, eos_token_id=EOS, priority=priority,
+        max_model_len=max_model_len, eos_token_ids=(EOS,), priority=priority,
     )
 
 
@@ -256,7 +256,7 @@ def test_random_workloads_keep_invariants_and_finish(
             )
             requests = make_requests(
                 f"r{len(accepted)}", prompt, params, arrival_time=rng.choice([clock, clock - 5]),
-                max_model_len=16, eos_token_id=EOS, priority=priority,
+                max_model_len=16, eos_token_ids=(EOS,), priority=priority,
             )
             for request in requests:
                 needed = -(-(request.max_num_tokens - 1) // block_size)

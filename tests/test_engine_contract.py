@@ -32,7 +32,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def default_path():
-    from engine.worker.loading import resolve_model
+    from engine.model_files.resolve import resolve_model
 
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 
@@ -67,7 +67,7 @@ def llm():
 def test_llm_generate_matches_hf(llm, prompts, reference):
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == reference
-    assert_all_blocks_free(llm.engine.statistics())
+    assert_all_blocks_free(llm.llm_engine.statistics())
 
 
 def test_llm_chat_answers(llm):
@@ -77,7 +77,7 @@ def test_llm_chat_answers(llm):
         use_tqdm=False,
     )
     assert output.outputs[0].text.startswith("The capital of France is Paris")
-    assert_all_blocks_free(llm.engine.statistics())
+    assert_all_blocks_free(llm.llm_engine.statistics())
 
 
 def test_bad_input_raises_typed_errors_and_leaves_nothing_queued(llm):
@@ -86,15 +86,37 @@ def test_bad_input_raises_typed_errors_and_leaves_nothing_queued(llm):
         ([1, 2, 10**9], greedy(), "prompt"),
         ("x " * 2000, greedy(), "prompt"),
         ("hello", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+        ({"prompt": "hello", "prompt_ids": [1]}, greedy(), "prompt"),
+        ({"prompt_token_ids": "hello"}, greedy(), "prompt"),
     ]:
         with pytest.raises(InvalidRequestError) as error:
-            llm.generate([prompt], params, use_tqdm=False)
+            llm.generate(["a good prompt first", prompt], params, use_tqdm=False)
+        assert error.value.field == field
+    chat = [{"role": "user", "content": "Hi"}]
+    for options, field in [({"chat_template": "{{ raise_exception('no') }}"}, "chat_template"),
+                           ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs")]:
+        with pytest.raises(InvalidRequestError) as error:
+            llm.chat(chat, greedy(), use_tqdm=False, **options)
         assert error.value.field == field
     for field, options in [("max_tokens", {"max_tokens": 0}), ("n", {"n": 0}), ("top_p", {"top_p": 1.5}),
                            ("temperature", {"temperature": -1.0}), ("seed", {"seed": 2**63})]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**options)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_colliding_sample_id_rejects_the_request_whole(llm, prompts, reference):
+    engine = llm.llm_engine
+    engine.add_request("x-1", prompts[0], greedy())
+    with pytest.raises(InvalidRequestError, match="sample 1 of 'x'") as error:
+        engine.add_request("x", prompts[1], SamplingParams(n=2, max_tokens=4))
+    assert error.value.field == "request_id"
+    stats = engine.statistics()
+    assert stats.num_running + stats.num_waiting == 1
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(finished) == ["x-1"] and list(finished["x-1"].outputs[0].token_ids) == reference[0]
 
 
 def test_tiny_budget_forces_chunked_prefill_and_preemption(prompts, reference):
@@ -102,14 +124,14 @@ def test_tiny_budget_forces_chunked_prefill_and_preemption(prompts, reference):
     with LLM(kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4, max_model_len=128,
              max_num_batched_tokens=32, long_prefill_token_threshold=16) as small:
         outputs = small.generate(prompts, greedy(), use_tqdm=False)
-        stats = small.engine.statistics()
+        stats = small.llm_engine.statistics()
     assert [list(o.outputs[0].token_ids) for o in outputs] == reference
     assert stats.num_preemptions > 0
     assert_all_blocks_free(stats)
 
 
 def test_worker_sigkill_mid_batch_loses_nothing(llm, prompts, reference):
-    engine = llm.engine
+    engine = llm.llm_engine
     for index, prompt in enumerate(prompts):
         engine.add_request(f"kill-{index}", prompt, greedy())
     finished = {}

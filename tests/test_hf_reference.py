@@ -80,7 +80,7 @@ def test_prefill_over_reused_prefix_equals_one_shot(tiny_model_factory, prompts)
 @pytest.fixture(scope="session")
 def default_model_path():
     from engine.config import EngineArgs
-    from engine.worker.loading import resolve_model
+    from engine.model_files.resolve import resolve_model
 
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 

@@ -190,6 +190,22 @@ def test_echo_and_completion_logprobs(client):
     assert echoed[0] == choice.text
 
 
+def test_chat_response_shape_follows_the_openai_schema(url):
+    """``message.refusal`` is required (nullable); ``system_fingerprint`` may be omitted but
+    is never null."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    out = httpx2.post(f"{url}/v1/chat/completions", json=body).json()
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": out["choices"][0]["message"]["content"],
+                                            "refusal": None}
+    assert out.get("system_fingerprint", "") is not None
+    completion = httpx2.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    assert completion.get("system_fingerprint", "") is not None
+    templated = httpx2.post(f"{url}/v1/chat/completions", json={
+        **body, "chat_template": "{{ messages[0]['content'] }} says", "chat_template_kwargs": {"unused": 1},
+    }).json()
+    assert templated["usage"]["prompt_tokens"] == len(tokenize(url, "Hi says"))
+
+
 def test_chat_logprobs(client):
     params = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, logprobs=True,
                   top_logprobs=4, extra_body={"ignore_eos": True}, **greedy())

@@ -1,5 +1,5 @@
-"""Unit tests: the model resolver (engine.worker.loading), checkpoint reading
-(engine.worker.checkpoint) and the conversion cache (engine.worker.model_cache).
+"""Unit tests: the model resolver (engine.model_files.resolve), checkpoint reading
+(engine.worker.checkpoint) and the conversion cache (engine.model_files.cache).
 
 Local Hugging Face directories (single-file and sharded), load errors that name the file,
 GGUF conversion into the cache (a tiny GGUF written here), cache integrity (atomic entries,
@@ -27,10 +27,11 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engine.config import EngineArgs
 from engine.errors import ModelLoadError
-from engine.worker import loading
-from engine.worker.checkpoint import iter_safetensors, load_hf_config
-from engine.worker.loading import ResolvedModel, resolve_model
-from engine.worker.model_cache import MARKER_FILE, ensure_cache_entry, entry_is_complete
+from engine.model_files import resolve as loading
+from engine.model_files.cache import MARKER_FILE, ensure_cache_entry, entry_is_complete
+from engine.model_files.layout import load_hf_config
+from engine.model_files.resolve import ResolvedModel, resolve_model
+from engine.worker.checkpoint import iter_safetensors
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -449,7 +450,7 @@ def test_concurrent_builders_build_once(tmp_path):
         from pathlib import Path
         from safetensors.torch import save_file
         import torch
-        from engine.worker.model_cache import ensure_cache_entry
+        from engine.model_files.cache import ensure_cache_entry
 
         root = Path(sys.argv[1])
         def build(out, scratch, progress):

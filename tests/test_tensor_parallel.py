@@ -25,16 +25,17 @@ import torch
 
 from engine import LLM, EngineArgs, SamplingParams
 from engine.errors import KVCacheTooSmallError
-from engine.worker.checkpoint import iter_safetensors, load_hf_config
-from engine.worker.distributed import (
-    Partition,
+from engine.model_config import ModelConfig
+from engine.model_files.layout import load_hf_config
+from engine.tensor_parallel import (
+    RendezvousError,
     TensorParallelSizeError,
     check_tensor_parallel,
     supported_sizes,
 )
-from engine.worker.models.config import ModelConfig
+from engine.worker.checkpoint import iter_safetensors
+from engine.worker.distributed import Partition
 from engine.worker.models.llama import checkpoint_slices
-from engine.worker.rendezvous import RendezvousError
 from tests.hf_compare import greedy_params, ours_greedy
 from tests.tp_ranks import Job, run_sharded
 
@@ -74,18 +75,26 @@ def runner_args(path: Path) -> EngineArgs:
     return EngineArgs(model=str(path), kv_cache_memory=16 << 20, max_model_len=256)
 
 
+def _chosen_and_top(token_id: int, entry) -> tuple[float, dict[int, float]]:
+    """A position's logprobs from the runner (TokenLogprobs) or the engine (vLLM's dict)."""
+    if isinstance(entry, dict):
+        return entry[token_id].logprob, {t: lp.logprob for t, lp in entry.items()}
+    return entry.logprob, dict(entry.top)
+
+
 def assert_same_generation(ours, reference, *, label: str = "") -> None:
     """Token ids identical; each step's chosen and top logprobs within ATOL."""
     for index, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
         zip(ours, reference, strict=True)
     ):
         assert tokens == ref_tokens, f"{label} prompt {index}: {tokens} != {ref_tokens}"
-        for step, (got, want) in enumerate(zip(logprobs, ref_logprobs, strict=True)):
-            assert abs(got.logprob - want.logprob) < ATOL, (label, index, step, got, want)
-            want_top = dict(want.top)
-            for token, value in got.top:
-                if token in want_top:
-                    assert abs(value - want_top[token]) < ATOL, (label, index, step, token)
+        for step, (token, got, want) in enumerate(zip(tokens, logprobs, ref_logprobs, strict=True)):
+            got_chosen, got_top = _chosen_and_top(token, got)
+            want_chosen, want_top = _chosen_and_top(token, want)
+            assert abs(got_chosen - want_chosen) < ATOL, (label, index, step, got, want)
+            for top_token, value in got_top.items():
+                if top_token in want_top:
+                    assert abs(value - want_top[top_token]) < ATOL, (label, index, step, top_token)
 
 
 def alive_children() -> set[int]:
@@ -122,7 +131,7 @@ def _config(heads: int, kv_heads: int, *, intermediate: int = 128, vocab: int = 
         intermediate_size=intermediate, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
         max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-        mlp_bias=False, qk_norm=False, sliding_window=None, eos_token_ids=(0,), bos_token_id=None,
+        mlp_bias=False, qk_norm=False, sliding_window=None,
     )
 
 
@@ -231,13 +240,13 @@ def test_engine_tp2_matches_tp1_with_prompt_logprobs(tiny_model_factory, prompts
         before = alive_children()
         with LLM(str(path), tensor_parallel_size=size, kv_cache_memory="16MiB", max_model_len=256) as llm:
             completions, outputs = _engine_outputs(llm, prompts, params)
-            stats = llm.engine.statistics()
+            stats = llm.llm_engine.statistics()
             pids = stats.worker_pids
         assert not (set(pids) & alive_children()), "a rank outlived the engine"
         assert alive_children() <= before
         results[size] = (
             [(list(c.token_ids), list(c.logprobs)) for c in completions],
-            [o.prompt_logprobs for o in outputs],
+            [(o.prompt_token_ids, o.prompt_logprobs) for o in outputs],
         )
         assert stats.tensor_parallel_size == size and len(pids) == size
         assert len(stats.rank_step_seconds_total) == size == len(stats.rank_peak_rss_bytes)
@@ -246,9 +255,10 @@ def test_engine_tp2_matches_tp1_with_prompt_logprobs(tiny_model_factory, prompts
             assert all(0 < c < s for c, s in zip(stats.rank_collective_seconds_total,
                                                   stats.rank_step_seconds_total, strict=True))
     assert_same_generation(results[2][0], results[1][0], label="engine")
-    for got, want in zip(results[2][1], results[1][1], strict=True):
-        assert [p.token_id for p in got] == [p.token_id for p in want]
-        assert all(abs(a.logprob - b.logprob) < ATOL for a, b in zip(got, want, strict=True))
+    for (prompt, got), (_, want) in zip(results[2][1], results[1][1], strict=True):
+        assert got[0] is None and want[0] is None and len(got) == len(want) == len(prompt)
+        for token, a, b in zip(prompt[1:], got[1:], want[1:], strict=True):
+            assert abs(a[token].logprob - b[token].logprob) < ATOL
 
 
 @pytest.mark.slow
@@ -258,7 +268,7 @@ def test_hung_rank_trips_the_watchdog_and_the_group_restarts(tiny_model_factory,
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256,
              step_timeout=2.0) as llm:
-        engine = llm.engine
+        engine = llm.llm_engine
         for index, prompt in enumerate(prompts):
             engine.add_request(f"hang-{index}", list(prompt), params)
         old_pids = engine.statistics().worker_pids
@@ -300,7 +310,7 @@ def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
     try:
         monkeypatch.setenv("TRIODE_TP_LOCAL_RANKS", "1")
         with LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256) as llm:
-            engine = llm.engine
+            engine = llm.llm_engine
             assert len(engine.statistics().worker_pids) == 1  # only rank 0 is the engine's
             outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in outputs] == reference
@@ -325,7 +335,7 @@ def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
 
 @pytest.fixture(scope="module")
 def default_path():
-    from engine.worker.loading import resolve_model
+    from engine.model_files.resolve import resolve_model
 
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 
@@ -362,7 +372,7 @@ def test_default_model_tp2_matches_tp1(default_tp2, default_prompts, default_ref
 
 @pytest.mark.default_model
 def test_sigkill_of_rank_1_restarts_the_group_and_loses_nothing(default_tp2, default_prompts, default_reference):
-    engine = default_tp2.engine
+    engine = default_tp2.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for index, prompt in enumerate(default_prompts):
         engine.add_request(f"kill-{index}", list(prompt), params)

@@ -31,7 +31,7 @@ class Job:
 def _run_job(rank: int, world_size: int, port: int, job: Job):
     import torch.distributed as dist
 
-    from engine.worker.rendezvous import Rendezvous
+    from engine.tensor_parallel import Rendezvous
     from engine.worker.runner import ModelRunner
     from tests.driver import Driver
 

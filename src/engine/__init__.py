@@ -4,6 +4,9 @@
 - ``LLMEngine``: a sync engine whose caller drives ``step()``.
 - ``AsyncLLM``: the trio API: ``async with AsyncLLM.open(EngineArgs(...)) as llm``.
 
+The names and shapes are vLLM's (``Logprob``, ``TextPrompt``, ``TokensPrompt``...), so a vLLM
+script runs with ``from vllm import`` changed to ``from engine import``.
+
 Names are imported on first use: worker processes import ``engine.worker`` modules, and
 must not pay for (or pull in) trio and the actors through this package's ``__init__``.
 """
@@ -19,7 +22,11 @@ _EXPORTS = {
     "AsyncLLM": "engine.async_llm",
     "EngineArgs": "engine.config",
     "EngineStatistics": "engine.engine_stats",
+    "ChatOptions": "engine.inputs",
     "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+    "TextPrompt": "engine.inputs",
+    "TokensPrompt": "engine.inputs",
     "RequestMetrics": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "OutputKind": "engine.sampling_params",
@@ -37,6 +44,7 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "ChatOptions",
     "CompletionOutput",
     "EngineArgs",
     "EngineDeadError",
@@ -45,12 +53,15 @@ __all__ = [
     "InvalidRequestError",
     "KVCacheTooSmallError",
     "LLMEngine",
+    "Logprob",
     "ModelLoadError",
     "OutputKind",
     "QueueFull",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "TriodeError",
     "UnsupportedModelError",
 ]
@@ -77,7 +88,8 @@ if TYPE_CHECKING:
         TriodeError,
         UnsupportedModelError,
     )
+    from engine.inputs import ChatOptions, TextPrompt, TokensPrompt
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
-    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from engine.sampling_params import OutputKind, SamplingParams

@@ -14,41 +14,47 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import trio
 
 from engine.actors.intake import IntakeActor
-from engine.actors.messages import AddRequest, NewRequest, OutputMessage
+from engine.actors.messages import AbortRequests, AddRequest, OutputMessage, SchedulerMessage
 from engine.actors.output import OutputActor
 from engine.actors.scheduler import SchedulerActor
 from engine.actors.streams import RequestStream
 from engine.actors.supervisor import GroupOpener, WorkerSupervisor
 from engine.config import EngineArgs
+from engine.core.engine_core import EngineCore
 from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Scheduler
 from engine.engine_stats import EngineStatistics, collect_statistics
-from engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError, QueueFull
-from engine.inputs import ChatMessage, InputProcessor, Prompt, load_tokenizer
+from engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
+from engine.inputs import ChatMessage, ChatOptions, InputProcessor, PromptInput
+from engine.model_setup import EngineModel, open_engine_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.worker.loading import resolve_model
 
 # Between actors, a few messages of slack are enough: each is drained every step.
 _ACTOR_CHANNEL_SIZE = 64
+# An abort waits this long at most for room in the scheduler's inbox (which is drained
+# continuously, a step in flight or not), so that a consumer's exit never hangs on it.
+_ABORT_SEND_TIMEOUT = 10.0
 
 
 class AsyncLLM:
-    def __init__(self, *, args: EngineArgs, model_path: str, tokenizer, supervisor: WorkerSupervisor,
+    def __init__(self, *, args: EngineArgs, model: EngineModel, supervisor: WorkerSupervisor,
                  intake: IntakeActor, scheduler: SchedulerActor, output: OutputActor,
-                 streams: dict[str, RequestStream]) -> None:
+                 to_scheduler: trio.MemorySendChannel[SchedulerMessage]) -> None:
         self.args = args
-        self.model_path = model_path
-        self.tokenizer = tokenizer
+        self.model_path = str(model.path)
+        self.tokenizer = model.tokenizer
+        self.generation = model.generation
         self.supervisor = supervisor
         self.intake = intake
         self.scheduler = scheduler
         self.output = output
-        self._streams = streams
+        self._to_scheduler = to_scheduler
+        self._open: dict[str, RequestStream] = {}  # this client side's generate() calls
         self._accepting = True
         info = supervisor.info
         self.max_model_len = info.max_model_len
@@ -61,94 +67,105 @@ class AsyncLLM:
         args: EngineArgs | None = None,
         *,
         open_group: GroupOpener | None = None,
-        **engine_args,
+        **engine_args: Any,
     ) -> AsyncIterator[AsyncLLM]:
         """``open_group`` replaces the worker processes (tests use an in-process fake)."""
-        args = args if args is not None else EngineArgs(**engine_args)
-        resolved = await trio.to_thread.run_sync(
-            lambda: resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-        )
-        tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolved.path)
-        streams: dict[str, RequestStream] = {}
-        to_scheduler, scheduler_inbox = trio.open_memory_channel[NewRequest](_ACTOR_CHANNEL_SIZE)
+        args = args if args is not None else EngineArgs.from_options(**engine_args)
+        model = await trio.to_thread.run_sync(open_engine_model, args)
+        to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMessage](_ACTOR_CHANNEL_SIZE)
         to_output, output_inbox = trio.open_memory_channel[OutputMessage](_ACTOR_CHANNEL_SIZE)
-        async with trio.open_nursery() as nursery:
-            supervisor = await nursery.start(
-                WorkerSupervisor(args, str(resolved.path), open_group=open_group).run
-            )
-            info = supervisor.info
-            scheduler = SchedulerActor(
-                Scheduler.from_engine_args(args, num_blocks=info.num_blocks), supervisor,
-                scheduler_inbox, to_output, max_model_len=info.max_model_len,
-                eos_token_id=info.eos_token_ids[0] if info.eos_token_ids else None,
-                is_wanted=lambda request_id: request_id in streams,
-            )
-            output = await nursery.start(
-                OutputActor(OutputProcessor(tokenizer), output_inbox, streams, scheduler).run
-            )
-            await nursery.start(scheduler.run)
-            processor = InputProcessor(tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-            intake = await nursery.start(
-                IntakeActor(processor, to_scheduler, streams, capacity=args.max_queued_requests).run
-            )
-            llm = cls(args=args, model_path=str(resolved.path), tokenizer=tokenizer, supervisor=supervisor,
-                      intake=intake, scheduler=scheduler, output=output, streams=streams)
-            try:
-                yield llm
-            finally:
-                llm._accepting = False
-                nursery.cancel_scope.cancel()
+        with to_scheduler:
+            async with trio.open_nursery() as nursery:
+                supervisor = await nursery.start(
+                    WorkerSupervisor(args, str(model.path), open_group=open_group).run
+                )
+                info = supervisor.info
+                core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
+                output = await nursery.start(
+                    OutputActor(OutputProcessor(model.tokenizer), output_inbox, to_scheduler.clone()).run
+                )
+                scheduler = await nursery.start(
+                    SchedulerActor(core, supervisor, scheduler_inbox, to_output).run
+                )
+                processor = InputProcessor(model.tokenizer, max_model_len=info.max_model_len,
+                                           vocab_size=info.vocab_size)
+                intake = await nursery.start(
+                    IntakeActor(processor, to_scheduler.clone(), capacity=args.max_queued_requests).run
+                )
+                llm = cls(args=args, model=model, supervisor=supervisor, intake=intake,
+                          scheduler=scheduler, output=output, to_scheduler=to_scheduler)
+                try:
+                    yield llm
+                finally:
+                    llm._accepting = False
+                    nursery.cancel_scope.cancel()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without SamplingParams: vLLM's defaults under the model's
+        generation_config.json ones (unless ``--generation-config vllm``)."""
+        return self.generation.sampling_params()
 
     async def generate(
         self,
-        prompt: Prompt | None,
-        params: SamplingParams | None = None,
-        *,
+        prompt: PromptInput | ChatOptions | None,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
         priority: int = 0,
         messages: Sequence[ChatMessage] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs (cumulative or delta per ``params.output_kind``).
-        Pass ``messages`` instead of ``prompt`` for a chat. Raises ``InvalidRequestError``,
-        ``QueueFull``, ``EngineDeadError`` or ``EngineShutdownError``."""
+        """Streams the request's outputs (cumulative or delta per ``output_kind``). ``prompt``:
+        text, token ids, a vLLM prompt dict, or ``ChatOptions`` for a chat (``messages=`` is
+        the short form of the latter). Raises ``InvalidRequestError``, ``QueueFull``,
+        ``EngineDeadError`` or ``EngineShutdownError``."""
         self.check_health()
         if not self._accepting:
             raise EngineShutdownError("the engine is shutting down and accepts no new requests")
-        params = params if params is not None else SamplingParams()
+        if messages is not None:
+            if prompt is not None:
+                raise InvalidRequestError("messages: pass either a prompt or messages", field="messages")
+            prompt = ChatOptions(messages=messages)
+        if prompt is None:
+            raise InvalidRequestError("prompt: is required", field="prompt")
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if request_id in self._streams:
+        if request_id in self._open:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
         stream = RequestStream(request_id, params.output_kind)
-        self._streams[request_id] = stream
+        chat = prompt if isinstance(prompt, ChatOptions) else None
+        self.intake.submit(AddRequest(  # QueueFull: nothing was queued, nothing to undo
+            request_id=request_id, prompt=None if chat is not None else prompt, chat=chat,
+            params=params, priority=priority, arrival_time=trio.current_time(), stream=stream,
+        ))
+        self._open[request_id] = stream
         try:
-            try:
-                self.intake.submit(AddRequest(
-                    request_id=request_id, prompt=prompt,
-                    messages=None if messages is None else tuple(messages),
-                    params=params, priority=priority, arrival_time=trio.current_time(),
-                ))
-            except QueueFull:
-                stream.finished = True
-                raise
             while (output := await stream.get()) is not None:
                 yield output
         finally:
             stream.closed = True
-            del self._streams[request_id]
-            if not stream.finished:
-                self.scheduler.abort(request_id)
+            try:
+                if not stream.finished:
+                    await self._send_abort(request_id)
+            finally:
+                del self._open[request_id]  # the id is free once its abort is on its way
+
+    async def _send_abort(self, request_id: str) -> None:
+        with trio.move_on_after(_ABORT_SEND_TIMEOUT, shield=True):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._to_scheduler.send(AbortRequests(request_ids=(request_id,)))
 
     async def abort(self, request_id: str) -> None:
         """Ends a request; its consumer receives a final output with finish_reason "abort"."""
-        if request_id in self._streams:
-            self.scheduler.abort(request_id)
-        await trio.lowlevel.checkpoint()
+        stream = self._open.get(request_id)
+        if stream is None or stream.finished:
+            await trio.lowlevel.checkpoint()
+            return
+        stream.abort_requested = True  # in case the request has not reached the scheduler yet
+        await self._send_abort(request_id)
 
-    async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-        """The model's chat template applied to ``messages`` (InvalidRequestError if it can't)."""
-        return await trio.to_thread.run_sync(
-            lambda: self.intake.processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        )
+    async def render_chat(self, chat: ChatOptions) -> str:
+        """The chat template applied to ``chat`` (InvalidRequestError if it does not render)."""
+        return await trio.to_thread.run_sync(self.intake.processor.render_chat, chat)
 
     def check_health(self) -> None:
         if self.scheduler.dead is not None:
@@ -156,10 +173,10 @@ class AsyncLLM:
 
     @property
     def num_open_requests(self) -> int:
-        return len(self._streams)
+        return len(self._open)
 
     def stop_accepting(self) -> None:
         self._accepting = False
 
     def statistics(self) -> EngineStatistics:
-        return collect_statistics(self.scheduler.scheduler, self.supervisor, idle_seconds=self.scheduler.idle_seconds)
+        return collect_statistics(self.scheduler.core, self.supervisor)

@@ -21,6 +21,11 @@ def _positive(instance: object, attribute: attrs.Attribute, value: float | None)
         raise InvalidRequestError(f"{attribute.name} must be positive, got {value}", field=attribute.name)
 
 
+def _non_empty(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not value:
+        raise InvalidRequestError(f"{attribute.name} must not be empty", field=attribute.name)
+
+
 def _one_of(choices: tuple[str, ...]):
     def check(instance: object, attribute: attrs.Attribute, value: str) -> None:
         if value not in choices:
@@ -56,6 +61,17 @@ def _memory_size(value: str | int) -> int:
         raise InvalidRequestError(f"kv_cache_memory: {e}", field="kv_cache_memory") from None
 
 
+# vLLM engine arguments a ported script may pass, and what triode does instead.
+_VLLM_ONLY_ARGS = {
+    "gpu_memory_utilization": "the KV cache is sized in bytes by kv_cache_memory (e.g. '4GiB')",
+    "enforce_eager": "triode runs eagerly; there is nothing to turn off",
+    "trust_remote_code": "triode runs its own model implementations, never a checkpoint's code",
+    "tokenizer": "the tokenizer is read from the model directory",
+    "swap_space": "preempted sequences are recomputed, never swapped",
+    "disable_log_stats": "statistics are kept in EngineStatistics and /metrics either way",
+}
+
+
 def _valid_fault_plan(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
     from engine.worker.faults import parse_fault_plan
 
@@ -83,9 +99,26 @@ class EngineArgs:
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     seed: int = 0
+    # "auto": generation_config.json's sampling defaults apply to requests that leave them
+    # unset; "vllm": they do not; or a folder whose generation_config.json applies instead.
+    generation_config: str = attrs.field(default="auto", validator=_non_empty)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
     # Test facility: faults the workers inflict on themselves (see engine.worker.faults).
     fault_plan: str | None = attrs.field(default=None, validator=_valid_fault_plan)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineArgs:
+        """``EngineArgs(**options)``, where an unknown option raises ``InvalidRequestError``
+        naming it (and, for a vLLM-only one, what triode does instead) rather than a
+        TypeError."""
+        known = {field.name for field in attrs.fields(cls)}
+        for name in options:
+            if name not in known:
+                hint = _VLLM_ONLY_ARGS.get(name)
+                detail = f"it is a vLLM argument triode does not take: {hint}" if hint else (
+                    f"triode's engine arguments are {', '.join(sorted(known))}")
+                raise InvalidRequestError(f"{name}: unknown engine argument; {detail}", field=name)
+        return cls(**options)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineArgs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from engine.actors.supervisor import WorkerSupervisor
-from engine.core.scheduler import Scheduler
+from engine.core.engine_core import EngineCore
 
 
 @attrs.frozen(kw_only=True)
@@ -36,8 +36,8 @@ class EngineStatistics:
         return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
-def collect_statistics(scheduler: Scheduler, supervisor: WorkerSupervisor, *, idle_seconds: float) -> EngineStatistics:
-    core = scheduler.statistics()
+def collect_statistics(engine_core: EngineCore, supervisor: WorkerSupervisor) -> EngineStatistics:
+    core = engine_core.statistics()
     workers = supervisor.statistics()
     return EngineStatistics(
         kv_blocks_total=core.kv_blocks_total,
@@ -51,7 +51,7 @@ def collect_statistics(scheduler: Scheduler, supervisor: WorkerSupervisor, *, id
         worker_pids=workers.worker_pids,
         steps=workers.steps,
         step_seconds_total=workers.step_seconds_total,
-        worker_idle_seconds=idle_seconds,
+        worker_idle_seconds=engine_core.idle_seconds,
         tensor_parallel_size=workers.tensor_parallel_size,
         rank_step_seconds_total=workers.rank_step_seconds_total,
         rank_collective_seconds_total=workers.rank_collective_seconds_total,

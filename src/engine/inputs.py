@@ -1,4 +1,5 @@
-"""Request intake's sans-IO half: chat-template rendering, tokenization and validation.
+"""Request intake's sans-IO half: prompts in vLLM's shapes, chat templates, tokenization and
+validation.
 
 Everything here is a plain function of its inputs, so the sync LLMEngine and the trio
 intake actor (which runs it in a worker thread: tokenizers release the GIL) share it."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import attrs
 from transformers import PreTrainedTokenizerFast
@@ -15,8 +16,28 @@ from transformers import PreTrainedTokenizerFast
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
 ChatMessage = Mapping[str, Any]
+
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: ``{"prompt": text}``."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: ``{"prompt_token_ids": ids}``, optionally with the text they
+    came from (reported as ``RequestOutput.prompt``)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+# vLLM's PromptType: text, token ids, or one of the two prompt dicts.
+PromptInput = str | Sequence[int] | TextPrompt | TokensPrompt | Mapping[str, Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "token_type_ids",
+                                      "multi_modal_uuids", "cache_salt"})
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerFast:
@@ -26,6 +47,70 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerFast:
         return PreTrainedTokenizerFast.from_pretrained(str(model_path))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the tokenizer: {e}", path=str(model_path)) from e
+
+
+def _checked_kwargs(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+        raise InvalidRequestError(
+            f"chat_template_kwargs: expected a mapping of names to values, got {type(value).__name__}",
+            field="chat_template_kwargs",
+        )
+
+
+def _checked_template(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(
+            f"chat_template: expected a Jinja template string, got {type(value).__name__}",
+            field="chat_template",
+        )
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ChatOptions:
+    """A chat request: the messages and how to render them (vLLM's ``LLM.chat`` options). A
+    ``chat_template`` replaces the model's own; ``chat_template_kwargs`` become variables of
+    the template (``enable_thinking=False``, say)."""
+
+    messages: tuple[ChatMessage, ...] = attrs.field(converter=tuple)
+    chat_template: str | None = attrs.field(default=None, validator=_checked_template)
+    chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None, validator=_checked_kwargs)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def parse_prompt(prompt: PromptInput) -> tuple[str | None, tuple[int, ...] | None]:
+    """(text, token ids) of a prompt in any of vLLM's shapes; one of them may be None."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        keys = set(prompt)
+        unsupported = sorted(keys & _UNSUPPORTED_PROMPT_KEYS)
+        if unsupported:
+            raise InvalidRequestError(f"prompt: {unsupported[0]!r} is not supported (text models only)",
+                                      field="prompt")
+        unknown = sorted(map(repr, keys - _PROMPT_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"prompt: unknown key {', '.join(unknown)} in a prompt dict; it takes 'prompt' "
+                f"(text) or 'prompt_token_ids'", field="prompt")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError("prompt: 'prompt' must be a string", field="prompt")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+                raise InvalidRequestError("prompt: 'prompt_token_ids' must be a list of token ids",
+                                          field="prompt")
+            return text, tuple(ids)
+        if text is None:
+            raise InvalidRequestError("prompt: a prompt dict needs 'prompt' or 'prompt_token_ids'",
+                                      field="prompt")
+        return text, None
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+        return None, tuple(prompt)
+    raise InvalidRequestError(
+        f"prompt: expected text, token ids or a prompt dict, got {type(prompt).__name__}", field="prompt"
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -41,42 +126,49 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-        if not messages:
+    def render_chat(self, chat: ChatOptions) -> str:
+        """The chat template applied to ``chat.messages`` (``InvalidRequestError`` naming the
+        field when the messages or the template do not render)."""
+        if not chat.messages:
             raise InvalidRequestError("messages: must contain at least one message", field="messages")
-        for index, message in enumerate(messages):
+        for index, message in enumerate(chat.messages):
             if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
                 raise InvalidRequestError(
                     f"messages[{index}]: each message needs a role and a content", field="messages"
                 )
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError("this model has no chat template; send a plain prompt", field="messages")
+        if chat.chat_template is None and not self.tokenizer.chat_template:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt or a "
+                                      "chat_template", field="messages")
+        if chat.continue_final_message and chat.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message: cannot be combined with "
+                                      "add_generation_prompt", field="continue_final_message")
+        kwargs = dict(chat.chat_template_kwargs or {})
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+                [dict(m) for m in chat.messages], chat_template=chat.chat_template,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message, tokenize=False, **kwargs,
             )
-        except Exception as e:  # a template may raise anything for messages it rejects
-            raise InvalidRequestError(f"messages: the chat template rejected them: {e}", field="messages") from e
+        except Exception as e:  # a template may raise anything for input it rejects
+            field = "chat_template" if chat.chat_template is not None else "messages"
+            raise InvalidRequestError(f"{field}: the chat template did not render: "
+                                      f"{type(e).__name__}: {e}", field=field) from e
 
-    def process(self, prompt: Prompt, params: SamplingParams, *, chat: bool = False) -> ProcessedPrompt:
-        """Tokenizes (text) or checks (token ids) the prompt and validates it with the
-        parameters against the model. ``chat`` text already holds the special tokens."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt: must not be empty", field="prompt")
-            token_ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=not chat))
-            text: str | None = prompt
+    def process(self, prompt: PromptInput | ChatOptions, params: SamplingParams) -> ProcessedPrompt:
+        """Renders (chat), tokenizes (text) or checks (token ids) the prompt and validates it
+        with the parameters against the model. A chat's text already holds its special
+        tokens, so tokenizing it adds none."""
+        if isinstance(prompt, ChatOptions):
+            text: str | None = self.render_chat(prompt)
+            token_ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
         else:
-            token_ids = tuple(prompt)
-            text = None
-            if not token_ids:
-                raise InvalidRequestError("prompt: must not be empty", field="prompt")
-            for token in token_ids:
-                if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
-                    raise InvalidRequestError(
-                        f"prompt: token id {token!r} is outside the vocabulary [0, {self.vocab_size})",
-                        field="prompt",
-                    )
+            text, ids = parse_prompt(prompt)
+            if ids is None:
+                if not text:
+                    raise InvalidRequestError("prompt: must not be empty", field="prompt")
+                token_ids = tuple(self.tokenizer.encode(text, add_special_tokens=True))
+            else:
+                token_ids = self._checked_ids(ids)
         params.validate_token_ids(self.vocab_size)
         room = self.max_model_len - len(token_ids)
         if room < 1:
@@ -93,3 +185,14 @@ class InputProcessor:
                 )
             params = attrs.evolve(params, max_tokens=room)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
+
+    def _checked_ids(self, token_ids: tuple[Any, ...]) -> tuple[int, ...]:
+        if not token_ids:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        for token in token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt: token id {token!r} is outside the vocabulary [0, {self.vocab_size})",
+                    field="prompt",
+                )
+        return token_ids

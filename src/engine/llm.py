@@ -1,4 +1,11 @@
-"""LLM: offline batch generation, `LLM(model=...).generate(prompts, params)`."""
+"""LLM: offline batch generation, ``LLM(model=...).generate(prompts, sampling_params)``.
+
+The surface is vLLM's, so that a vLLM script runs with only its import changed: prompts as
+text, token ids or prompt dicts, ``sampling_params=`` (one, or one per prompt), ``chat``
+with its template options, ``get_tokenizer``, and outputs whose logprobs are vLLM's
+list of ``{token_id: Logprob}`` dicts. It works at a script's top level, with or without an
+``if __name__ == "__main__":`` guard: the worker processes never re-run the user's code.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import attrs
 from tqdm import tqdm
 
 from engine.config import EngineArgs
-from engine.inputs import ChatMessage, Prompt
+from engine.inputs import ChatMessage, ChatOptions, PromptInput
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import OutputKind, SamplingParams
@@ -17,67 +24,99 @@ from engine.sampling_params import OutputKind, SamplingParams
 
 class LLM:
     """``LLM(model=None, **engine_args)``: the default model when ``model`` is None. Use as a
-    context manager (or call ``close``) to stop the worker processes promptly."""
+    context manager (or call ``close``) to stop the worker processes promptly; otherwise they
+    stop when the LLM is garbage-collected or the interpreter exits."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.llm_engine = LLMEngine(EngineArgs.from_options(model=model, **engine_args))
         self._next_id = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without SamplingParams: vLLM's defaults under the
+        model's generation_config.json ones (unless ``generation_config="vllm"``)."""
+        return self.llm_engine.get_default_sampling_params()
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order. ``prompts``: a string, token ids, or a list of either."""
+        """Outputs in input order. ``prompts``: one prompt or a list; a prompt is text, token
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
         batch = _as_batch(prompts)
-        return self._run(batch, params, use_tqdm=use_tqdm, priority=priority, chat=False)
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"priority: {len(priority)} values for {len(batch)} prompts")
+        return self._run(batch, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def chat(
         self,
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """One conversation or a list of them, rendered with the model's chat template."""
+        """One conversation or a list of them, rendered with the model's chat template (or
+        ``chat_template``; ``chat_template_kwargs`` are the template's extra variables)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.engine.inputs.render_chat(c) for c in conversations]
-        return self._run(prompts, params, use_tqdm=use_tqdm, priority=None, chat=True)
+        chats = [
+            ChatOptions(messages=conversation, chat_template=chat_template,
+                        chat_template_kwargs=chat_template_kwargs,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message)
+            for conversation in conversations
+        ]
+        return self._run(chats, sampling_params, use_tqdm=use_tqdm, priority=None)
 
-    def _run(self, prompts, params, *, use_tqdm: bool, priority, chat: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: Sequence[PromptInput | ChatOptions],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        *,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        if sampling_params is None:
+            sampling_params = engine.get_default_sampling_params()
         # Only final outputs are collected, so the engine need not build the others.
         params_list = [
-            attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY) for p in _per_prompt(params, len(prompts))
+            attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY) for p in _per_prompt(sampling_params, len(prompts))
         ]
-        ids = []
-        for index, (prompt, request_params) in enumerate(zip(prompts, params_list, strict=True)):
-            request_id = str(self._next_id)
-            self._next_id += 1
-            try:
-                self.engine.add_request(
-                    request_id, prompt, request_params,
-                    priority=priority[index] if priority else 0, chat=chat,
-                )
-            except BaseException:
-                self.engine.abort_request(ids)  # the batch fails whole, leaving nothing queued
-                raise
-            ids.append(request_id)
+        ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            generated = 0
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    finished[output.request_id] = output
-                    generated += sum(len(o.token_ids) for o in output.outputs)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+        # Whatever stops this call (bad input, KeyboardInterrupt, a dead engine) aborts the
+        # requests it queued: the next call starts clean.
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                ids.append(request_id)  # first: an abort of an id that was not added is a no-op
+                engine.add_request(request_id, prompt, params, priority=priority[index] if priority else 0)
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                generated = 0
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        finished[output.request_id] = output
+                        generated += sum(len(o.token_ids) for o in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
         return [finished[request_id] for request_id in ids]
 
     def close(self) -> None:
-        self.engine.close()
+        self.llm_engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -86,8 +125,8 @@ class LLM:
         self.close()
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
@@ -95,12 +134,10 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return items
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)
     if len(params) != count:
-        raise ValueError(f"params: {len(params)} SamplingParams for {count} prompts")
+        raise ValueError(f"sampling_params: {len(params)} SamplingParams for {count} prompts")
     return params

@@ -1,111 +1,153 @@
-"""LLMEngine: the sync engine whose caller drives the steps.
+"""LLMEngine: the sync engine whose caller drives the steps (vLLM's ``LLMEngine`` surface).
 
-It runs the same sans-IO core as the async engine (Scheduler, InputProcessor,
-OutputProcessor) and the same worker-supervisor actor, reached through a private trio loop.
+It drives the same ``EngineCore`` as the async engine's scheduler actor, with the same
+``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
+through a private trio loop. ``step`` is schedule -> run -> postprocess; a step the caller
+stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
+next ``step``, so the core and the workers never disagree about what ran. Making and
+handing over a plan, and applying a result, hold a KeyboardInterrupt off until they are
+done (a few milliseconds): it lands only in the wait.
+
+The workers stop on ``close``, when the engine is garbage-collected, or at interpreter exit.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
+import weakref
 from collections.abc import Iterable
+from typing import Any
+
+import attrs
 
 from engine.actors.supervisor import WorkerSupervisor
 from engine.config import EngineArgs
+from engine.core.engine_core import EngineCore
 from engine.core.output_processor import OutputProcessor
-from engine.core.request import RequestStatus, make_requests
-from engine.core.scheduler import Scheduler
 from engine.engine_stats import EngineStatistics, collect_statistics
-from engine.errors import InvalidRequestError, WorkerFailure
-from engine.inputs import InputProcessor, Prompt, load_tokenizer
+from engine.errors import EngineDeadError, WorkerFailure
+from engine.inputs import ChatOptions, InputProcessor, PromptInput
+from engine.model_setup import open_engine_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sync_bridge import TrioThread
-from engine.worker.loading import resolve_model
+from engine.sync_bridge import TrioThread, deferred_keyboard_interrupt
+from engine.worker_messages import StepPlan, StepResult
+
+
+@attrs.frozen
+class _StepInFlight:
+    plan: StepPlan
+    started: float
+    result: concurrent.futures.Future[StepResult]
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-        self.model_path = resolved.path
-        self.tokenizer = load_tokenizer(resolved.path)
-        self._loop = TrioThread(WorkerSupervisor(args, str(resolved.path)).run)
+        model = open_engine_model(args)
+        self.model_path = model.path
+        self.tokenizer = model.tokenizer
+        self.generation = model.generation
+        self._loop = TrioThread(WorkerSupervisor(args, str(model.path)).run)
+        # Holds the loop, not the engine: a dropped engine is collected, and its workers stop.
+        self._finalizer = weakref.finalize(self, self._loop.close)
         self.supervisor: WorkerSupervisor = self._loop.handle
         info = self.supervisor.info
         self.max_model_len = info.max_model_len
-        self.eos_token_id = info.eos_token_ids[0] if info.eos_token_ids else None
+        self.core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-        self.scheduler = Scheduler.from_engine_args(args, num_blocks=info.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._idle_seconds = 0.0
-        self._last_step_end: float | None = None
+        self._in_flight: _StepInFlight | None = None
+        self._dead: EngineDeadError | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults under the model's generation_config.json ones (unless
+        ``generation_config="vllm"``): what a request without SamplingParams gets."""
+        return self.generation.sampling_params()
+
     def add_request(
         self,
         request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
+        prompt: PromptInput | ChatOptions,
+        params: SamplingParams | None = None,
         *,
         priority: int = 0,
-        chat: bool = False,
     ) -> None:
-        """Validates and queues a request; raises ``InvalidRequestError`` naming the field."""
-        if request_id in self.outputs.requests:
-            raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
-        processed = self.inputs.process(prompt, params, chat=chat)
+        """Validates and queues a request (all its ``n`` samples, or nothing): raises
+        ``InvalidRequestError`` naming the field."""
+        self._check_alive()
+        params = params if params is not None else self.get_default_sampling_params()
+        processed = self.inputs.process(prompt, params)
         now = time.monotonic()
-        sequences = make_requests(
-            request_id, processed.prompt_token_ids, processed.params, arrival_time=now,
-            max_model_len=self.max_model_len, eos_token_id=self.eos_token_id, priority=priority,
-        )
-        for sequence in sequences:
-            self.scheduler.add_request(sequence)
-        self.outputs.add_request(
-            request_id, prompt=processed.prompt, prompt_token_ids=processed.prompt_token_ids,
-            params=processed.params, seq_ids=[s.request_id for s in sequences], arrival_time=now,
-        )
+        with deferred_keyboard_interrupt():  # the core and the output side learn of it together
+            seq_ids = self.core.add_request(
+                request_id, processed.prompt_token_ids, processed.params, arrival_time=now,
+                priority=priority,
+            )
+            self.outputs.add_request(
+                request_id, prompt=processed.prompt, prompt_token_ids=processed.prompt_token_ids,
+                params=processed.params, seq_ids=seq_ids, arrival_time=now,
+            )
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step and returns the outputs it produced."""
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return []
-        started = time.monotonic()
-        if self._last_step_end is not None:
-            self._idle_seconds += started - self._last_step_end
+        self._check_alive()
+        with deferred_keyboard_interrupt():
+            if self._in_flight is None:
+                plan = self.core.schedule(time.monotonic())
+                if plan is None:
+                    return []
+                future = self._loop.submit(self.supervisor.execute, plan)
+                self._in_flight = _StepInFlight(plan, time.monotonic(), future)
+        step = self._in_flight
         try:
-            result = self._loop.call(self.supervisor.execute, plan)
+            result = step.result.result()  # where a KeyboardInterrupt lands: the step goes on
         except WorkerFailure:
-            self.scheduler.requeue_all_running()
+            with deferred_keyboard_interrupt():
+                self._in_flight = None
+                self.core.step_failed()
             return []
-        finally:
-            self._last_step_end = time.monotonic()
-        self.outputs.mark_scheduled((s.seq_id for s in plan.new_sequences), started)
-        processed = self.outputs.process(self.scheduler.update_from_output(result), time.monotonic())
-        for seq_id, stop_string in processed.stop_string_finished:
-            self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
-        if not self.scheduler.has_unfinished_requests():
-            self._last_step_end = None  # idle time only counts while work is waiting
+        except EngineDeadError as error:
+            self._in_flight, self._dead = None, error
+            raise
+        with deferred_keyboard_interrupt():
+            self._in_flight = None
+            now = time.monotonic()
+            self.outputs.mark_scheduled((s.seq_id for s in step.plan.new_sequences), step.started)
+            processed = self.outputs.process(self.core.update_from_output(result, now), now)
+            for seq_id, stop_string in processed.stop_string_finished:
+                self.core.finish_on_stop_string(seq_id, stop_string)
         return processed.outputs
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.abort(ids)
-        for request_id in ids:
-            self.outputs.abort(request_id, time.monotonic())
+        with deferred_keyboard_interrupt():
+            self.core.abort_requests(ids)
+            now = time.monotonic()
+            for request_id in ids:
+                self.outputs.abort(request_id, now)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed: {self._dead}") from self._dead
 
     def statistics(self) -> EngineStatistics:
-        return collect_statistics(self.scheduler, self.supervisor, idle_seconds=self._idle_seconds)
+        return collect_statistics(self.core, self.supervisor)
 
     def close(self) -> None:
-        self._loop.close()
+        """Stops the workers (also done when the engine is collected, or at exit)."""
+        self._finalizer()
 
     def __enter__(self) -> LLMEngine:
         return self

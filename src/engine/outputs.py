@@ -1,19 +1,35 @@
-"""What the engine hands back: RequestOutput with one CompletionOutput per sample."""
+"""What the engine hands back: RequestOutput with one CompletionOutput per sample, in vLLM's
+shapes, so that code written for vLLM reads them unchanged.
+
+Logprobs are vLLM's: per generated token, a dict of token id -> ``Logprob(logprob, rank,
+decoded_token)`` holding the sampled token (first) and the top-N alternatives;
+``output.logprobs[i][output.token_ids[i]].logprob`` is the sampled token's. Prompt logprobs
+are the same per prompt token, with None for the first (nothing predicts it).
+"""
 
 from __future__ import annotations
 
 import attrs
 
-from engine.worker.protocol import TokenLogprobs
+
+@attrs.frozen
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # the token on its own, decoded
 
 
-@attrs.frozen(kw_only=True)
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class CompletionOutput:
     index: int
     text: str
     token_ids: tuple[int, ...]
     cumulative_logprob: float | None = None  # only when logprobs were requested
-    logprobs: tuple[TokenLogprobs, ...] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -25,7 +41,7 @@ class CompletionOutput:
         """This delta and a newer one as a single delta (for a consumer that fell behind)."""
         logprobs = None
         if self.logprobs is not None or newer.logprobs is not None:
-            logprobs = (self.logprobs or ()) + (newer.logprobs or ())
+            logprobs = (self.logprobs or []) + (newer.logprobs or [])
         return attrs.evolve(
             newer,
             text=self.text + newer.text,
@@ -43,12 +59,12 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, eq=False)
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None
+    prompt_logprobs: PromptLogprobs | None
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     metrics: RequestMetrics

@@ -2,15 +2,27 @@
 
 LLMEngine and LLM drive the sans-IO core from the caller's thread; the worker-supervisor
 actor (worker processes, watchdog, restarts) needs trio, so it lives in this loop and the
-caller reaches it with ``call``."""
+caller reaches it with ``submit``, which hands back a ``concurrent.futures.Future``: a
+caller interrupted while it waits (KeyboardInterrupt) leaves the call running, and can
+collect its result later instead of losing a step the workers already ran.
+
+Python raises KeyboardInterrupt between any two bytecodes of the main thread, so the sync
+engine holds it off (``deferred_keyboard_interrupt``) for the few lines that must not be cut
+in half: making a plan and handing it to the loop, and applying a result. It then lands
+only while the caller waits for the workers, where nothing is half-done."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import trio
+
+from engine.errors import EngineShutdownError
 
 T = TypeVar("T")
 
@@ -22,7 +34,7 @@ class TrioThread:
         self._actor_run = actor_run
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self._cancel_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self._error: BaseException | None = None
         self.handle: Any = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -43,22 +55,59 @@ class TrioThread:
     async def _serve(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            self._cancel_scope = nursery.cancel_scope
+            self._nursery = nursery
             self.handle = await nursery.start(self._actor_run)
             self._ready.set()
 
-    def call(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        if self._token is None or not self._thread.is_alive():
-            raise RuntimeError("the engine's trio thread is not running")
-        return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+    def submit(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        """Starts ``async_fn(*args)`` on the loop; its outcome arrives in the future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                result = await async_fn(*args)
+            except Exception as e:
+                future.set_exception(e)
+            except BaseException:  # cancelled: the loop is closing
+                future.set_exception(EngineShutdownError("the engine was closed while a call ran"))
+                raise
+            else:
+                future.set_result(result)
+
+        if self._nursery is None or not self._thread.is_alive():
+            raise EngineShutdownError("the engine is closed")
+        try:
+            trio.from_thread.run_sync(self._nursery.start_soon, run, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise EngineShutdownError("the engine is closed") from None
+        return future
 
     def close(self) -> None:
-        if self._thread.is_alive() and self._token is not None:
+        """Cancels the loop (stopping the workers) and waits for it; idempotent."""
+        if self._thread.is_alive() and self._nursery is not None:
             try:
-                trio.from_thread.run_sync(self._cancel_scope.cancel, trio_token=self._token)
+                trio.from_thread.run_sync(self._nursery.cancel_scope.cancel, trio_token=self._token)
             except trio.RunFinishedError:
                 pass
         self._thread.join()
+
+
+@contextlib.contextmanager
+def deferred_keyboard_interrupt() -> Iterator[None]:
+    """A SIGINT that arrives inside the block is delivered (to whatever handler was there)
+    when the block ends. Only the main thread receives signals; elsewhere it does nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield  # None: a handler installed outside Python, which cannot be put back
+        return
+    pending: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _unwrap(error: BaseException) -> BaseException:

@@ -23,6 +23,8 @@ _HELP = {
     "step_timeout": "seconds a worker step may take before the worker is restarted",
     "shutdown_timeout": "seconds to let in-flight requests finish on shutdown",
     "max_queued_requests": "requests waiting for intake before new ones get 503",
+    "generation_config": "auto: the model's generation_config.json sampling defaults apply to "
+                         "requests that leave them unset; vllm: they do not; or a folder",
     "cache_dir": "where converted models are cached (default: $TRIODE_CACHE or ~/.cache/triode)",
 }
 

@@ -36,9 +36,9 @@ def engine_request_ids(base: str, count: int) -> list[str]:
 async def start(host: EngineHost, request: GenerationRequest, base_id: str) -> list[Job]:
     """Submits the engine requests and waits for the first output of each."""
     ids = engine_request_ids(base_id, request.num_requests)
-    if request.messages is not None:
-        jobs = [Job(0, host.generate(None, request.params, request_id=ids[0], priority=request.priority,
-                                     messages=request.messages))]
+    if request.chat is not None:
+        jobs = [Job(0, host.generate(request.chat, request.params, request_id=ids[0],
+                                     priority=request.priority))]
     else:
         jobs = [Job(i, host.generate(prompt, request.params, request_id=ids[i], priority=request.priority))
                 for i, prompt in enumerate(request.prompts)]

@@ -8,7 +8,7 @@ closed, or dead when the engine failed. Every engine request the server makes go
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import trio
 
@@ -16,7 +16,8 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.engine_stats import EngineStatistics
 from engine.errors import EngineDeadError
-from engine.inputs import ChatMessage, Prompt
+from engine.generation_config import GenerationDefaults
+from engine.inputs import ChatOptions, PromptInput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from frontend.errors import APIError, shutting_down
@@ -44,6 +45,7 @@ class EngineHost:
         self._done = trio.Event()
         self._metrics: ServerMetrics | None = None
         self.token_text: TokenText | None = None
+        self.generation: GenerationDefaults | None = None  # the loaded model's, once ready
 
     @property
     def args(self) -> EngineArgs:
@@ -96,6 +98,7 @@ class EngineHost:
         try:
             async with AsyncLLM.open(self.args) as llm:
                 llm.output.observers.append(self.metrics.observe)
+                self.generation = llm.generation
                 # Reads the whole vocabulary once (megabytes for a real tokenizer): off the loop.
                 self.token_text = await trio.to_thread.run_sync(TokenText, llm.tokenizer)
                 self.llm, self.state = llm, "ready"
@@ -154,9 +157,8 @@ class EngineHost:
         if self.nursery is not None and self.state != "stopped":
             await self._done.wait()
 
-    async def generate(self, prompt: Prompt | None, params: SamplingParams, *, request_id: str,
-                       priority: int = 0, messages: Sequence[ChatMessage] | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptInput | ChatOptions, params: SamplingParams, *,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         llm = self.require_ready()
         if request_id in self.active:
             raise APIError(400, f"request id {request_id!r} is already in use", param="X-Request-Id")
@@ -164,8 +166,7 @@ class EngineHost:
         self.active.add(request_id)
         self._idle = trio.Event() if len(self.active) == 1 else self._idle
         try:
-            async for output in llm.generate(prompt, params, request_id=request_id, priority=priority,
-                                             messages=messages):
+            async for output in llm.generate(prompt, params, request_id, priority=priority):
                 yield output
         finally:
             self.active.discard(request_id)

@@ -1,4 +1,5 @@
-"""Logprobs in OpenAI's two shapes, with token strings and bytes decoded from the tokenizer.
+"""Logprobs in OpenAI's two shapes, from the engine's vLLM-shaped ``{token_id: Logprob}``
+dicts, with token strings and bytes decoded from the tokenizer.
 
 A token's bytes come from its vocabulary entry (byte-level BPE alphabets and SentencePiece
 byte-fallback tokens mapped back to raw bytes), so a token that holds half of a UTF-8
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from engine.worker.protocol import TokenLogprobs
+from engine.outputs import Logprob
 
 _FLOOR = -9999.0  # JSON has no -Infinity
 
@@ -70,15 +71,23 @@ class TokenText:
         return self(token_id)[0]
 
 
+def top_entries(entry: dict[int, Logprob], count: int) -> list[tuple[int, Logprob]]:
+    """The ``count`` most likely tokens of a position, most likely first. The chosen token is in
+    the dict even when it is not among them (its rank then exceeds ``count``)."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else math.inf)
+    return ranked[:count]
+
+
 class CompletionLogprobs:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for one choice; keeps the
     text offset across streamed chunks."""
 
-    def __init__(self, token_text: TokenText, *, start_offset: int = 0) -> None:
+    def __init__(self, token_text: TokenText, top_count: int, *, start_offset: int = 0) -> None:
         self.token_text = token_text
+        self.top_count = top_count
         self.offset = start_offset
 
-    def format(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]) -> dict[str, list]:
+    def format(self, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None]) -> dict[str, list]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in zip(token_ids, entries, strict=False):
             text = self.token_text.text(token_id)
@@ -89,24 +98,27 @@ class CompletionLogprobs:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            out["token_logprobs"].append(_finite(entry.logprob))
+            chosen = _finite(entry[token_id].logprob)
+            out["token_logprobs"].append(chosen)
             top: dict[str, float] = {}
-            for alternative, logprob in entry.top:  # most likely first; keep it when strings collide
-                top.setdefault(self.token_text.text(alternative), _finite(logprob))
-            top.setdefault(text, _finite(entry.logprob))
+            for alternative, logprob in top_entries(entry, self.top_count):
+                top.setdefault(self.token_text.text(alternative), _finite(logprob.logprob))  # keep the likelier
+            top.setdefault(text, chosen)
             out["top_logprobs"].append(top)
         return out
 
 
-def chat_logprobs(token_text: TokenText, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(token_text: TokenText, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
+                  top_count: int) -> dict[str, Any]:
     """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}], "refusal": None}``."""
 
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
+    def item(token_id: int, logprob: Logprob) -> dict[str, Any]:
         text, raw = token_text(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
+        return {"token": text, "logprob": _finite(logprob.logprob), "bytes": list(raw)}
 
     content = [
-        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-        for e in entries
+        {**item(token_id, entry[token_id]),
+         "top_logprobs": [item(t, lp) for t, lp in top_entries(entry, top_count)]}
+        for token_id, entry in zip(token_ids, entries, strict=False)
     ]
     return {"content": content, "refusal": None}

@@ -1,8 +1,9 @@
 """The two generation request shapes: ``/v1/completions`` and ``/v1/chat/completions``.
 
-Each parses a decoded JSON body into prompts (or chat messages) and one SamplingParams; fields
-we do not implement (tools, response formats other than text, best_of, suffix) get a 400 that
-says so; unknown fields are ignored and logged once."""
+Each parses a decoded JSON body into prompts (or a chat) and one SamplingParams; fields we do
+not implement (tools, response formats other than text, best_of, suffix) get a 400 that says
+so; unknown fields are ignored and logged once. Sampling fields a request leaves unset take
+the model's generation_config.json defaults (``--generation-config auto``, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from typing import Any
 
 import attrs
 
+from engine.generation_config import GenerationDefaults
+from engine.inputs import ChatOptions
 from engine.sampling_params import SamplingParams
 from frontend.errors import bad_request
-from frontend.protocol import Reader, StreamOptions, read_sampling, read_stream
+from frontend.request_body import Reader, StreamOptions, read_sampling, read_stream
 
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024  # prompts x n in one request
@@ -26,13 +29,13 @@ class GenerationRequest:
     stream: StreamOptions
     priority: int
     prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: one engine request each
-    messages: tuple[dict[str, str], ...] | None = None  # chat: a single engine request
+    chat: ChatOptions | None = None  # chat: a single engine request
     echo: bool = False
     logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs is true
 
     @property
     def num_requests(self) -> int:
-        return 1 if self.messages is not None else len(self.prompts)
+        return 1 if self.chat is not None else len(self.prompts)
 
 
 def _common(reader: Reader) -> dict[str, Any]:
@@ -44,7 +47,7 @@ def _common(reader: Reader) -> dict[str, Any]:
     )
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+def parse_completion(body: dict[str, Any], defaults: GenerationDefaults | None = None) -> GenerationRequest:
     reader = Reader(body, "/v1/completions")
     common = _common(reader)
     prompts = _prompts(reader)
@@ -54,7 +57,8 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     logprobs = reader.int("logprobs")
     max_tokens = reader.int("max_tokens", 16) if body.get("max_tokens", 16) is not None else None
     params = read_sampling(reader, max_tokens=max_tokens, logprobs=logprobs,
-                           prompt_logprobs=logprobs if echo else None, stream=common["stream"].stream)
+                           prompt_logprobs=logprobs if echo else None, stream=common["stream"].stream,
+                           defaults=defaults)
     if len(prompts) * params.n > MAX_CHOICES:
         raise reader.fail("n", f"{len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES} choices")
     reader.log_unknown()
@@ -84,10 +88,10 @@ def _prompts(reader: Reader) -> tuple[str | tuple[int, ...], ...]:
     raise reader.fail("prompt", "expected a non-empty string or array")
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None) -> GenerationRequest:
     reader = Reader(body, "/v1/chat/completions")
     common = _common(reader)
-    messages = parse_messages(reader)
+    chat = parse_chat_options(reader)
     reader.reject("tools", lambda v: v == [], "tool calling is not supported")
     reader.reject("tool_choice", lambda v: v == "none", "tool calling is not supported")
     reader.reject("functions", lambda v: v == [], "function calling is not supported")
@@ -109,9 +113,23 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     max_tokens = max_tokens if max_tokens is not None else legacy
     top = (top_logprobs or 0) if logprobs else None
     params = read_sampling(reader, max_tokens=max_tokens, logprobs=top, prompt_logprobs=None,
-                           stream=common["stream"].stream, aliases=aliases)
+                           stream=common["stream"].stream, aliases=aliases, defaults=defaults)
     reader.log_unknown()
-    return GenerationRequest(**common, params=params, messages=messages, logprobs=top)
+    return GenerationRequest(**common, params=params, chat=chat, logprobs=top)
+
+
+def parse_chat_options(reader: Reader) -> ChatOptions:
+    """The messages and vLLM's template fields (``chat_template``, ``chat_template_kwargs``,
+    ``add_generation_prompt``, ``continue_final_message``)."""
+    messages = parse_messages(reader)
+    kwargs = reader.object("chat_template_kwargs")
+    return ChatOptions(
+        messages=messages,
+        chat_template=reader.string("chat_template"),
+        chat_template_kwargs=kwargs,
+        add_generation_prompt=reader.bool("add_generation_prompt", True),
+        continue_final_message=reader.bool("continue_final_message", False),
+    )
 
 
 def parse_messages(reader: Reader) -> tuple[dict[str, str], ...]:

@@ -19,7 +19,7 @@ class ResponseBuilder:
     def __init__(self, request: GenerationRequest, *, response_id: str, model: str, tokenizer: Any,
                  token_text: TokenText) -> None:
         self.request = request
-        self.chat = request.messages is not None
+        self.chat = request.chat is not None
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -66,12 +66,12 @@ class ResponseBuilder:
         self._started.add(index)
         formatter = self._logprobs.get(index)
         if self.request.logprobs is not None and formatter is None:
-            formatter = self._logprobs[index] = CompletionLogprobs(self.token_text)
+            formatter = self._logprobs[index] = CompletionLogprobs(self.token_text, self.request.logprobs)
         if first and self.request.echo:
             prompt_text = self._prompt_text(output)
             text = prompt_text + text
             if formatter is not None:
-                prompt_entries = (None, *(output.prompt_logprobs or ()))
+                prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
                 logprobs = formatter.format(output.prompt_token_ids, prompt_entries)
         if formatter is not None:
             generated = formatter.format(c.token_ids, c.logprobs or ())
@@ -83,9 +83,10 @@ class ResponseBuilder:
         index = prompt_index * self.n + c.index
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = chat_logprobs(self.token_text, c.logprobs or ())
+            logprobs = chat_logprobs(self.token_text, c.token_ids, c.logprobs or [], self.request.logprobs)
         if not stream:
-            return {"index": index, "message": {"role": "assistant", "content": c.text},
+            message = {"role": "assistant", "content": c.text, "refusal": None}
+            return {"index": index, "message": message,
                     "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         delta: dict[str, Any] = {"content": c.text}
         if index not in self._started:
@@ -103,7 +104,7 @@ class ResponseBuilder:
                                else self._completion_choice(prompt_index, output, c))
         choices.sort(key=lambda choice: choice["index"])
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(), "system_fingerprint": None}
+                "choices": choices, "usage": self.usage()}
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         self._count(prompt_index, output)

@@ -12,7 +12,7 @@ import attrs
 
 from engine.config import EngineArgs, parse_size
 from engine.errors import InvalidRequestError
-from engine.worker.default_model import DEFAULT_MODEL_NAME
+from engine.model_files.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 

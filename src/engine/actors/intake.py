@@ -5,13 +5,14 @@ backpressure reaches the client instead of growing memory."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import trio
 
-from engine.actors.messages import AddRequest, NewRequest
-from engine.actors.streams import RequestStream
+from engine.actors.messages import AddRequest, NewRequest, SchedulerMessage
 from engine.errors import QueueFull, TriodeError
-from engine.inputs import InputProcessor
+from engine.inputs import InputProcessor, ProcessedPrompt
 
 
 @attrs.frozen(kw_only=True)
@@ -26,14 +27,12 @@ class IntakeActor:
     def __init__(
         self,
         processor: InputProcessor,
-        to_scheduler: trio.MemorySendChannel[NewRequest],
-        streams: dict[str, RequestStream],
+        to_scheduler: trio.MemorySendChannel[SchedulerMessage],
         *,
         capacity: int,
     ) -> None:
         self.processor = processor
         self._to_scheduler = to_scheduler
-        self._streams = streams
         self._capacity = capacity
         self._inbox_send, self._inbox = trio.open_memory_channel[AddRequest](capacity)
         self._accepted = 0
@@ -51,30 +50,27 @@ class IntakeActor:
         with self._to_scheduler, self._inbox:
             task_status.started(self)
             async for request in self._inbox:
-                stream = self._streams.get(request.request_id)
-                if stream is None or stream.closed:
+                if request.stream.closed:
                     continue  # the client left while the request queued
                 try:
-                    if isinstance(request.prompt, str) or request.messages is not None:
+                    if request.chat is not None or isinstance(request.prompt, str | Mapping):
                         # Templates and tokenizers take real time; they release the GIL.
                         processed = await trio.to_thread.run_sync(self._process, request)
                     else:
                         processed = self._process(request)  # token ids: a linear check
                 except TriodeError as error:
                     self._rejected += 1
-                    stream.fail(error)
+                    request.stream.fail(error)
                     continue
                 self._accepted += 1
                 await self._to_scheduler.send(NewRequest(
-                    request_id=request.request_id, processed=processed,
-                    priority=request.priority, arrival_time=request.arrival_time,
+                    request_id=request.request_id, processed=processed, priority=request.priority,
+                    arrival_time=request.arrival_time, stream=request.stream,
                 ))
 
-    def _process(self, request: AddRequest):
-        if request.messages is not None:
-            text = self.processor.render_chat(request.messages)
-            return self.processor.process(text, request.params, chat=True)
-        return self.processor.process(request.prompt, request.params)
+    def _process(self, request: AddRequest) -> ProcessedPrompt:
+        prompt = request.chat if request.chat is not None else request.prompt
+        return self.processor.process(prompt, request.params)
 
     def statistics(self) -> IntakeStatistics:
         return IntakeStatistics(

@@ -1,11 +1,16 @@
-"""The closed set of messages that travel on the engine's channels (frozen attrs classes)."""
+"""The closed set of messages that travel on the engine's channels (frozen attrs classes).
+
+A request's ``RequestStream`` travels with it (client -> intake -> scheduler -> output): it is
+the request's way back to its consumer, and whoever holds the request may end it there with
+an error. The output actor keeps the one table of registered requests' streams."""
 
 from __future__ import annotations
 
 import attrs
 
+from engine.actors.streams import RequestStream
 from engine.core.scheduler_output import SequenceUpdate
-from engine.inputs import ChatMessage, ProcessedPrompt, Prompt
+from engine.inputs import ChatOptions, ProcessedPrompt, PromptInput
 from engine.sampling_params import SamplingParams
 
 
@@ -14,11 +19,12 @@ class AddRequest:
     """A client's request, before validation and tokenization (client -> intake)."""
 
     request_id: str
-    prompt: Prompt | None = None
-    messages: tuple[ChatMessage, ...] | None = None  # chat: rendered with the template
+    prompt: PromptInput | None = None
+    chat: ChatOptions | None = None  # a chat: its messages, rendered with the template
     params: SamplingParams
     priority: int = 0
     arrival_time: float
+    stream: RequestStream = attrs.field(eq=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +35,27 @@ class NewRequest:
     processed: ProcessedPrompt
     priority: int
     arrival_time: float
+    stream: RequestStream = attrs.field(eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class AbortRequests:
+    """End these user requests (client -> scheduler); a final "abort" output follows for each
+    that was unfinished."""
+
+    request_ids: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class StopStringFound:
+    """The output side found a stop string in a sequence's text (output -> scheduler): the
+    sequence is finished before the next step. Its output has already ended."""
+
+    seq_id: str
+    stop_string: str
+
+
+SchedulerMessage = NewRequest | AbortRequests | StopStringFound
 
 
 @attrs.frozen(kw_only=True)
@@ -51,13 +78,11 @@ class StepUpdates:
 
 
 @attrs.frozen(kw_only=True)
-class Finished:
-    """The scheduler ended these requests for a reason of its own: abort, or rejection after
-    registration (scheduler -> output)."""
+class Aborted:
+    """The scheduler aborted these requests (scheduler -> output): each gets its final output
+    with finish_reason "abort"."""
 
     request_ids: tuple[str, ...]
-    reason: str = "abort"
-    error: Exception | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -67,4 +92,4 @@ class EngineFailed:
     error: Exception
 
 
-OutputMessage = Registered | StepUpdates | Finished | EngineFailed
+OutputMessage = Registered | StepUpdates | Aborted | EngineFailed

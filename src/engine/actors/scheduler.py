@@ -1,130 +1,129 @@
-"""The scheduler actor: admits requests, runs one step at a time on the worker group, and
-hands each step's updates to the output actor. While a step runs in the worker process
-this task sleeps on it, so intake and output work overlap the step instead of the worker
-waiting for them."""
+"""The scheduler actor: the engine core's driver in the async engine.
+
+Two tasks share the actor's state (one trio thread, so they interleave only at awaits):
+
+- the inbox task takes every message as it comes, a step in flight or not: new requests are
+  admitted, aborts and stop-string finishes applied to the core at once (an idle scheduler
+  wakes for them), and what the output actor must hear is queued in order;
+- the step task runs one step at a time on the worker-supervisor, and between steps sends
+  that queue, then the step's updates, to the output actor.
+
+So the inbox is drained while the worker computes and never fills behind a long step, and
+the inbox task never waits on the output actor (which sends stop strings back here): the
+two actors cannot block each other. While a step runs, this actor sleeps on the worker, so
+intake and output work overlap the step instead of the worker waiting for them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
 
 import trio
 
 from engine.actors.messages import (
+    Aborted,
+    AbortRequests,
     EngineFailed,
-    Finished,
     NewRequest,
     OutputMessage,
     Registered,
+    SchedulerMessage,
     StepUpdates,
+    StopStringFound,
 )
 from engine.actors.supervisor import WorkerSupervisor
-from engine.core.request import RequestStatus, make_requests
-from engine.core.scheduler import Scheduler
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError, WorkerFailure
 
 
 class SchedulerActor:
     def __init__(
         self,
-        scheduler: Scheduler,
+        core: EngineCore,
         supervisor: WorkerSupervisor,
-        inbox: trio.MemoryReceiveChannel[NewRequest],
+        inbox: trio.MemoryReceiveChannel[SchedulerMessage],
         to_output: trio.MemorySendChannel[OutputMessage],
-        *,
-        max_model_len: int,
-        eos_token_id: int | None,
-        is_wanted: Callable[[str], bool],
     ) -> None:
-        self.scheduler = scheduler
+        self.core = core
         self.supervisor = supervisor
         self._inbox = inbox
         self._to_output = to_output
-        self._max_model_len = max_model_len
-        self._eos_token_id = eos_token_id
-        self._is_wanted = is_wanted  # False once the client of a request has gone away
-        self._aborts: set[str] = set()
-        self._stops: list[tuple[str, str]] = []
-        self.idle_seconds = 0.0  # the worker waited on us while requests were unfinished
+        self._outbox: collections.deque[OutputMessage] = collections.deque()
+        self._work = trio.Event()  # set when the inbox task gave the step task something to do
         self.dead: EngineDeadError | None = None
-
-    def abort(self, request_id: str) -> None:
-        """Takes effect before the next step; never blocks (callable from any trio task)."""
-        self._aborts.add(request_id)
-
-    def finish_on_stop_string(self, seq_id: str, stop_string: str) -> None:
-        self._stops.append((seq_id, stop_string))
 
     async def run(self, *, task_status: trio.TaskStatus[SchedulerActor] = trio.TASK_STATUS_IGNORED) -> None:
         with self._inbox, self._to_output:
-            task_status.started(self)
-            last_step_end: float | None = None
-            while True:
-                await self._admit(wait=not self.scheduler.has_unfinished_requests())
-                await self._apply_aborts_and_stops()
-                if not self.scheduler.has_unfinished_requests():
-                    last_step_end = None
-                    continue
-                plan = self.scheduler.schedule()
-                started = trio.current_time()
-                if last_step_end is not None:
-                    self.idle_seconds += started - last_step_end
-                try:
-                    result = await self.supervisor.execute(plan)
-                except WorkerFailure:
-                    self.scheduler.requeue_all_running()
-                    last_step_end = None
-                    continue
-                except EngineDeadError as error:
-                    self.dead = error
-                    await self._to_output.send(EngineFailed(error=error))
-                    return
-                last_step_end = trio.current_time()
-                updates = self.scheduler.update_from_output(result)
-                await self._to_output.send(StepUpdates(
-                    updates=tuple(updates), time=last_step_end, started=started,
-                    scheduled=tuple(s.seq_id for s in plan.new_sequences),
-                ))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._take_messages)
+                task_status.started(self)
+                await self._run_steps()
+                # Dead: the inbox task stays, failing what still arrives, until the engine closes.
 
-    async def _admit(self, *, wait: bool) -> None:
-        """Takes every queued request; with ``wait``, sleeps until one comes (or an abort)."""
-        while True:
-            try:
-                request = self._inbox.receive_nowait()
-            except trio.WouldBlock:
-                if not wait:
-                    return
-                request = await self._inbox.receive()
-            wait = False
-            await self._register(request)
+    async def _take_messages(self) -> None:
+        async for message in self._inbox:
+            match message:
+                case NewRequest():
+                    self._admit(message)
+                case AbortRequests(request_ids=request_ids):
+                    if self.dead is None and (aborted := self.core.abort_requests(request_ids)):
+                        self._outbox.append(Aborted(request_ids=tuple(aborted)))
+                case StopStringFound(seq_id=seq_id, stop_string=stop_string):
+                    if self.dead is None:
+                        self.core.finish_on_stop_string(seq_id, stop_string)
+            self._work.set()
 
-    async def _register(self, request: NewRequest) -> None:
-        if not self._is_wanted(request.request_id):
-            return  # aborted between intake and here: never scheduled
+    def _admit(self, request: NewRequest) -> None:
+        stream = request.stream
+        if stream.closed:
+            return  # its client left between intake and here: never scheduled
+        if self.dead is not None:
+            stream.fail(EngineDeadError(f"the engine failed: {self.dead}"))
+            return
         processed = request.processed
         try:
-            sequences = make_requests(
+            seq_ids = self.core.add_request(
                 request.request_id, processed.prompt_token_ids, processed.params,
-                arrival_time=request.arrival_time, max_model_len=self._max_model_len,
-                eos_token_id=self._eos_token_id, priority=request.priority,
+                arrival_time=request.arrival_time, priority=request.priority,
             )
-            for index, sequence in enumerate(sequences):
-                try:
-                    self.scheduler.add_request(sequence)
-                except InvalidRequestError:
-                    self.scheduler.abort([s.request_id for s in sequences[:index]])
-                    raise
         except InvalidRequestError as error:
-            await self._to_output.send(Finished(request_ids=(request.request_id,), error=error))
+            stream.fail(error)
             return
-        await self._to_output.send(Registered(request=request, seq_ids=tuple(s.request_id for s in sequences)))
+        self._outbox.append(Registered(request=request, seq_ids=seq_ids))
+        if stream.abort_requested:  # AsyncLLM.abort reached the stream before the request got here
+            self.core.abort_requests([request.request_id])
+            self._outbox.append(Aborted(request_ids=(request.request_id,)))
 
-    async def _apply_aborts_and_stops(self) -> None:
-        if self._stops:
-            for seq_id, stop_string in self._stops:
-                self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
-            self._stops.clear()
-        if self._aborts:
-            aborted = tuple(self._aborts)
-            self._aborts.clear()
-            self.scheduler.abort(aborted)
-            await self._to_output.send(Finished(request_ids=aborted))
+    async def _flush(self) -> None:
+        while self._outbox:
+            await self._to_output.send(self._outbox.popleft())
+
+    async def _run_steps(self) -> None:
+        while True:
+            await self._flush()
+            plan = self.core.schedule(trio.current_time())
+            if plan is None:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            started = trio.current_time()
+            try:
+                result = await self.supervisor.execute(plan)
+            except WorkerFailure:
+                self.core.step_failed()
+                continue
+            except EngineDeadError as error:
+                self.dead = error
+                await self._flush()
+                await self._to_output.send(EngineFailed(error=error))
+                return
+            now = trio.current_time()
+            updates = self.core.update_from_output(result, now)
+            await self._flush()  # registrations and aborts first: they came before this result
+            await self._to_output.send(StepUpdates(
+                updates=tuple(updates), time=now, started=started,
+                scheduled=tuple(s.seq_id for s in plan.new_sequences),
+            ))
+
+    @property
+    def idle_seconds(self) -> float:
+        return self.core.idle_seconds

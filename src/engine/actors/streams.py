@@ -2,7 +2,12 @@
 
 The output actor ``put``s without waiting; when the consumer falls behind, delta outputs
 are joined into one and cumulative ones replaced by the newest, so a slow consumer holds at
-most one pending output and never delays the engine or other requests."""
+most one pending output and never delays the engine or other requests.
+
+A stream is one request's way back to its consumer. It travels with the request's messages,
+and the consumer's two signals ride on it: ``closed`` (it went away: nothing more to compute)
+and ``abort_requested`` (``AsyncLLM.abort``: finish now, with a final "abort" output), which
+the scheduler reads when the request reaches it."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class RequestStream:
         self._wakeup = trio.Event()
         self.finished = False  # the final output (or an error) has been put
         self.closed = False  # the consumer went away
+        self.abort_requested = False
 
     def put(self, output: RequestOutput) -> None:
         if self.closed or self.finished:

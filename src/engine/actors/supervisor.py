@@ -22,8 +22,7 @@ import trio
 from engine.actors.workers import ProcessWorkerGroup, WorkerCrashed, WorkerGroup
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, StepTimeout, WorkerFailure
-from engine.worker.process import WorkerInfo
-from engine.worker.protocol import StepPlan, StepResult
+from engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
 

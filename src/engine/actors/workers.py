@@ -23,16 +23,19 @@ import attrs
 import trio
 import trio_parallel
 
+from engine.actors.worker_spawn import starting_engine_workers
 from engine.config import EngineArgs
-from engine.worker import process
-from engine.worker.distributed import check_tensor_parallel
-from engine.worker.protocol import StepPlan, StepResult
-from engine.worker.rendezvous import (
+from engine.model_config import ModelConfig
+from engine.model_files.layout import load_hf_config
+from engine.tensor_parallel import (
     Rendezvous,
     check_port_free,
+    check_tensor_parallel,
     local_rank_count,
     rendezvous_address,
 )
+from engine.worker import calls
+from engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 
 class WorkerCrashed(Exception):
@@ -67,7 +70,7 @@ async def _worker_context():
 class WorkerGroup(Protocol):
     pids: tuple[int, ...]
 
-    async def load(self) -> process.WorkerInfo: ...
+    async def load(self) -> WorkerInfo: ...
 
     async def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -79,13 +82,9 @@ def check_before_spawn(args: EngineArgs, model_path: str) -> None:
     the model's heads (and the CUDA devices), and a MASTER_PORT that must be free."""
     if args.tensor_parallel_size == 1:
         return
-    from engine.worker.checkpoint import load_hf_config
-    from engine.worker.models.config import ModelConfig
-    from engine.worker.runner import resolve_device
-
     config = ModelConfig.from_hf(load_hf_config(model_path), source=f"{model_path}/config.json")
     check_tensor_parallel(
-        config, args.tensor_parallel_size, device=resolve_device(args.device),
+        config, args.tensor_parallel_size, device=args.device,
         local_ranks=local_rank_count(args.tensor_parallel_size),
     )
     _, port = rendezvous_address()
@@ -103,7 +102,7 @@ class ProcessWorkerGroup:
         self._contexts = contexts
         self._limiters = [trio.CapacityLimiter(1) for _ in contexts]
         self.pids: tuple[int, ...] = ()
-        self.infos: tuple[process.WorkerInfo, ...] = ()  # every rank's, from the last load
+        self.infos: tuple[WorkerInfo, ...] = ()  # every rank's, from the last load
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -115,6 +114,13 @@ class ProcessWorkerGroup:
             contexts = [await stack.enter_async_context(_worker_context()) for _ in range(local)]
             yield cls(args, model_path, contexts)
 
+    async def _run_on(self, rank: int, fn: Callable, *args: Any, kill_on_cancel: bool = False) -> Any:
+        # Any call may start the rank's process (the first, and the first after a kill).
+        with starting_engine_workers():
+            return await self._contexts[rank].run_sync(
+                fn, *args, kill_on_cancel=kill_on_cancel, limiter=self._limiters[rank]
+            )
+
     async def _on_ranks(self, ranks: range, call: Callable[[int], tuple[Callable, tuple]]) -> list:
         """Runs ``fn(*args)`` from ``call(rank)`` on each rank at once. The first failure
         cancels (and so kills) the other ranks; a crash is reported before the errors it
@@ -125,9 +131,7 @@ class ProcessWorkerGroup:
         async def run_rank(rank: int, cancel_scope: trio.CancelScope) -> None:
             fn, fn_args = call(rank)
             try:
-                results[rank] = await self._contexts[rank].run_sync(
-                    fn, *fn_args, kill_on_cancel=True, limiter=self._limiters[rank]
-                )
+                results[rank] = await self._run_on(rank, fn, *fn_args, kill_on_cancel=True)
             except trio_parallel.BrokenWorkerError as e:
                 code = getattr(e.args[-1], "exitcode", None) if e.args else None
                 crash = WorkerCrashed(f"rank {rank}'s worker process died (exit code {code})", code)
@@ -147,34 +151,34 @@ class ProcessWorkerGroup:
             raise error
         return [results[rank] for rank in ranks]
 
-    async def load(self) -> process.WorkerInfo:
+    async def load(self) -> WorkerInfo:
         size = self.args.tensor_parallel_size
         local = len(self._contexts)
         threads = max(1, (os.cpu_count() or 1) // local)
         if size == 1:
             # One rank: no process group at all.
             infos = await self._on_ranks(
-                range(1), lambda rank: (process.load, (self.args, self.model_path, threads))
+                range(1), lambda rank: (calls.LOAD, (self.args, self.model_path, threads))
             )
         else:
             host, port = rendezvous_address()
             timeout = max(120.0, 2 * self.args.step_timeout)
             (port,) = await self._on_ranks(
-                range(1), lambda rank: (process.serve_rendezvous, (host, port, timeout))
+                range(1), lambda rank: (calls.SERVE_RENDEZVOUS, (host, port, timeout))
             )
             rendezvous = Rendezvous(
                 host=host, port=port, world_size=size, timeout_s=timeout, local_ranks=local
             )
             infos = await self._on_ranks(
                 range(local),
-                lambda rank: (process.load, (self.args, self.model_path, threads, rank, rendezvous)),
+                lambda rank: (calls.LOAD, (self.args, self.model_path, threads, rank, rendezvous)),
             )
         self.infos = tuple(infos)
         self.pids = tuple(info.pid for info in infos)
         return infos[0]
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        results = await self._on_ranks(range(len(self._contexts)), lambda rank: (process.execute, (plan,)))
+        results = await self._on_ranks(range(len(self._contexts)), lambda rank: (calls.EXECUTE, (plan,)))
         if len(results) == 1:
             return results[0]
         return attrs.evolve(
@@ -193,8 +197,8 @@ class ProcessWorkerGroup:
         """Ends every rank (a process group cannot lose one member); the next call on each
         context starts a fresh process."""
         self._kill_processes()
-        for rank, context in enumerate(self._contexts):
+        for rank in range(len(self._contexts)):
             # A context whose worker was killed while idle reports it on the next call;
             # take that here rather than in the reload.
             with contextlib.suppress(trio_parallel.BrokenWorkerError):
-                await context.run_sync(os.getpid, limiter=self._limiters[rank])
+                await self._run_on(rank, os.getpid)

@@ -12,10 +12,10 @@ from tqdm import tqdm
 
 from engine.bench.report import machine_description, plot_lines, print_table, write_json
 from engine.config import EngineArgs
+from engine.model_files.resolve import resolve_model
 from engine.sampling_params import SamplingParams
-from engine.worker.loading import resolve_model
-from engine.worker.protocol import NewSequence, ScheduledChunk, StepPlan
 from engine.worker.runner import ModelRunner
+from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
 
 
 def _context(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:

@@ -19,13 +19,13 @@ from engine.sampling_params import SamplingParams
 def timed_generate(llm: LLM, workload: Workload) -> tuple[float, EngineStatistics, EngineStatistics]:
     """Runs the workload greedily through ``llm``; (seconds, statistics before, after)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    before = llm.engine.statistics()
+    before = llm.llm_engine.statistics()
     started = time.perf_counter()
     outputs = llm.generate(list(workload.prompts), params, use_tqdm=True)
     seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
-    return seconds, before, llm.engine.statistics()
+    return seconds, before, llm.llm_engine.statistics()
 
 
 def run_triode(llm: LLM, workload: Workload) -> dict:
@@ -98,9 +98,9 @@ def run(
                     from transformers import AutoModelForCausalLM
 
                     hf_model = AutoModelForCausalLM.from_pretrained(
-                        llm.engine.model_path, dtype=getattr(torch, dtype)
+                        llm.llm_engine.model_path, dtype=getattr(torch, dtype)
                     ).eval()
-                pad = llm.engine.tokenizer.pad_token_id or 0
+                pad = llm.llm_engine.tokenizer.pad_token_id or 0
                 entry["hf"] = run_hf(hf_model, workload, hf_batch_size, pad)
                 entry["ratio"] = ours["tokens_per_second"] / entry["hf"]["tokens_per_second"]
             results["workloads"][name] = entry

@@ -37,7 +37,7 @@ def measure(model: str | None, size: int, workload: Workload, kv_cache_memory: s
     started = time.perf_counter()
     with LLM(model, tensor_parallel_size=size, kv_cache_memory=kv_cache_memory, max_model_len=1024) as llm:
         startup = time.perf_counter() - started
-        infos = llm.engine.supervisor.worker_infos
+        infos = llm.llm_engine.supervisor.worker_infos
         seconds, before, after = timed_generate(llm, workload)
     produced = workload.total_output_tokens
     steps = max(1, after.steps - before.steps)

@@ -3,6 +3,9 @@
 Sans-IO: the caller passes the clock reading. A stop string is found here, after the
 scheduler has already moved on, so ``process`` returns the sequences the scheduler must
 finish; tokens that still arrive for them (from a step already in flight) are ignored.
+
+The workers send logprobs compactly (``TokenLogprobs``: ids and floats); here they become
+vLLM's ``{token_id: Logprob}`` dicts, each token decoded on its own once per process.
 """
 
 from __future__ import annotations
@@ -14,9 +17,32 @@ import attrs
 
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.scheduler_output import SequenceUpdate
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import OutputKind, SamplingParams
-from engine.worker.protocol import TokenLogprobs
+from engine.worker_messages import TokenLogprobs
+
+
+class TokenDecoder:
+    """Each token decoded on its own (``Logprob.decoded_token``), cached: logprobs name the same
+    few thousand tokens again and again."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._backend.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's dict for one position: the chosen token first, then the top-N (a chosen token
+        among them keeps its place and takes its top-N rank, as in vLLM)."""
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank, self(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            out[token_id] = Logprob(logprob, rank, self(token_id))
+        return out
 
 
 @attrs.define
@@ -24,7 +50,7 @@ class _Sample:
     seq_id: str
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = attrs.Factory(list)
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -42,7 +68,7 @@ class _RequestState:
     params: SamplingParams
     samples: list[_Sample]
     metrics: dict[str, float | None]
-    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
 
@@ -60,6 +86,7 @@ class ProcessedStep:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.decode_token = TokenDecoder(tokenizer)
         self.requests: dict[str, _RequestState] = {}
         self._request_of_seq: dict[str, str] = {}
 
@@ -90,7 +117,7 @@ class OutputProcessor:
             samples=samples,
             metrics={"arrival_time": arrival_time, "first_scheduled_time": None,
                      "first_token_time": None, "last_token_time": None},
-            prompt_logprobs=None if params.prompt_logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self._request_of_seq.update(dict.fromkeys(seq_ids, request_id))
 
@@ -114,7 +141,7 @@ class OutputProcessor:
             touched[state.request_id] = state
             state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
             if update.index == 0 and state.prompt_logprobs is not None:
-                state.prompt_logprobs.extend(update.prompt_logprobs)
+                state.prompt_logprobs.extend(map(self.decode_token.logprobs, update.prompt_logprobs))
             if not update.new_token_ids:
                 continue
             self._apply_tokens(state, sample, update, now)
@@ -131,7 +158,7 @@ class OutputProcessor:
         if sample.logprobs is not None:
             for entry in update.logprobs:
                 if entry is not None:
-                    sample.logprobs.append(entry)
+                    sample.logprobs.append(self.decode_token.logprobs(entry))
                     sample.cumulative_logprob += entry.logprob
         stop_token = update.finish_reason == "stop"
         sample.text += sample.detokenizer.update(
@@ -178,7 +205,7 @@ class OutputProcessor:
                 text=sample.text[start_text:],
                 token_ids=tuple(sample.token_ids[start_tokens:]),
                 cumulative_logprob=sample.cumulative_logprob,
-                logprobs=None if sample.logprobs is None else tuple(sample.logprobs[start_tokens:]),
+                logprobs=None if sample.logprobs is None else sample.logprobs[start_tokens:],
                 finish_reason=sample.finish_reason,
                 stop_reason=sample.stop_reason,
             ))
@@ -187,10 +214,10 @@ class OutputProcessor:
         prompt_logprobs = None
         # Prompt logprobs go out once complete (a chunked prefill delivers them in parts).
         complete = state.prompt_logprobs is not None and (
-            len(state.prompt_logprobs) >= len(state.prompt_token_ids) - 1 or finished
+            len(state.prompt_logprobs) >= len(state.prompt_token_ids) or finished
         )
         if complete and not (delta and state.prompt_logprobs_sent):
-            prompt_logprobs = tuple(state.prompt_logprobs)
+            prompt_logprobs = list(state.prompt_logprobs)
             state.prompt_logprobs_sent = True
         if finished:
             del self.requests[state.request_id]

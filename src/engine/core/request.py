@@ -22,7 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.worker.protocol import TokenLogprobs
+    from engine.worker_messages import TokenLogprobs
 
 _INT64_MIN = -(2**63)
 
@@ -63,7 +63,7 @@ class Request:
         *,
         arrival_time: float,
         max_model_len: int,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         priority: int = 0,
         parent_id: str | None = None,
         index: int = 0,
@@ -82,7 +82,8 @@ class Request:
         self.params = params
         self.arrival_time = arrival_time  # given by the caller: the core never reads a clock
         self.priority = priority  # lower value = more important (vLLM's convention)
-        self.eos_token_id = eos_token_id
+        # The model's end-of-sequence ids, its own first (see check_stop).
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -144,12 +145,19 @@ class Request:
         """Stop checks that need only token ids, after a token was appended: the finished status
         to give the request (the scheduler applies it), setting stop_reason, or None. Stop
         strings are the detokenizer's job (they need text). A stop token on the last allowed
-        position reports "stop", not "length": the model ended on its own."""
+        position reports "stop", not "length": the model ended on its own.
+
+        Every end-of-sequence id stops, as in Hugging Face and vLLM. The model's own (the first
+        of ``eos_token_ids``) leaves stop_reason None; any other sets it to the id, which is
+        what vLLM reports for the extra ids of generation_config.json (Llama 3's
+        ``<|eom_id|>`` and ``<|eot_id|>`` tell apart that way)."""
         params = self.params
         if self.num_output_tokens >= params.min_tokens:
             last = self.all_token_ids[-1]
-            if not params.ignore_eos and last == self.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED  # stop_reason None for EOS, as in vLLM
+            if not params.ignore_eos and last in self.eos_token_ids:
+                if last != self.eos_token_ids[0]:
+                    self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
@@ -185,7 +193,7 @@ def make_requests(
     *,
     arrival_time: float,
     max_model_len: int,
-    eos_token_id: int | None = None,
+    eos_token_ids: Sequence[int] = (),
     priority: int = 0,
 ) -> list[Request]:
     """The sequences of one user request: itself when ``n == 1``, else ``n`` children with ids
@@ -195,7 +203,7 @@ def make_requests(
         return [
             Request(
                 request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                max_model_len=max_model_len, eos_token_id=eos_token_id, priority=priority,
+                max_model_len=max_model_len, eos_token_ids=eos_token_ids, priority=priority,
             )
         ]
     children = []
@@ -207,7 +215,7 @@ def make_requests(
             Request(
                 f"{request_id}-{i}", prompt_token_ids, attrs.evolve(params, n=1, seed=seed),
                 arrival_time=arrival_time, max_model_len=max_model_len,
-                eos_token_id=eos_token_id, priority=priority, parent_id=request_id, index=i,
+                eos_token_ids=eos_token_ids, priority=priority, parent_id=request_id, index=i,
             )
         )
     return children

@@ -30,7 +30,7 @@ from engine.core.kv_blocks import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from engine.errors import InvalidRequestError
-from engine.worker.protocol import (
+from engine.worker_messages import (
     NewSequence,
     ScheduledChunk,
     StepPlan,
@@ -94,11 +94,21 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queues a sequence. Raises ``InvalidRequestError`` for a duplicate id, or for one that
-        could not fit in the whole KV cache even alone (it would deadlock the scheduler)."""
+        could not fit in the whole KV cache even alone (see ``check_fits``)."""
         if request.request_id in self.requests:
             raise InvalidRequestError(
                 f"request_id: {request.request_id!r} is already running", field="request_id"
             )
+        self.check_fits(request)
+        request.order = self._next_order
+        self._next_order += 1
+        self.requests[request.request_id] = request
+        self.families.setdefault(request.parent_id, []).append(request)
+        self._enqueue(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raises ``InvalidRequestError`` for a sequence that could not fit in the whole KV
+        cache even alone: admitting it would deadlock the scheduler."""
         bm = self.block_manager
         # The last sampled token is never fed, so at most max_num_tokens - 1 positions hold KV.
         if bm.blocks_for(request.max_num_tokens - 1) > bm.num_blocks:
@@ -109,11 +119,6 @@ class Scheduler:
                 f"cache holds only {capacity}",
                 field=field,
             )
-        request.order = self._next_order
-        self._next_order += 1
-        self.requests[request.request_id] = request
-        self.families.setdefault(request.parent_id, []).append(request)
-        self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self._key)
@@ -242,6 +247,7 @@ class Scheduler:
                         prompt_token_ids=request.prompt_token_ids,
                         output_token_ids=tuple(request.output_token_ids),
                         params=request.params,
+                        eos_token_ids=request.eos_token_ids,
                     )
                 )
                 chunks[request.request_id] = self._chunk(request, num_new)

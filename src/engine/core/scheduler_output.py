@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from engine.worker.protocol import TokenLogprobs
+from engine.worker_messages import TokenLogprobs
 
 
 @attrs.frozen(kw_only=True)

@@ -18,9 +18,10 @@ Partitioning rule (Megatron style, by whole GQA groups):
   gathered on rank 0, which alone samples (the other ranks need no token: the next plan
   carries it).
 
-The sizes a model supports are listed by :func:`supported_sizes`; :func:`check_tensor_parallel`
-raises naming them. This module imports no trio: it runs inside worker processes, and the
-engine side only calls the checks before it spawns any rank.
+The sizes a model supports are listed by :func:`engine.tensor_parallel.supported_sizes`;
+:func:`engine.tensor_parallel.check_tensor_parallel` raises naming them (the engine process
+calls it before it spawns any rank, ``Partition.of`` again in each rank). No trio here: this
+runs inside worker processes.
 """
 
 from __future__ import annotations
@@ -33,79 +34,15 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.worker.rendezvous import Rendezvous, RendezvousError
+from engine.tensor_parallel import (
+    Rendezvous,
+    RendezvousError,
+    balanced_share,
+    check_tensor_parallel,
+)
 
 if TYPE_CHECKING:
-    from engine.worker.models.config import ModelConfig
-
-
-class TensorParallelSizeError(InvalidRequestError):
-    """``tensor_parallel_size`` cannot shard this model (or exceeds the CUDA devices); the
-    message names the constraint and the supported sizes."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, field="tensor_parallel_size")
-
-    def __reduce__(self):  # crosses the worker-process boundary by pickle
-        return (type(self), (str(self),))
-
-
-# --- partitioning ------------------------------------------------------------------------
-
-
-def _balanced(total: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank's contiguous share of ``total`` items: sizes differ by at most one."""
-    return total * rank // size, total * (rank + 1) // size
-
-
-def _attention_problem(num_heads: int, num_kv_heads: int, size: int) -> str | None:
-    if size <= num_kv_heads:
-        return None
-    if size % num_kv_heads:
-        return (f"with more ranks than KV heads ({num_kv_heads}), each KV head is replicated, "
-                f"so tensor_parallel_size must be a multiple of {num_kv_heads}")
-    if num_heads % size:
-        return (f"with more ranks than KV heads ({num_kv_heads}), tensor_parallel_size must "
-                f"divide the {num_heads} attention heads")
-    return None
-
-
-def supported_sizes(config: ModelConfig) -> list[int]:
-    """Every tensor-parallel size that can shard the model (never more than its heads)."""
-    limit = min(config.num_heads, config.intermediate_size, config.vocab_size)
-    return [
-        size for size in range(1, limit + 1)
-        if _attention_problem(config.num_heads, config.num_kv_heads, size) is None
-    ]
-
-
-def check_tensor_parallel(
-    config: ModelConfig,
-    size: int,
-    *,
-    device: torch.device | None = None,
-    local_ranks: int | None = None,
-) -> None:
-    """Raises ``TensorParallelSizeError`` when ``size`` ranks cannot shard the model, or when
-    this node has fewer CUDA devices than the ranks it runs (``local_ranks``, default all)."""
-    problem = _attention_problem(config.num_heads, config.num_kv_heads, size)
-    if problem is not None:
-        sizes = ", ".join(map(str, supported_sizes(config)))
-        raise TensorParallelSizeError(
-            f"tensor_parallel_size={size} cannot shard {config.architecture} with "
-            f"{config.num_heads} attention heads and {config.num_kv_heads} KV heads: {problem}; "
-            f"supported sizes: {sizes}"
-        )
-    if device is not None and device.type == "cuda":
-        available = torch.cuda.device_count()
-        local = size if local_ranks is None else local_ranks
-        if local > available:
-            here = "" if local == size else f" ({local} of them on this node)"
-            raise TensorParallelSizeError(
-                f"tensor_parallel_size={size}{here} needs one CUDA device per rank, but only "
-                f"{available} {'is' if available == 1 else 'are'} available"
-            )
+    from engine.model_config import ModelConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -131,7 +68,7 @@ class Partition:
         heads, kv_heads = config.num_heads, config.num_kv_heads
         group = heads // kv_heads
         if size <= kv_heads:
-            kv = _balanced(kv_heads, rank, size)
+            kv = balanced_share(kv_heads, rank, size)
             q = (kv[0] * group, kv[1] * group)
             max_kv = -(-kv_heads // size)
         else:
@@ -144,15 +81,15 @@ class Partition:
             max_kv = 1
         return cls(
             rank=rank, size=size, q_heads=q, kv_heads=kv,
-            intermediate=_balanced(config.intermediate_size, rank, size),
-            vocab=_balanced(config.vocab_size, rank, size),
+            intermediate=balanced_share(config.intermediate_size, rank, size),
+            vocab=balanced_share(config.vocab_size, rank, size),
             max_kv_heads=max_kv, vocab_width=-(-config.vocab_size // size),
             vocab_total=config.vocab_size,
         )
 
     def vocab_shards(self) -> list[tuple[int, int]]:
         """Every rank's vocabulary range, in rank order."""
-        return [_balanced(self.vocab_total, rank, self.size) for rank in range(self.size)]
+        return [balanced_share(self.vocab_total, rank, self.size) for rank in range(self.size)]
 
     @property
     def num_q_heads(self) -> int:

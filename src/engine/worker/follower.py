@@ -34,14 +34,8 @@ from pathlib import Path
 
 import torch
 
-from engine.worker.rendezvous import (
-    MASTER_PORT_ENV,
-    PlanFeed,
-    Rendezvous,
-    RendezvousError,
-    rendezvous_address,
-    wait_for_announcement,
-)
+from engine.tensor_parallel import MASTER_PORT_ENV, Rendezvous, RendezvousError, rendezvous_address
+from engine.worker.rendezvous import PlanFeed, wait_for_announcement
 
 
 def _say(message: str) -> None:
@@ -62,8 +56,8 @@ def serve(
     """Joins group after group as ``rank``; returns after ``groups`` groups (None: never)."""
     import torch.distributed as dist
 
+    from engine.model_files.resolve import resolve_model
     from engine.worker.host_memory import keep_freed_memory
-    from engine.worker.loading import resolve_model
     from engine.worker.runner import ModelRunner
 
     torch.set_num_threads(num_threads or os.cpu_count() or 1)

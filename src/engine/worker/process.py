@@ -16,44 +16,21 @@ import os
 import time
 from pathlib import Path
 
-import attrs
 import torch
 
 from engine.config import EngineArgs
+from engine.tensor_parallel import Rendezvous
 from engine.worker.distributed import peak_resident_bytes
 from engine.worker.faults import Fault, inject, parse_fault_plan
 from engine.worker.host_memory import keep_freed_memory
-from engine.worker.protocol import StepPlan, StepResult
-from engine.worker.rendezvous import PlanFeed, Rendezvous, announce, serve_store
+from engine.worker.rendezvous import PlanFeed, announce, serve_store
 from engine.worker.runner import ModelRunner
+from engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 _runner: ModelRunner | None = None
 _store = None  # rank 0's rendezvous server, kept until the next load
 _feed: PlanFeed | None = None  # rank 0 with followers on other nodes: their plans
 _faults: tuple[Fault, ...] = ()  # EngineArgs.fault_plan (tests and scenarios only)
-
-
-@attrs.frozen(kw_only=True)
-class WorkerInfo:
-    """What the engine learns from a freshly loaded worker."""
-
-    pid: int
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    load_seconds: float
-    rank: int = 0
-    tensor_parallel_size: int = 1
-    kv_heads: int = 0  # KV heads this rank holds (all of them at size 1)
-    # VmHWM (peak resident set) of the worker process: before the load (imports only), once
-    # the weights were loaded, and after the KV cache was allocated too.
-    baseline_rss_bytes: int | None = None
-    weights_peak_rss_bytes: int | None = None
-    peak_rss_bytes: int | None = None
 
 
 def serve_rendezvous(host: str, port: int | None, timeout_s: float) -> int:
@@ -90,7 +67,6 @@ def load(
         block_size=_runner.block_size,
         max_model_len=_runner.max_model_len,
         vocab_size=_runner.config.vocab_size,
-        eos_token_ids=_runner.config.eos_token_ids,
         dtype=str(_runner.dtype).removeprefix("torch."),
         device=str(_runner.device),
         load_seconds=time.perf_counter() - started,

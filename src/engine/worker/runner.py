@@ -18,17 +18,18 @@ import torch
 import kernels
 from engine.config import EngineArgs
 from engine.errors import InvalidRequestError, KVCacheTooSmallError
+from engine.model_config import ModelConfig
+from engine.model_files.layout import load_hf_config
 from engine.sampling_params import SamplingParams
-from engine.worker.checkpoint import iter_safetensors, load_hf_config
+from engine.tensor_parallel import Rendezvous
+from engine.worker.checkpoint import iter_safetensors
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
-from engine.worker.models.config import ModelConfig
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
-from engine.worker.protocol import SampledToken, ScheduledChunk, StepPlan, StepResult
-from engine.worker.rendezvous import Rendezvous
 from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.sampling_batch import SamplingBatch, SamplingRow
 from engine.worker.step_inputs import StepInputs
+from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,6 +69,7 @@ class _Sequence:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     params: SamplingParams
+    eos_token_ids: tuple[int, ...]
     block_table: list[int] = attrs.Factory(list)
 
 
@@ -146,7 +148,7 @@ class ModelRunner:
             self.sequences.pop(seq_id, None)
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = _Sequence(
-                list(new.prompt_token_ids), list(new.output_token_ids), new.params
+                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids
             )
         # Decodes (one query token) go first: the attention ops batch them together.
         chunks = sorted(plan.chunks, key=lambda chunk: len(chunk.token_ids) != 1)
@@ -204,8 +206,8 @@ class ModelRunner:
         params = seq.params
         if len(seq.output_token_ids) >= params.min_tokens:
             return ()
-        eos = () if params.ignore_eos else self.config.eos_token_ids
-        return tuple(eos) + params.stop_token_ids
+        eos = () if params.ignore_eos else seq.eos_token_ids
+        return eos + params.stop_token_ids
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor):
         results = []

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from engine.worker.protocol import TokenLogprobs
 from engine.worker.sampling_batch import SamplingBatch
+from engine.worker_messages import TokenLogprobs
 
 _NEG_INF = float("-inf")
 # Exp(1) noise can be exactly 0; 0/0 would be NaN and argmax picks NaN, so floor it.

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from engine.worker.protocol import ScheduledChunk
+from engine.worker_messages import ScheduledChunk
 from kernels import AttentionMetadata
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from quart import Blueprint, Response, jsonify, request
 
 from frontend import generation, sse
-from frontend.protocol import read_json_object
+from frontend.request_body import read_json_object
 from frontend.requests import GenerationRequest, parse_chat, parse_completion
 from frontend.responses import ResponseBuilder
 from frontend.routes import check_model, host, request_id
@@ -22,12 +22,14 @@ blueprint = Blueprint("generate", __name__)
 
 @blueprint.post("/v1/completions")
 async def completions() -> Response:
-    return await _serve(parse_completion(await read_json_object(request)), prefix="cmpl")
+    body = await read_json_object(request)
+    return await _serve(parse_completion(body, host().generation), prefix="cmpl")
 
 
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
-    return await _serve(parse_chat(await read_json_object(request)), prefix="chatcmpl")
+    body = await read_json_object(request)
+    return await _serve(parse_chat(body, host().generation), prefix="chatcmpl")
 
 
 async def _serve(parsed: GenerationRequest, *, prefix: str) -> Response:

@@ -8,8 +8,8 @@ from quart import Blueprint, Response, jsonify, request
 
 from engine.errors import InvalidRequestError
 from frontend.errors import bad_request
-from frontend.protocol import Reader, read_json_object
-from frontend.requests import parse_messages
+from frontend.request_body import Reader, read_json_object
+from frontend.requests import parse_chat_options
 from frontend.routes import check_model, host
 
 blueprint = Blueprint("tokens", __name__)
@@ -23,14 +23,12 @@ async def tokenize() -> Response:
     tokenizer = llm.tokenizer
     return_strs = reader.bool("return_token_strs", False)
     if reader.body.get("messages") is not None:
-        messages = parse_messages(reader)
-        add_generation_prompt = reader.bool("add_generation_prompt", True)
+        chat = parse_chat_options(reader)
         add_special = reader.bool("add_special_tokens", False)
         processor = llm.intake.processor
 
         def encode() -> list[int]:
-            text = processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
-            return tokenizer.encode(text, add_special_tokens=add_special)
+            return tokenizer.encode(processor.render_chat(chat), add_special_tokens=add_special)
     else:
         prompt = reader.string("prompt")
         if prompt is None:

@@ -23,8 +23,8 @@ from torch import nn
 
 import kernels
 from engine.errors import ModelLoadError
+from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition, TensorParallelGroup
-from engine.worker.models.config import ModelConfig
 from engine.worker.models.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

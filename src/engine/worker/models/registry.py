@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from engine.errors import UnsupportedModelError
+from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.worker.distributed import TensorParallelGroup
-from engine.worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.worker.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)

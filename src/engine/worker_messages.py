@@ -1,8 +1,11 @@
-"""The plan/result protocol between the scheduler and the worker ranks.
+"""What the engine process and the worker processes send each other: the worker's facts after
+a load (``WorkerInfo``), and each step's plan and result.
 
 A plan carries only what changed since the previous step: the worker keeps each sequence's
 token history and block table, so nothing grows with the length of a conversation. Every
-message is pickled on each step, so they hold plain Python values, never tensors.
+message is pickled on each step, so they hold plain Python values, never tensors, and this
+module imports neither torch nor trio: both sides import it, and the engine process stays
+free of torch through it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ class NewSequence:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...] = ()  # tokens already sampled before a recompute
     params: SamplingParams
+    # The model's end-of-sequence ids, banned with the stop token ids until min_tokens are
+    # out (the engine reads them from config.json and generation_config.json).
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -71,3 +77,25 @@ class StepResult:
     # Filled in by the worker group from every rank's result (rank order); empty for one rank.
     rank_execute_seconds: tuple[float, ...] = ()
     rank_collective_seconds: tuple[float, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class WorkerInfo:
+    """What the engine learns from a freshly loaded worker."""
+
+    pid: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    load_seconds: float
+    rank: int = 0
+    tensor_parallel_size: int = 1
+    kv_heads: int = 0  # KV heads this rank holds (all of them at size 1)
+    # VmHWM (peak resident set) of the worker process: before the load (imports only), once
+    # the weights were loaded, and after the KV cache was allocated too.
+    baseline_rss_bytes: int | None = None
+    weights_peak_rss_bytes: int | None = None
+    peak_rss_bytes: int | None = None

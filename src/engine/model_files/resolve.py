@@ -3,10 +3,11 @@
 Every entry point goes through :func:`resolve_model`, so a model given as a local directory,
 a ``.gguf`` file, a hub id or nothing at all (the default model) reaches the model code in
 one layout: ``config.json`` plus safetensors (single file or sharded) plus tokenizer files.
-GGUF files are dequantized once into the triode cache (:mod:`engine.worker.model_cache`);
-directories are checked by :mod:`engine.worker.checkpoint` before anything loads them.
+GGUF files are dequantized once into the triode cache (:mod:`engine.model_files.cache`);
+directories are checked by :mod:`engine.model_files.layout` before anything loads them.
 
-No trio here: this runs inside worker processes.
+It runs in the engine process (the workers are handed the resolved directory), and in a
+follower process on another node.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from typing import Any
 import attrs
 
 from engine.errors import ModelLoadError
-from engine.worker.checkpoint import validate_hf_dir
-from engine.worker.default_model import (
+from engine.model_files.cache import ensure_cache_entry
+from engine.model_files.default_model import (
     DEFAULT_MODEL_NAME,
     convert_gguf,
     fetch_default_gguf,
     installed_default_gguf,
     say,
 )
-from engine.worker.model_cache import ensure_cache_entry
+from engine.model_files.layout import validate_hf_dir
 
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken",

@@ -37,8 +37,6 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -63,8 +61,6 @@ class ModelConfig:
         sliding = raw.get("sliding_window")
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
             sliding = None
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -84,8 +80,6 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=sliding,
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
         )
 
 

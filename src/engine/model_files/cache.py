@@ -1,9 +1,8 @@
 """The conversion cache: entries (Hugging Face directories triode built, such as a dequantized
 GGUF) are built in a temporary sibling, validated, sealed by a manifest written last, and
 renamed into place, all under a file lock, so a crash or a second process can never leave a
-half-written entry that gets loaded.
-
-No trio here: this runs inside worker processes.
+half-written entry that gets loaded. It runs in the engine process, while it resolves the
+model, before any worker starts.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.worker.checkpoint import validate_hf_dir
-from engine.worker.default_model import say
+from engine.model_files.default_model import say
+from engine.model_files.layout import validate_hf_dir
 
 MARKER_FILE = ".triode-complete.json"
 _MARKER_VERSION = 1

@@ -13,6 +13,7 @@ import attrs
 from quart import Request
 
 from engine.errors import InvalidRequestError
+from engine.generation_config import GenerationDefaults
 from engine.sampling_params import OutputKind, SamplingParams
 from frontend.errors import bad_request
 
@@ -186,21 +187,26 @@ def read_logit_bias(reader: Reader) -> dict[int, float]:
 
 def read_sampling(reader: Reader, *, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None, stream: bool,
-                  aliases: dict[str, str] | None = None) -> SamplingParams:
+                  aliases: dict[str, str] | None = None,
+                  defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The sampling fields both endpoints share, validated by SamplingParams itself.
-    ``aliases``: the request's name for a SamplingParams field, for error messages."""
+    ``aliases``: the request's name for a SamplingParams field, for error messages.
+    ``defaults``: the model's generation_config.json values for the fields left unset."""
+    unset = SamplingParams()
+    default = dict(defaults.sampling) if defaults is not None else {}
     stop_token_ids = reader.raw("stop_token_ids")
     if stop_token_ids is not None and not isinstance(stop_token_ids, list):
         raise reader.fail("stop_token_ids", "expected an array of token ids")
     fields = dict(
         n=reader.int("n", 1, minimum=1, maximum=MAX_N),
-        temperature=reader.number("temperature", 1.0),
-        top_p=reader.number("top_p", 1.0),
-        top_k=reader.int("top_k", 0, minimum=-1),
-        min_p=reader.number("min_p", 0.0),
+        temperature=reader.number("temperature", default.get("temperature", unset.temperature)),
+        top_p=reader.number("top_p", default.get("top_p", unset.top_p)),
+        top_k=reader.int("top_k", default.get("top_k", unset.top_k), minimum=-1),
+        min_p=reader.number("min_p", default.get("min_p", unset.min_p)),
         presence_penalty=reader.number("presence_penalty", 0.0),
         frequency_penalty=reader.number("frequency_penalty", 0.0),
-        repetition_penalty=reader.number("repetition_penalty", 1.0),
+        repetition_penalty=reader.number("repetition_penalty",
+                                         default.get("repetition_penalty", unset.repetition_penalty)),
         logit_bias=read_logit_bias(reader),
         seed=reader.int("seed"),
         max_tokens=max_tokens,

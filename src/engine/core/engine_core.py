@@ -1,0 +1,129 @@
+"""The engine core: the one step loop's policy, which the sync and the async engines both drive.
+
+Sans-IO like the rest of ``engine.core``: a driver feeds it requests, aborts, stop-string
+finishes and step results, passes the clock reading where one matters, and carries each
+``StepPlan`` to the workers itself (``LLMEngine`` through a private trio loop, the scheduler
+actor through the worker-supervisor). Every decision is made here, so the drivers cannot
+drift apart:
+
+- admission: a user request becomes its sequences (one per sample), all admitted or none;
+- aborts by the user's request id, stop-string finishes by sequence id, at any time, a step
+  in flight included (its result is then ignored for them);
+- ``schedule`` -> ``update_from_output``, or ``step_failed`` when the workers lost the step
+  (every running sequence is recomputed, as after a preemption);
+- the time the workers sat idle between steps while requests were unfinished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from engine.config import EngineArgs
+from engine.core.request import Request, RequestStatus, make_requests
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerStats, SequenceUpdate
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import StepPlan, StepResult, WorkerInfo
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, *, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+        """``eos_token_ids``: every end-of-sequence id of the model, its own (the tokenizer's)
+        first: that one ends a sequence with ``stop_reason`` None, the others with their id."""
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.idle_seconds = 0.0  # the workers waited on the engine while requests were unfinished
+        self._last_step_end: float | None = None
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: Sequence[int]
+    ) -> EngineCore:
+        """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
+        return cls(Scheduler.from_engine_args(args, num_blocks=worker.num_blocks),
+                   max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids)
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> tuple[str, ...]:
+        """Admits a request's sequences (their ids are returned), or none of them: a request id
+        in use, a sequence id of its ``n > 1`` samples that another request's sequence holds,
+        or a request that could not fit the KV cache raises ``InvalidRequestError``."""
+        scheduler = self.scheduler
+        if request_id in scheduler.families:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
+        sequences = make_requests(
+            request_id, prompt_token_ids, params, arrival_time=arrival_time,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, priority=priority,
+        )
+        for sequence in sequences:
+            if sequence.request_id in scheduler.requests:
+                raise InvalidRequestError(
+                    f"request_id: sample {sequence.index} of {request_id!r} would be sequence "
+                    f"{sequence.request_id!r}, which another request holds",
+                    field="request_id",
+                )
+            scheduler.check_fits(sequence)
+        for sequence in sequences:
+            scheduler.add_request(sequence)
+        return tuple(s.request_id for s in sequences)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Aborts user requests (every sequence of each); returns the ids that were unfinished.
+        Their blocks are free at once; unknown or finished ids are ignored (aborts race with
+        normal completion)."""
+        aborted = []
+        for request_id in request_ids:
+            family = self.scheduler.families.get(request_id)
+            if family is not None:
+                self.scheduler.abort([s.request_id for s in family])
+                aborted.append(request_id)
+        return aborted
+
+    def finish_on_stop_string(self, seq_id: str, stop_string: str) -> None:
+        """The output side found ``stop_string`` in the sequence's text: it ends now."""
+        self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to run."""
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            # The scheduler's invariant (the most important sequence always progresses) rules
+            # this out; a driver that waited here would hang its requests, one that looped
+            # would spin.
+            raise RuntimeError(f"step {plan.step_id}: unfinished requests but nothing scheduled")
+        if self._last_step_end is not None:
+            self.idle_seconds += now - self._last_step_end
+        return plan
+
+    def update_from_output(self, result: StepResult, now: float) -> list[SequenceUpdate]:
+        """Applies a step's result (token-id stop checks included); returns what changed."""
+        updates = self.scheduler.update_from_output(result)
+        self._last_step_end = now if self.scheduler.has_unfinished_requests() else None
+        return updates
+
+    def step_failed(self) -> list[Request]:
+        """The workers lost the step in flight (and were restarted): every running sequence
+        is recomputed; returns them."""
+        self._last_step_end = None
+        return self.scheduler.requeue_all_running()
+
+    def statistics(self) -> SchedulerStats:
+        return self.scheduler.statistics()

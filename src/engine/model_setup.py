@@ -1,0 +1,36 @@
+"""What both engines learn about the model in the engine process before the workers load it:
+where it is (resolved and, for GGUF, converted), its tokenizer, and its generation settings."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from engine.config import EngineArgs
+from engine.generation_config import GenerationDefaults, read_generation_defaults
+from engine.inputs import load_tokenizer
+from engine.model_files.resolve import resolve_model
+
+log = logging.getLogger("triode.engine")
+
+
+@attrs.frozen(kw_only=True)
+class EngineModel:
+    path: Path
+    tokenizer: Any  # transformers' PreTrainedTokenizerFast
+    generation: GenerationDefaults
+
+
+def open_engine_model(args: EngineArgs) -> EngineModel:
+    """Resolves the model, loads its tokenizer and reads its generation settings (logged)."""
+    path = resolve_model(args.model, cache_dir=args.resolved_cache_dir()).path
+    tokenizer = load_tokenizer(path)
+    generation = read_generation_defaults(
+        path, mode=args.generation_config, tokenizer_eos_token_id=tokenizer.eos_token_id
+    )
+    log.info("generation config (--generation-config %s): %s", args.generation_config,
+             generation.describe())
+    return EngineModel(path=path, tokenizer=tokenizer, generation=generation)

@@ -1,0 +1,110 @@
+"""Unit tests: the engine's settings as users give them. EngineArgs options (an unknown one,
+vLLM-only ones included, is named); what triode reads from a model's config.json and
+generation_config.json (engine.generation_config): every end-of-sequence id, sampling
+defaults, the ``--generation-config`` modes, malformed files named in the error; and the
+server's request parsing applying those defaults only to the fields a request leaves unset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import EngineArgs
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.generation_config import read_generation_defaults
+from frontend.errors import APIError
+from frontend.requests import parse_chat, parse_completion
+
+
+def model_dir(tmp_path, config_eos=None, generation=None):
+    config = {"architectures": ["LlamaForCausalLM"]}
+    if config_eos is not None:
+        config["eos_token_id"] = config_eos
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if generation is not None:
+        text = generation if isinstance(generation, str) else json.dumps(generation)
+        (tmp_path / "generation_config.json").write_text(text)
+    return tmp_path
+
+
+def test_every_eos_id_of_both_files_with_the_tokenizers_first(tmp_path):
+    path = model_dir(tmp_path, config_eos=[128001, 128008, 128009],
+                     generation={"eos_token_id": [128009, 128010], "temperature": 0.6, "top_p": 0.9})
+    defaults = read_generation_defaults(path, tokenizer_eos_token_id=128009)
+    assert defaults.eos_token_ids == (128009, 128001, 128008, 128010)
+    assert dict(defaults.sampling) == {"temperature": 0.6, "top_p": 0.9}
+    assert defaults.source == str(path / "generation_config.json")
+    params = defaults.sampling_params(max_tokens=5)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 0, 5)
+    assert "temperature=0.6" in defaults.describe() and "128010" in defaults.describe()
+
+
+def test_an_int_eos_and_no_generation_config(tmp_path):
+    defaults = read_generation_defaults(model_dir(tmp_path, config_eos=2), tokenizer_eos_token_id=None)
+    assert defaults.eos_token_ids == (2,) and defaults.sampling == () and defaults.source is None
+    assert defaults.sampling_params().temperature == 1.0  # vLLM's default
+
+
+def test_vllm_mode_drops_the_sampling_defaults_but_keeps_every_eos_id(tmp_path):
+    path = model_dir(tmp_path, config_eos=1, generation={"eos_token_id": 5, "top_k": 20})
+    defaults = read_generation_defaults(path, mode="vllm", tokenizer_eos_token_id=1)
+    assert defaults.eos_token_ids == (1, 5) and defaults.sampling == ()
+
+
+def test_a_folder_mode_reads_that_folders_file(tmp_path):
+    (tmp_path / "model").mkdir()
+    path = model_dir(tmp_path / "model", generation={"temperature": 0.2})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"min_p": 0.05, "repetition_penalty": 1.1}))
+    defaults = read_generation_defaults(path, mode=str(other))
+    assert dict(defaults.sampling) == {"min_p": 0.05, "repetition_penalty": 1.1}
+    with pytest.raises(ModelLoadError, match=r"a folder without generation_config\.json"):
+        read_generation_defaults(path, mode=str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(("generation", "message"), [
+    ("{not json", "cannot read it"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"top_k": 2.5}, "top_k must be a number"),
+    ({"top_p": 1.5}, "an invalid sampling default: top_p"),
+    ({"eos_token_id": ["x"]}, "eos_token_id must be a token id"),
+])
+def test_a_malformed_generation_config_is_reported_with_its_file(tmp_path, generation, message):
+    path = model_dir(tmp_path, generation=generation)
+    with pytest.raises(ModelLoadError, match=message) as error:
+        read_generation_defaults(path)
+    assert str(path / "generation_config.json") in str(error.value)
+
+
+def test_an_empty_generation_config_setting_is_refused():
+    with pytest.raises(InvalidRequestError) as error:
+        EngineArgs(generation_config="")
+    assert error.value.field == "generation_config"
+    assert EngineArgs.from_env({"TRIODE_GENERATION_CONFIG": "vllm"}).generation_config == "vllm"
+
+
+def test_unknown_engine_arguments_are_named():
+    with pytest.raises(InvalidRequestError, match=r"gpu_memory_utilization: .*kv_cache_memory") as error:
+        EngineArgs.from_options(model=None, gpu_memory_utilization=0.9)
+    assert error.value.field == "gpu_memory_utilization"
+    with pytest.raises(InvalidRequestError, match=r"max_num_seq: unknown.*max_num_seqs"):
+        EngineArgs.from_options(max_num_seq=4)
+    assert EngineArgs.from_options(max_num_seqs=4).max_num_seqs == 4
+
+
+def test_server_requests_take_the_defaults_only_where_unset(tmp_path):
+    path = model_dir(tmp_path, generation={"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    defaults = read_generation_defaults(path)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    unset = parse_chat(chat, defaults).params
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p) == (0.6, 0.9, 20, 0.0)
+    given = parse_chat({**chat, "temperature": 0.0, "top_k": -1}, defaults).params
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.9, -1)
+    completion = parse_completion({"prompt": "x", "top_p": 0.5}, defaults).params
+    assert (completion.temperature, completion.top_p) == (0.6, 0.5)
+    assert parse_chat(chat, None).params.temperature == 1.0  # no model loaded yet: vLLM's
+    with pytest.raises(APIError):
+        parse_chat({**chat, "chat_template_kwargs": ["not", "a", "mapping"]}, defaults)

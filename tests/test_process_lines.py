@@ -1,0 +1,27 @@
+"""Unit tests: what each process imports. The engine process (every entry layer and the
+server) imports no torch: the workers load the model, and a start-up without torch is
+seconds faster. Worker-side modules import no trio, so workers start light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _imports(modules: str, forbidden: str) -> list[str]:
+    code = (f"import sys, {modules}; "
+            f"print(' '.join(m for m in sys.modules if m == {forbidden!r} or m.startswith({forbidden + '.'!r})))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return result.stdout.split()
+
+
+def test_the_engine_process_imports_no_torch():
+    entry_layers = "engine.llm, engine.llm_engine, engine.async_llm, frontend.factory, frontend.cli"
+    assert _imports(entry_layers, "torch") == []
+
+
+@pytest.mark.parametrize("module", ["engine.worker.process", "engine.worker.sampler", "engine.worker.calls"])
+def test_worker_modules_import_no_trio(module):
+    assert _imports(module, "trio") == []
