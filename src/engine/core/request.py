@@ -150,7 +150,7 @@ class Request:
         Every end-of-sequence id stops, as in Hugging Face and vLLM. The model's own (the first
         of ``eos_token_ids``) leaves stop_reason None; any other sets it to the id, which is
         what vLLM reports for the extra ids of generation_config.json (Llama 3's
-        ``<|eom_id|>`` and ``<|eot_id|>`` tell apart that way)."""
+        ``<|eom_id|>`` and ``<|eot_id|>`` can be told apart that way)."""
         params = self.params
         if self.num_output_tokens >= params.min_tokens:
             last = self.all_token_ids[-1]
