@@ -1,8 +1,9 @@
-"""Unit tests: the engine's settings as users give them. EngineArgs options (an unknown one,
+"""Unit tests: the engine's and the server's settings as users give them. EngineArgs options (an unknown one,
 vLLM-only ones included, is named); what triode reads from a model's config.json and
 generation_config.json (engine.generation_config): every end-of-sequence id, sampling
 defaults, the ``--generation-config`` modes, malformed files named in the error; and the
-server's request parsing applying those defaults only to the fields a request leaves unset."""
+server's request parsing applying those defaults only to the fields a request leaves unset;
+whether requests may bring a chat template."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.generation_config import read_generation_defaults
 from frontend.errors import APIError
 from frontend.requests import parse_chat, parse_completion
+from frontend.settings import ServerSettings
 
 
 def model_dir(tmp_path, config_eos=None, generation=None):
@@ -108,3 +110,12 @@ def test_server_requests_take_the_defaults_only_where_unset(tmp_path):
     assert parse_chat(chat, None).params.temperature == 1.0  # no model loaded yet: vLLM's
     with pytest.raises(APIError):
         parse_chat({**chat, "chat_template_kwargs": ["not", "a", "mapping"]}, defaults)
+
+
+def test_request_chat_templates_are_trusted_only_when_asked():
+    assert not ServerSettings.from_env({}).trust_request_chat_template
+    assert ServerSettings.from_env({"TRIODE_TRUST_REQUEST_CHAT_TEMPLATE": "yes"}).trust_request_chat_template
+    assert ServerSettings.from_env({"TRIODE_TRUST_REQUEST_CHAT_TEMPLATE": "1"},
+                                   trust_request_chat_template=False).trust_request_chat_template is False
+    with pytest.raises(InvalidRequestError, match="not a boolean"):
+        ServerSettings.from_env({"TRIODE_TRUST_REQUEST_CHAT_TEMPLATE": "maybe"})

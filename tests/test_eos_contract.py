@@ -50,10 +50,6 @@ def test_an_id_only_generation_config_names_stops_and_is_banned_until_min_tokens
         assert eos not in held.token_ids[: first + 2]  # the worker banned it until then
         defaults = llm.get_default_sampling_params()
         assert defaults.top_k == 1 and defaults.temperature == 1.0
-    with LLM(str(model), kv_cache_memory="16MiB", max_model_len=256, generation_config="vllm") as llm:
-        assert llm.get_default_sampling_params().top_k == 0
-        assert llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12),
-                            use_tqdm=False)[0].outputs[0].finish_reason == "stop"
 
 
 @pytest.mark.default_model

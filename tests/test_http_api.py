@@ -19,7 +19,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
     model = tiny_model_factory("llama")
-    with running(triode_serve(model, "--served-model-name", MODEL, "--kv-cache-memory", "64MiB")) as s:
+    flags = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--trust-request-chat-template"]
+    with running(triode_serve(model, *flags)) as s:
         yield s
 
 
@@ -200,10 +201,20 @@ def test_chat_response_shape_follows_the_openai_schema(url):
     assert out.get("system_fingerprint", "") is not None
     completion = httpx2.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
     assert completion.get("system_fingerprint", "") is not None
+
+
+
+def test_a_trusted_request_chat_template(url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     templated = httpx2.post(f"{url}/v1/chat/completions", json={
-        **body, "chat_template": "{{ messages[0]['content'] }} says", "chat_template_kwargs": {"unused": 1},
+        **body, "chat_template": "{{ messages[0]['content'] }} {{ who }}", "chat_template_kwargs": {"who": "says"},
     }).json()
     assert templated["usage"]["prompt_tokens"] == len(tokenize(url, "Hi says"))
+    broken = httpx2.post(f"{url}/v1/chat/completions", json={**body, "chat_template": "{% for %}"})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+    raised = httpx2.post(f"{url}/v1/chat/completions", json={
+        **body, "chat_template": "{{ raise_exception('no system role') }}"})
+    assert raised.status_code == 400 and "no system role" in raised.json()["error"]["message"]
 
 
 def test_chat_logprobs(client):

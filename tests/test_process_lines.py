@@ -7,8 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 
 def _imports(modules: str, forbidden: str) -> list[str]:
     code = (f"import sys, {modules}; "
@@ -22,6 +20,5 @@ def test_the_engine_process_imports_no_torch():
     assert _imports(entry_layers, "torch") == []
 
 
-@pytest.mark.parametrize("module", ["engine.worker.process", "engine.worker.sampler", "engine.worker.calls"])
-def test_worker_modules_import_no_trio(module):
-    assert _imports(module, "trio") == []
+def test_worker_modules_import_no_trio():
+    assert _imports("engine.worker.process, engine.worker.sampler, engine.worker.calls", "trio") == []

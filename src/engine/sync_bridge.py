@@ -84,6 +84,11 @@ class TrioThread:
 
     def close(self) -> None:
         """Cancels the loop (stopping the workers) and waits for it; idempotent."""
+        if threading.current_thread() is self._thread:
+            # A garbage collection that ran in the loop's own thread: it cannot wait for itself.
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
+            return
         if self._thread.is_alive() and self._nursery is not None:
             try:
                 trio.from_thread.run_sync(self._nursery.cancel_scope.cancel, trio_token=self._token)

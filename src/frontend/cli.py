@@ -22,7 +22,8 @@ def _serve(namespace: argparse.Namespace) -> int:
 
     model = namespace.model_positional or namespace.model
     args = engine_args_from(namespace, **({"model": model} if model else {}))
-    settings = ServerSettings.from_env(api_keys=namespace.api_key, max_body_bytes=namespace.max_body_size)
+    settings = ServerSettings.from_env(api_keys=namespace.api_key, max_body_bytes=namespace.max_body_size,
+                                       trust_request_chat_template=namespace.trust_request_chat_template)
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: $TRIODE_API_KEY, comma-separated)")
     serve.add_argument("--max-body-size", type=parse_size, default=None, metavar="SIZE",
                        help="largest request body, e.g. 8MiB (default: $TRIODE_MAX_BODY_SIZE or 8MiB)")
+    serve.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                       help="let requests bring their own chat_template (a Jinja program run for every "
+                            "such request; default: $TRIODE_TRUST_REQUEST_CHAT_TEMPLATE or no)")
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 

@@ -8,6 +8,7 @@ import uuid
 
 from quart import Quart, current_app, g, request
 
+from engine.inputs import ChatOptions
 from frontend.errors import APIError
 from frontend.lifecycle import EngineHost
 
@@ -24,6 +25,16 @@ def check_model(model: str | None) -> None:
     if model is not None and model != served:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
+
+
+def check_chat_template(chat: ChatOptions | None) -> None:
+    """A request's own chat template only where the server trusts its clients (settings)."""
+    if chat is None or chat.chat_template is None:
+        return
+    if not current_app.extensions["triode.settings"].trust_request_chat_template:
+        raise APIError(400, "chat_template: this server does not take chat templates from requests "
+                            "(start it with --trust-request-chat-template to allow them)",
+                       param="chat_template", code="untrusted_chat_template")
 
 
 def request_id() -> str:

@@ -15,7 +15,7 @@ from frontend import generation, sse
 from frontend.request_body import read_json_object
 from frontend.requests import GenerationRequest, parse_chat, parse_completion
 from frontend.responses import ResponseBuilder
-from frontend.routes import check_model, host, request_id
+from frontend.routes import check_chat_template, check_model, host, request_id
 
 blueprint = Blueprint("generate", __name__)
 
@@ -34,6 +34,7 @@ async def chat_completions() -> Response:
 
 async def _serve(parsed: GenerationRequest, *, prefix: str) -> Response:
     check_model(parsed.model)
+    check_chat_template(parsed.chat)
     engine_host = host()
     llm = engine_host.require_ready()
     base_id = request_id()
