@@ -12,7 +12,10 @@ followers on other nodes, rank 0 also announces the group to them and forwards e
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +34,21 @@ _runner: ModelRunner | None = None
 _store = None  # rank 0's rendezvous server, kept until the next load
 _feed: PlanFeed | None = None  # rank 0 with followers on other nodes: their plans
 _faults: tuple[Fault, ...] = ()  # EngineArgs.fault_plan (tests and scenarios only)
+
+
+def _end_without_collecting() -> None:
+    # At exit the interpreter runs the cycle collector over every object torch, triton and
+    # the model made (about a second and a half each time a worker stops) only to free
+    # memory the process is about to give back. Frozen objects are skipped; what that
+    # leaves uncollected libtriton's nanobind reports as leaks on stderr at teardown, the
+    # same report triton silences in its own compile workers. Errors before this point
+    # (a job's traceback, multiprocessing's) are already written.
+    gc.freeze()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def serve_rendezvous(host: str, port: int | None, timeout_s: float) -> int:
@@ -52,6 +70,8 @@ def load(
     started = time.perf_counter()
     baseline = peak_resident_bytes()
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    atexit.unregister(_end_without_collecting)  # once, however often the process loads
+    atexit.register(_end_without_collecting)
     keep_freed_memory()
     if _runner is not None:
         _runner.close()
