@@ -31,6 +31,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "OutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_outputs",
     "EngineDeadError": "engine.errors",
     "EngineShutdownError": "engine.errors",
     "InvalidRequestError": "engine.errors",
@@ -60,6 +61,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "TriodeError",
@@ -93,3 +95,4 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from engine.sampling_params import OutputKind, SamplingParams
+    from engine.structured_outputs import StructuredOutputsParams

@@ -29,8 +29,8 @@ from engine.core.engine_core import EngineCore
 from engine.core.output_processor import OutputProcessor
 from engine.engine_stats import EngineStatistics, collect_statistics
 from engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
-from engine.inputs import ChatMessage, ChatOptions, InputProcessor, PromptInput
-from engine.model_setup import EngineModel, open_engine_model
+from engine.inputs import ChatMessage, ChatOptions, PromptInput
+from engine.model_setup import EngineModel, open_engine_model, open_input_processor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -87,8 +87,7 @@ class AsyncLLM:
                 scheduler = await nursery.start(
                     SchedulerActor(core, supervisor, scheduler_inbox, to_output).run
                 )
-                processor = InputProcessor(model.tokenizer, max_model_len=info.max_model_len,
-                                           vocab_size=info.vocab_size)
+                processor = open_input_processor(model, args, info)
                 intake = await nursery.start(
                     IntakeActor(processor, to_scheduler.clone(), capacity=args.max_queued_requests).run
                 )

@@ -102,6 +102,8 @@ class EngineArgs:
     # "auto": generation_config.json's sampling defaults apply to requests that leave them
     # unset; "vllm": they do not; or a folder whose generation_config.json applies instead.
     generation_config: str = attrs.field(default="auto", validator=_non_empty)
+    # Seconds a request's structured_outputs may take to compile before it is refused (400).
+    structured_outputs_compile_timeout: float = attrs.field(default=5.0, validator=_positive)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
     # Test facility: faults the workers inflict on themselves (see engine.worker.faults).
     fault_plan: str | None = attrs.field(default=None, validator=_valid_fault_plan)

@@ -14,6 +14,7 @@ import attrs
 from transformers import PreTrainedTokenizerFast
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
 
 ChatMessage = Mapping[str, Any]
@@ -121,10 +122,14 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, *, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast, *, max_model_len: int, vocab_size: int,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.grammars = grammars
 
     def render_chat(self, chat: ChatOptions) -> str:
         """The chat template applied to ``chat.messages`` (``InvalidRequestError`` naming the
@@ -170,6 +175,11 @@ class InputProcessor:
             else:
                 token_ids = self._checked_ids(ids)
         params.validate_token_ids(self.vocab_size)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured_outputs: this engine compiles no grammars",
+                                          field="structured_outputs")
+            self.grammars.check(params.structured_outputs)
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise InvalidRequestError(

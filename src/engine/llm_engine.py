@@ -27,8 +27,8 @@ from engine.core.engine_core import EngineCore
 from engine.core.output_processor import OutputProcessor
 from engine.engine_stats import EngineStatistics, collect_statistics
 from engine.errors import EngineDeadError, WorkerFailure
-from engine.inputs import ChatOptions, InputProcessor, PromptInput
-from engine.model_setup import open_engine_model
+from engine.inputs import ChatOptions, PromptInput
+from engine.model_setup import open_engine_model, open_input_processor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sync_bridge import TrioThread, deferred_keyboard_interrupt
@@ -56,7 +56,7 @@ class LLMEngine:
         info = self.supervisor.info
         self.max_model_len = info.max_model_len
         self.core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
-        self.inputs = InputProcessor(self.tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
         self._in_flight: _StepInFlight | None = None
         self._dead: EngineDeadError | None = None

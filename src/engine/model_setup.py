@@ -11,8 +11,10 @@ import attrs
 
 from engine.config import EngineArgs
 from engine.generation_config import GenerationDefaults, read_generation_defaults
-from engine.inputs import load_tokenizer
+from engine.grammar_compiler import GrammarCompiler
+from engine.inputs import InputProcessor, load_tokenizer
 from engine.model_files.resolve import resolve_model
+from engine.worker_messages import WorkerInfo
 
 log = logging.getLogger("triode.engine")
 
@@ -34,3 +36,14 @@ def open_engine_model(args: EngineArgs) -> EngineModel:
     log.info("generation config (--generation-config %s): %s", args.generation_config,
              generation.describe())
     return EngineModel(path=path, tokenizer=tokenizer, generation=generation)
+
+
+def open_input_processor(model: EngineModel, args: EngineArgs, info: WorkerInfo) -> InputProcessor:
+    """Request validation for this model as the workers loaded it, structured outputs included."""
+    grammars = GrammarCompiler(
+        model.path / "tokenizer.json", vocab_size=info.vocab_size,
+        eos_token_ids=model.generation.eos_token_ids,
+        timeout_s=args.structured_outputs_compile_timeout,
+    )
+    return InputProcessor(model.tokenizer, max_model_len=info.max_model_len,
+                          vocab_size=info.vocab_size, grammars=grammars)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
 from engine.errors import InvalidRequestError
+from engine.structured_outputs import StructuredOutputsParams  # vLLM imports it from here too
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -33,6 +36,17 @@ def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, .
 
 def _int_tuple(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
     return () if value is None else tuple(value)
+
+
+def _structured(value: StructuredOutputsParams | Mapping[str, Any] | None) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, Mapping):
+        _fail("structured_outputs", f"expected StructuredOutputsParams, got {type(value).__name__}")
+    known = {field.name for field in attrs.fields(StructuredOutputsParams)}
+    if unknown := sorted(set(value) - known):
+        _fail("structured_outputs", f"unknown field {unknown[0]!r}; the fields are {', '.join(sorted(known))}")
+    return StructuredOutputsParams(**value)
 
 
 def _bias_items(value: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
@@ -66,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per output token, plus the chosen one
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, converter=_structured)
 
     def __attrs_post_init__(self) -> None:
         if self.n < 1:
@@ -96,6 +111,9 @@ class SamplingParams:
             _fail("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "token ids must be non-negative")
+        if self.structured_outputs is not None and self.ignore_eos:
+            _fail("ignore_eos", "cannot be combined with structured_outputs: a constrained output "
+                  "ends where its grammar does")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

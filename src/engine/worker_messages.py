@@ -74,6 +74,7 @@ class StepResult:
     prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
     execute_seconds: float = 0.0
     collective_seconds: float = 0.0  # of execute_seconds, in tensor-parallel collectives
+    grammar_seconds: float = 0.0  # of execute_seconds, following grammars and masking logits
     # Filled in by the worker group from every rank's result (rank order); empty for one rank.
     rank_execute_seconds: tuple[float, ...] = ()
     rank_collective_seconds: tuple[float, ...] = ()

@@ -53,8 +53,10 @@ class IntakeActor:
                 if request.stream.closed:
                     continue  # the client left while the request queued
                 try:
-                    if request.chat is not None or isinstance(request.prompt, str | Mapping):
-                        # Templates and tokenizers take real time; they release the GIL.
+                    if (request.chat is not None or isinstance(request.prompt, str | Mapping)
+                            or request.params.structured_outputs is not None):
+                        # Templates, tokenizers and grammar compilation take real time (and
+                        # release the GIL): never on the event loop.
                         processed = await trio.to_thread.run_sync(self._process, request)
                     else:
                         processed = self._process(request)  # token ids: a linear check

@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import Rendezvous
 from engine.worker.checkpoint import iter_safetensors
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
+from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
 from engine.worker.sampler import Sampler, compute_logprobs
@@ -126,6 +127,9 @@ class ModelRunner:
         ]
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
+        # Only rank 0 samples, so only it follows grammars (built on first use).
+        self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size) if rank == 0 else None
+        self._grammar_seconds = 0.0
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
@@ -146,10 +150,17 @@ class ModelRunner:
         started = time.perf_counter()
         for seq_id in plan.finished_seq_ids:
             self.sequences.pop(seq_id, None)
+            if self.grammars is not None:
+                self.grammars.forget(seq_id)
+        grammar_started = time.perf_counter()
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = _Sequence(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids
             )
+            if self.grammars is not None and new.params.structured_outputs is not None:
+                self.grammars.start(new.seq_id, new.params.structured_outputs, new.eos_token_ids,
+                                    new.output_token_ids)
+        self._grammar_seconds = time.perf_counter() - grammar_started
         # Decodes (one query token) go first: the attention ops batch them together.
         chunks = sorted(plan.chunks, key=lambda chunk: len(chunk.token_ids) != 1)
         for chunk in chunks:
@@ -170,6 +181,7 @@ class ModelRunner:
             sampled=sampled,
             prompt_logprobs=prompt_logprobs,
             execute_seconds=time.perf_counter() - started,
+            grammar_seconds=self._grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
         )
 
@@ -181,15 +193,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows_index))
         if logits is None:
             return ()  # a tensor-parallel rank other than 0: rank 0 samples
-        sequences = [self.sequences[chunks[i].seq_id] for i in sampling]
+        seq_ids = [chunks[i].seq_id for i in sampling]
+        sequences = [self.sequences[seq_id] for seq_id in seq_ids]
+        constrained = self._constrain_(logits, seq_ids)
         rows = [
             SamplingRow(
                 params=seq.params,
                 prompt_token_ids=seq.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,
-                banned_token_ids=self._banned(seq),
+                banned_token_ids=self._banned(seq, seq_id),
             )
-            for seq in sequences
+            for seq_id, seq in zip(seq_ids, sequences, strict=True)
         ]
         batch = SamplingBatch.build(rows, vocab_size=self.config.vocab_size, device=self.device)
         output = self.sampler.sample(logits, batch)
@@ -198,13 +212,32 @@ class ModelRunner:
             sampling, sequences, output.token_ids, output.logprobs, strict=True
         ):
             seq.output_token_ids.append(token_id)
+            if chunks[index].seq_id in constrained:
+                self.grammars.accept(chunks[index].seq_id, token_id)
             results.append(SampledToken(seq_id=chunks[index].seq_id, token_id=token_id, logprobs=logprobs))
         return tuple(results)
 
-    def _banned(self, seq: _Sequence) -> tuple[int, ...]:
-        # Until min_tokens are out, neither EOS nor a stop token may end the request.
+    def _constrain_(self, logits: torch.Tensor, seq_ids: list[str]) -> set[str]:
+        """Masks, in place, the logits of the rows whose sequence follows a grammar (before
+        sampling and logprobs, as vLLM does); returns those sequences."""
+        if not self.grammars:
+            return set()
+        started = time.perf_counter()
+        rows = [row for row, seq_id in enumerate(seq_ids) if seq_id in self.grammars]
+        if rows:
+            bitmask = self.grammars.allowed_tokens([seq_ids[row] for row in rows])
+            index = None if len(rows) == len(seq_ids) else torch.tensor(rows, device=logits.device)
+            apply_allowed_tokens_(logits, index, bitmask)
+        self._grammar_seconds += time.perf_counter() - started
+        return {seq_ids[row] for row in rows}
+
+    def _banned(self, seq: _Sequence, seq_id: str) -> tuple[int, ...]:
+        # Until min_tokens are out, neither EOS nor a stop token may end the request; but a
+        # grammar that is complete allows nothing else, and then it wins.
         params = seq.params
         if len(seq.output_token_ids) >= params.min_tokens:
+            return ()
+        if self.grammars is not None and seq_id in self.grammars and self.grammars.is_complete(seq_id):
             return ()
         eos = () if params.ignore_eos else seq.eos_token_ids
         return eos + params.stop_token_ids

@@ -1,0 +1,146 @@
+"""What a request's output must match: vLLM's ``StructuredOutputsParams``, one constraint per
+request (a JSON schema, any JSON object, a regular expression, a choice among strings, or a
+Lark grammar), checked for shape here, compiled and bounded in time before anything is
+scheduled (``engine.grammar_compiler``), and enforced token by token in the worker
+(``engine.worker.grammar``).
+
+The class is plain data, so it travels inside ``SamplingParams`` to the worker; both
+processes turn it into the same llguidance grammar with ``grammar_source``. llguidance is
+the grammar library (see docs/serving.md for the measurements behind the choice); it does
+not import torch, so the engine process can compile with it too."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from engine.errors import InvalidRequestError
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+FIELD = "structured_outputs"
+
+
+def _fail(name: str, message: str) -> None:
+    raise InvalidRequestError(f"{FIELD}.{name}: {message}", field=f"{FIELD}.{name}")
+
+
+def _schema(value: str | Mapping[str, Any] | bool | None) -> str | Mapping[str, Any] | bool | None:
+    # A JSON string is parsed here so that the error names the field, not the backend.
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            _fail("json", f"is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})")
+    return value
+
+
+def _choices(value: Sequence[str] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not all(isinstance(item, str) for item in value):
+        _fail("choice", "must be a list of strings")
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputsParams:
+    """Exactly one of ``json`` (a JSON schema, as a dict or a JSON string), ``json_object``
+    (any JSON object), ``regex``, ``choice`` (one of these strings, verbatim) or ``grammar``
+    (Lark syntax, as llguidance reads it). ``disable_any_whitespace`` makes JSON compact
+    (no whitespace between tokens), ``disable_additional_properties`` reads a schema's
+    objects as if they said ``additionalProperties: false``; both as in vLLM."""
+
+    # hash=False: a schema is a dict; equal params still hash equal without it
+    json: str | Mapping[str, Any] | bool | None = attrs.field(default=None, converter=_schema, hash=False)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choices)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            which = ", ".join(given) if given else "none"
+            raise InvalidRequestError(
+                f"{FIELD}: exactly one of {', '.join(_KINDS)} must be set (got {which})", field=FIELD
+            )
+        if self.json is not None and not isinstance(self.json, Mapping | bool):
+            _fail("json", f"must be a JSON schema object, got {type(self.json).__name__}")
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            _fail("regex", "must be a non-empty string")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            _fail("grammar", "must be a non-empty string")
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            _fail("choice", "must list at least one non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    def cache_key(self) -> str:
+        """The constraint's source in one canonical string: equal keys compile to one grammar."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.dumps(value, separators=(",", ":"))  # key order is output order
+        elif self.kind == "choice":
+            value = json.dumps(list(value))
+        flags = f"{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
+        return f"{self.kind}:{flags}:{value}"
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that leaves it
+    unset (vLLM's ``disable_additional_properties``)."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            closed[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+        else:
+            closed[key] = value if key in _VALUES else _closed_objects(value)
+    if ("properties" in closed or closed.get("type") == "object") and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+@functools.lru_cache(maxsize=256)
+def _source(kind: str, value: str, compact: bool, closed: bool) -> str:
+    from llguidance import LLMatcher
+
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if kind == "grammar":
+        return LLMatcher.grammar_from_lark(value)
+    if kind == "choice":
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(value)))
+    schema = {"type": "object"} if kind == "json_object" else json.loads(value)
+    if closed:
+        schema = _closed_objects(schema)
+    options = {"whitespace_flexible": False} if compact else None
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+
+
+def grammar_source(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar for ``params``, cached by the constraint's source. A JSON
+    schema that llguidance cannot read raises ``ValueError`` here."""
+    value = getattr(params, params.kind)
+    if params.kind == "json":
+        value = json.dumps(value)
+    elif params.kind == "choice":
+        value = json.dumps(list(value))
+    elif params.kind == "json_object":
+        value = ""
+    return _source(params.kind, value, params.disable_any_whitespace, params.disable_additional_properties)
