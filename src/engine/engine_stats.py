@@ -30,6 +30,7 @@ class EngineStatistics:
     rank_last_step_seconds: tuple[float, ...] = ()
     rank_last_collective_seconds: tuple[float, ...] = ()
     rank_peak_rss_bytes: tuple[int | None, ...] = ()
+    grammar_seconds_total: float = 0.0  # of the step time, structured outputs' masks (rank 0)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -58,4 +59,5 @@ def collect_statistics(engine_core: EngineCore, supervisor: WorkerSupervisor) ->
         rank_last_step_seconds=workers.rank_last_step_seconds,
         rank_last_collective_seconds=workers.rank_last_collective_seconds,
         rank_peak_rss_bytes=workers.rank_peak_rss_bytes,
+        grammar_seconds_total=workers.grammar_seconds_total,
     )

@@ -7,6 +7,7 @@ unexpected one as a 500 in the same shape (logged with its traceback)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from quart import Quart, Response, jsonify
 from werkzeug.exceptions import HTTPException
@@ -63,13 +64,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_engine_error(error: Exception) -> APIError:
-    """The HTTP meaning of an error the engine raised for one request."""
+def from_engine_error(error: Exception, param_names: Mapping[str, str] | None = None) -> APIError:
+    """The HTTP meaning of an error the engine raised for one request. ``param_names``: the
+    request's own name for an engine field (``response_format.json_schema.schema`` for
+    ``structured_outputs.json``), used in the message and as ``param``."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, InvalidRequestError):
         code = "context_length_exceeded" if "maximum length" in str(error) else None
-        return APIError(400, str(error), param=error.field, code=code)
+        message, param = str(error), error.field
+        if param is not None and param_names and param in param_names:
+            param = param_names[param]
+            message = param + message[len(error.field):] if message.startswith(error.field) else message
+        return APIError(400, message, param=param, code=code)
     if isinstance(error, QueueFull):
         return APIError(503, str(error), code="overloaded",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

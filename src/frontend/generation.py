@@ -51,7 +51,7 @@ async def start(host: EngineHost, request: GenerationRequest, base_id: str) -> l
                     nursery.start_soon(_first, job)
         for job in jobs:
             if job.error is not None:
-                raise from_engine_error(job.error)
+                raise from_engine_error(job.error, request.param_names)
     except BaseException:
         await close(jobs)
         raise

@@ -15,6 +15,7 @@ from quart import Request
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationDefaults
 from engine.sampling_params import OutputKind, SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 from frontend.errors import bad_request
 
 log = logging.getLogger("triode.frontend")
@@ -188,7 +189,8 @@ def read_logit_bias(reader: Reader) -> dict[int, float]:
 def read_sampling(reader: Reader, *, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None, stream: bool,
                   aliases: dict[str, str] | None = None,
-                  defaults: GenerationDefaults | None = None) -> SamplingParams:
+                  defaults: GenerationDefaults | None = None,
+                  structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """The sampling fields both endpoints share, validated by SamplingParams itself.
     ``aliases``: the request's name for a SamplingParams field, for error messages.
     ``defaults``: the model's generation_config.json values for the fields left unset."""
@@ -219,6 +221,7 @@ def read_sampling(reader: Reader, *, max_tokens: int | None, logprobs: int | Non
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs,
     )
     try:
         return SamplingParams(**fields)

@@ -1,12 +1,13 @@
 """The two generation request shapes: ``/v1/completions`` and ``/v1/chat/completions``.
 
-Each parses a decoded JSON body into prompts (or a chat) and one SamplingParams; fields we do
-not implement (tools, response formats other than text, best_of, suffix) get a 400 that says
-so; unknown fields are ignored and logged once. Sampling fields a request leaves unset take
+Each parses a decoded JSON body into prompts (or a chat) and one SamplingParams, with the
+output constraint (``response_format``, ``structured_outputs``: ``frontend.structured_request``)
+in it; fields we do not implement (tools, best_of, suffix) get a 400 that says so; unknown fields are ignored and logged once. Sampling fields a request leaves unset take
 the model's generation_config.json defaults (``--generation-config auto``, as in vLLM)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -16,6 +17,7 @@ from engine.inputs import ChatOptions
 from engine.sampling_params import SamplingParams
 from frontend.errors import bad_request
 from frontend.request_body import Reader, StreamOptions, read_sampling, read_stream
+from frontend.structured_request import read_constraint
 
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024  # prompts x n in one request
@@ -32,6 +34,8 @@ class GenerationRequest:
     chat: ChatOptions | None = None  # chat: a single engine request
     echo: bool = False
     logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs is true
+    # the engine's name for a field -> the request's (response_format's parts, guided_*)
+    param_names: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def num_requests(self) -> int:
@@ -56,13 +60,15 @@ def parse_completion(body: dict[str, Any], defaults: GenerationDefaults | None =
     echo = reader.bool("echo", False)
     logprobs = reader.int("logprobs")
     max_tokens = reader.int("max_tokens", 16) if body.get("max_tokens", 16) is not None else None
+    constraint = read_constraint(reader)
     params = read_sampling(reader, max_tokens=max_tokens, logprobs=logprobs,
                            prompt_logprobs=logprobs if echo else None, stream=common["stream"].stream,
-                           defaults=defaults)
+                           defaults=defaults, structured_outputs=constraint.params)
     if len(prompts) * params.n > MAX_CHOICES:
         raise reader.fail("n", f"{len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES} choices")
     reader.log_unknown()
-    return GenerationRequest(**common, params=params, prompts=prompts, echo=echo, logprobs=logprobs)
+    return GenerationRequest(**common, params=params, prompts=prompts, echo=echo, logprobs=logprobs,
+                             param_names=constraint.names)
 
 
 def _prompts(reader: Reader) -> tuple[str | tuple[int, ...], ...]:
@@ -96,8 +102,6 @@ def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None)
     reader.reject("tool_choice", lambda v: v == "none", "tool calling is not supported")
     reader.reject("functions", lambda v: v == [], "function calling is not supported")
     reader.reject("function_call", lambda v: v == "none", "function calling is not supported")
-    reader.reject("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
-                  "only {\"type\": \"text\"} is supported")
     reader.reject("audio", lambda v: False, "audio output is not supported")
     reader.reject("modalities", lambda v: v == ["text"], "only the text modality is supported")
     reader.bool("parallel_tool_calls", True)
@@ -112,10 +116,13 @@ def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None)
         aliases["max_tokens"] = "max_completion_tokens"
     max_tokens = max_tokens if max_tokens is not None else legacy
     top = (top_logprobs or 0) if logprobs else None
+    constraint = read_constraint(reader)
     params = read_sampling(reader, max_tokens=max_tokens, logprobs=top, prompt_logprobs=None,
-                           stream=common["stream"].stream, aliases=aliases, defaults=defaults)
+                           stream=common["stream"].stream, aliases=aliases, defaults=defaults,
+                           structured_outputs=constraint.params)
     reader.log_unknown()
-    return GenerationRequest(**common, params=params, chat=chat, logprobs=top)
+    return GenerationRequest(**common, params=params, chat=chat, logprobs=top,
+                             param_names=constraint.names)
 
 
 def parse_chat_options(reader: Reader) -> ChatOptions:

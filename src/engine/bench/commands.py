@@ -20,6 +20,11 @@ def _step(namespace: argparse.Namespace) -> int:
 
 
 def _throughput(namespace: argparse.Namespace) -> int:
+    if namespace.structured:
+        from engine.bench import structured
+
+        structured.run(model=namespace.model, dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
+        return 0
     from engine.bench import throughput
 
     throughput.run(
@@ -65,6 +70,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     throughput.add_argument("--skip-hf", action="store_true", help="measure triode only")
     throughput.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                             help="weights and activations of both engines (the targets are float32)")
+    throughput.add_argument("--structured", action="store_true",
+                            help="W1 with a JSON schema on every request vs W1 unconstrained")
     throughput.add_argument("--output-dir", default="bench-results")
     throughput.set_defaults(handler=_throughput)
 
