@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-scenarios lint bench-step clean
+.PHONY: setup serve test test-all test-scenarios lint bench-step clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,12 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(BIN)/triode serve
 
+# Everything but the cases marked slow (under 15 minutes on two cores); test-all runs those too.
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

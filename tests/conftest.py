@@ -30,3 +30,15 @@ def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
 def tiny_model(request, tiny_model_factory):
     return tiny_model_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def protocol_server():
+    """One `triode serve` on the default model for the protocol tests (structured outputs,
+    tools, reasoning), with vLLM's tool and reasoning flags on."""
+    from tests.http_server import running, triode_serve
+
+    flags = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    with running(triode_serve(None, *flags)) as server:
+        yield server

@@ -119,3 +119,22 @@ def test_request_chat_templates_are_trusted_only_when_asked():
                                    trust_request_chat_template=False).trust_request_chat_template is False
     with pytest.raises(InvalidRequestError, match="not a boolean"):
         ServerSettings.from_env({"TRIODE_TRUST_REQUEST_CHAT_TEMPLATE": "maybe"})
+
+
+def test_tool_reasoning_and_template_settings(tmp_path):
+    settings = ServerSettings.from_env({"TRIODE_TOOL_CALL_PARSER": "hermes", "TRIODE_ENABLE_AUTO_TOOL_CHOICE": "on",
+                                        "TRIODE_REASONING_PARSER": "qwen3"})
+    assert (settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser) == (
+        "hermes", True, "qwen3")
+    with pytest.raises(InvalidRequestError, match="tool_call_parser: expected one of hermes, llama3_json, mistral"):
+        ServerSettings(tool_call_parser="pythonic")
+    with pytest.raises(InvalidRequestError, match="needs --tool-call-parser"):
+        ServerSettings(enable_auto_tool_choice=True)
+    with pytest.raises(InvalidRequestError, match="reasoning_parser"):
+        ServerSettings(reasoning_parser="o1")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert ServerSettings.from_env({}, chat_template=str(template)).chat_template == template.read_text()
+    assert ServerSettings(chat_template="{% for m in messages %}{% endfor %}").chat_template.startswith("{%")
+    with pytest.raises(InvalidRequestError, match="neither a file nor a Jinja template"):
+        ServerSettings(chat_template=str(tmp_path / "missing.jinja"))

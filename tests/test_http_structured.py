@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.http_server import metric, running, triode_serve
+from tests.http_server import metric
 
 pytestmark = [pytest.mark.default_model]
 
@@ -45,9 +45,8 @@ class Trip(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running(triode_serve(None, "--max-model-len", "1024", "--kv-cache-memory", "256MiB")) as s:
-        yield s
+def server(protocol_server):
+    return protocol_server
 
 
 @pytest.fixture(scope="module")

@@ -70,13 +70,29 @@ def _checked_template(instance: object, attribute: attrs.Attribute, value: Any) 
 class ChatOptions:
     """A chat request: the messages and how to render them (vLLM's ``LLM.chat`` options). A
     ``chat_template`` replaces the model's own; ``chat_template_kwargs`` become variables of
-    the template (``enable_thinking=False``, say)."""
+    the template (``enable_thinking=False``, say); ``tools`` (OpenAI's function definitions)
+    are passed to the template as ``tools``, as ``apply_chat_template(tools=...)`` does."""
 
     messages: tuple[ChatMessage, ...] = attrs.field(converter=tuple)
     chat_template: str | None = attrs.field(default=None, validator=_checked_template)
     chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None, validator=_checked_kwargs)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: tuple[Mapping[str, Any], ...] | None = attrs.field(
+        default=None, converter=lambda value: None if value is None else tuple(value))
+
+
+TOOL_TEMPLATE_NAME = "chatml_tools.jinja"
+
+
+def shipped_tool_template() -> str:
+    """triode's ChatML template with tools (Hermes ``<tool_call>`` format), for models whose
+    own template ignores ``tools``."""
+    return (Path(__file__).parent / "chat_templates" / TOOL_TEMPLATE_NAME).read_text()
+
+
+def template_reads_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
 
 
 def parse_prompt(prompt: PromptInput) -> tuple[str | None, tuple[int, ...] | None]:
@@ -137,7 +153,8 @@ class InputProcessor:
         if not chat.messages:
             raise InvalidRequestError("messages: must contain at least one message", field="messages")
         for index, message in enumerate(chat.messages):
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            if not isinstance(message, Mapping) or "role" not in message or (
+                    "content" not in message and not message.get("tool_calls")):
                 raise InvalidRequestError(
                     f"messages[{index}]: each message needs a role and a content", field="messages"
                 )
@@ -148,9 +165,14 @@ class InputProcessor:
             raise InvalidRequestError("continue_final_message: cannot be combined with "
                                       "add_generation_prompt", field="continue_final_message")
         kwargs = dict(chat.chat_template_kwargs or {})
+        template = chat.chat_template
+        if chat.tools:
+            kwargs["tools"] = [dict(tool) for tool in chat.tools]
+            if template is None and not template_reads_tools(self.tokenizer.chat_template):
+                template = shipped_tool_template()
         try:
             return self.tokenizer.apply_chat_template(
-                [dict(m) for m in chat.messages], chat_template=chat.chat_template,
+                [dict(m) for m in chat.messages], chat_template=template,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message, tokenize=False, **kwargs,
             )

@@ -64,6 +64,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the model's chat template (or
         ``chat_template``; ``chat_template_kwargs`` are the template's extra variables)."""
@@ -72,7 +73,7 @@ class LLM:
             ChatOptions(messages=conversation, chat_template=chat_template,
                         chat_template_kwargs=chat_template_kwargs,
                         add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message)
+                        continue_final_message=continue_final_message, tools=tools)
             for conversation in conversations
         ]
         return self._run(chats, sampling_params, use_tqdm=use_tqdm, priority=None)

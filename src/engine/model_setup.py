@@ -12,7 +12,7 @@ import attrs
 from engine.config import EngineArgs
 from engine.generation_config import GenerationDefaults, read_generation_defaults
 from engine.grammar_compiler import GrammarCompiler
-from engine.inputs import InputProcessor, load_tokenizer
+from engine.inputs import TOOL_TEMPLATE_NAME, InputProcessor, load_tokenizer, template_reads_tools
 from engine.model_files.resolve import resolve_model
 from engine.worker_messages import WorkerInfo
 
@@ -45,5 +45,8 @@ def open_input_processor(model: EngineModel, args: EngineArgs, info: WorkerInfo)
         eos_token_ids=model.generation.eos_token_ids,
         timeout_s=args.structured_outputs_compile_timeout,
     )
+    if model.tokenizer.chat_template and not template_reads_tools(model.tokenizer.chat_template):
+        log.info("chat template: the model's own ignores tools; chats with tools use triode's %s",
+                 TOOL_TEMPLATE_NAME)
     return InputProcessor(model.tokenizer, max_model_len=info.max_model_len,
                           vocab_size=info.vocab_size, grammars=grammars)

@@ -12,7 +12,9 @@ from engine.config import parse_size
 from engine.errors import TriodeError
 from frontend.bench_serve import add_bench_serve
 from frontend.engine_flags import add_engine_flags, engine_args_from
+from frontend.reasoning import REASONING_PARSERS
 from frontend.scenarios.command import add_scenario_commands
+from frontend.tool_parsers import TOOL_PARSERS
 
 
 def _serve(namespace: argparse.Namespace) -> int:
@@ -22,8 +24,12 @@ def _serve(namespace: argparse.Namespace) -> int:
 
     model = namespace.model_positional or namespace.model
     args = engine_args_from(namespace, **({"model": model} if model else {}))
-    settings = ServerSettings.from_env(api_keys=namespace.api_key, max_body_bytes=namespace.max_body_size,
-                                       trust_request_chat_template=namespace.trust_request_chat_template)
+    settings = ServerSettings.from_env(
+        api_keys=namespace.api_key, max_body_bytes=namespace.max_body_size,
+        trust_request_chat_template=namespace.trust_request_chat_template,
+        chat_template=namespace.chat_template, tool_call_parser=namespace.tool_call_parser,
+        enable_auto_tool_choice=namespace.enable_auto_tool_choice, reasoning_parser=namespace.reasoning_parser,
+    )
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
 
@@ -43,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-request-chat-template", action="store_true", default=None,
                        help="let requests bring their own chat_template (a Jinja program run for every "
                             "such request; default: $TRIODE_TRUST_REQUEST_CHAT_TEMPLATE or no)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="the chat template for requests without their own: a file or the Jinja "
+                            "text (default: $TRIODE_CHAT_TEMPLATE, else the model's)")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are found in the model's output, for tool_choice auto "
+                            "(default: $TRIODE_TOOL_CALL_PARSER)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                       help='let the model decide when to call tools (tool_choice "auto"); needs '
+                            "--tool-call-parser (default: $TRIODE_ENABLE_AUTO_TOOL_CHOICE or no)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think> reasoning into the message's reasoning field "
+                            "(default: $TRIODE_REASONING_PARSER)")
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 

@@ -7,6 +7,7 @@ the model's generation_config.json defaults (``--generation-config auto``, as in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from frontend.errors import bad_request
 from frontend.request_body import Reader, StreamOptions, read_sampling, read_stream
 from frontend.structured_request import read_constraint
+from frontend.tool_request import ToolPlan, read_tools
 
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024  # prompts x n in one request
@@ -36,6 +38,8 @@ class GenerationRequest:
     logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs is true
     # the engine's name for a field -> the request's (response_format's parts, guided_*)
     param_names: Mapping[str, str] = attrs.field(factory=dict)
+    tools: ToolPlan | None = None  # chat: how the output becomes tool_calls
+    reasoning_parser: str | None = None  # chat: --reasoning-parser
 
     @property
     def num_requests(self) -> int:
@@ -94,17 +98,28 @@ def _prompts(reader: Reader) -> tuple[str | tuple[int, ...], ...]:
     raise reader.fail("prompt", "expected a non-empty string or array")
 
 
-def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None) -> GenerationRequest:
+@attrs.frozen(kw_only=True)
+class ChatServing:
+    """What the server was started with that shapes chat requests."""
+
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+
+
+def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None,
+               serving: ChatServing | None = None) -> GenerationRequest:
+    serving = serving or ChatServing()
     reader = Reader(body, "/v1/chat/completions")
     common = _common(reader)
     chat = parse_chat_options(reader)
-    reader.reject("tools", lambda v: v == [], "tool calling is not supported")
-    reader.reject("tool_choice", lambda v: v == "none", "tool calling is not supported")
+    tools = read_tools(reader, parser=serving.tool_call_parser, auto_enabled=serving.enable_auto_tool_choice)
+    if tools is not None:
+        chat = attrs.evolve(chat, tools=tools.tools)
     reader.reject("functions", lambda v: v == [], "function calling is not supported")
     reader.reject("function_call", lambda v: v == "none", "function calling is not supported")
     reader.reject("audio", lambda v: False, "audio output is not supported")
     reader.reject("modalities", lambda v: v == ["text"], "only the text modality is supported")
-    reader.bool("parallel_tool_calls", True)
     logprobs = reader.bool("logprobs", False)
     top_logprobs = reader.int("top_logprobs")
     if top_logprobs is not None and not logprobs:
@@ -117,12 +132,18 @@ def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None)
     max_tokens = max_tokens if max_tokens is not None else legacy
     top = (top_logprobs or 0) if logprobs else None
     constraint = read_constraint(reader)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None and constraint.params is not None:
+        sent = constraint.names.get("structured_outputs", "structured_outputs")
+        raise bad_request(f"{sent}: cannot be combined with tool_choice {body.get('tool_choice')!r}, "
+                          f"which constrains the output itself", param=sent)
     params = read_sampling(reader, max_tokens=max_tokens, logprobs=top, prompt_logprobs=None,
                            stream=common["stream"].stream, aliases=aliases, defaults=defaults,
-                           structured_outputs=constraint.params)
+                           structured_outputs=forced or constraint.params)
     reader.log_unknown()
     return GenerationRequest(**common, params=params, chat=chat, logprobs=top,
-                             param_names=constraint.names)
+                             param_names=constraint.names, tools=tools,
+                             reasoning_parser=serving.reasoning_parser)
 
 
 def parse_chat_options(reader: Reader) -> ChatOptions:
@@ -139,7 +160,7 @@ def parse_chat_options(reader: Reader) -> ChatOptions:
     )
 
 
-def parse_messages(reader: Reader) -> tuple[dict[str, str], ...]:
+def parse_messages(reader: Reader) -> tuple[dict[str, Any], ...]:
     value = reader.raw("messages")
     if value is None:
         raise reader.fail("messages", "is required")
@@ -150,23 +171,7 @@ def parse_messages(reader: Reader) -> tuple[dict[str, str], ...]:
     return tuple(_message(reader, index, message) for index, message in enumerate(value))
 
 
-def _message(reader: Reader, index: int, message: Any) -> dict[str, str]:
-    name = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise bad_request(f"{name}: expected an object with a role and a content", param=name)
-    role = message.get("role")
-    if role in ("tool", "function"):
-        raise bad_request(f"{name}.role: {role!r} messages are not supported (no tool calling)",
-                          param=f"{name}.role", code="unsupported_parameter")
-    if role not in CHAT_ROLES:
-        raise bad_request(f"{name}.role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                          param=f"{name}.role")
-    if message.get("tool_calls"):
-        raise bad_request(f"{name}.tool_calls: tool calling is not supported",
-                          param=f"{name}.tool_calls", code="unsupported_parameter")
-    content = message.get("content")
-    if content is None and role == "assistant":
-        content = ""
+def _text(name: str, content: Any) -> str:
     if isinstance(content, list):
         texts = []
         for part_index, part in enumerate(content):
@@ -179,4 +184,62 @@ def _message(reader: Reader, index: int, message: Any) -> dict[str, str]:
         content = "\n".join(texts)
     if not isinstance(content, str):
         raise bad_request(f"{name}.content: expected a string or an array of text parts", param=f"{name}.content")
-    return {"role": CHAT_ROLES[role], "content": content}
+    return content
+
+
+def _tool_calls(name: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's calls, their JSON-string arguments parsed (templates read them
+    as objects, as Hugging Face's do)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{name}.tool_calls: expected an array of tool calls", param=f"{name}.tool_calls")
+    parsed = []
+    for index, call in enumerate(calls):
+        where = f"{name}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where}.function: expected an object with a name and arguments",
+                              param=f"{where}.function")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:
+                raise bad_request(f"{where}.function.arguments: not valid JSON ({error.msg})",
+                                  param=f"{where}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise bad_request(f"{where}.function.arguments: expected a JSON object",
+                              param=f"{where}.function.arguments")
+        parsed.append({"id": call.get("id"), "type": "function",
+                       "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
+
+
+def _message(reader: Reader, index: int, message: Any) -> dict[str, Any]:
+    name = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{name}: expected an object with a role and a content", param=name)
+    role = message.get("role")
+    if role == "function":
+        raise bad_request(f"{name}.role: 'function' messages are not supported (use 'tool')",
+                          param=f"{name}.role", code="unsupported_parameter")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{name}.tool_call_id: a tool message needs the id of the call it answers",
+                              param=f"{name}.tool_call_id")
+        return {"role": "tool", "tool_call_id": call_id, "content": _text(name, message.get("content"))}
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{name}.role: expected one of {', '.join([*CHAT_ROLES, 'tool'])}, got {role!r}",
+                          param=f"{name}.role")
+    content = message.get("content")
+    parsed: dict[str, Any] = {"role": CHAT_ROLES[role]}
+    if role == "assistant":
+        if message.get("tool_calls"):
+            parsed["tool_calls"] = _tool_calls(name, message["tool_calls"])
+        for key in ("reasoning", "reasoning_content"):
+            if isinstance(message.get(key), str):
+                parsed["reasoning_content"] = message[key]  # the name chat templates read
+        if content is None:
+            content = ""
+    parsed["content"] = _text(name, content)
+    return parsed

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput
+from frontend.chat_output import ChatOutput, MessageDelta
 from frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from frontend.requests import GenerationRequest
 
@@ -33,6 +34,7 @@ class ResponseBuilder:
         self._started: set[int] = set()  # choices that sent their first chunk
         self._finished: set[int] = set()
         self._logprobs: dict[int, CompletionLogprobs] = {}
+        self._chat_outputs: dict[int, ChatOutput] = {}  # per chat choice: reasoning, tool calls
 
     @property
     def object(self) -> str:
@@ -79,20 +81,30 @@ class ResponseBuilder:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
+    def _chat_output(self, index: int) -> ChatOutput:
+        if index not in self._chat_outputs:
+            self._chat_outputs[index] = ChatOutput(reasoning_parser=self.request.reasoning_parser,
+                                                   tools=self.request.tools)
+        return self._chat_outputs[index]
+
     def _chat_choice(self, prompt_index: int, c: CompletionOutput, *, stream: bool) -> dict:
         index = prompt_index * self.n + c.index
         logprobs = None
         if self.request.logprobs is not None:
             logprobs = chat_logprobs(self.token_text, c.token_ids, c.logprobs or [], self.request.logprobs)
+        shaper = self._chat_output(index)
+        deltas = shaper.feed(c.text)
+        if c.finish_reason is not None:
+            deltas += shaper.finish()
+        finish_reason = shaper.finish_reason(c.finish_reason)
         if not stream:
-            message = {"role": "assistant", "content": c.text, "refusal": None}
-            return {"index": index, "message": message,
-                    "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        delta: dict[str, Any] = {"content": c.text}
+            return {"index": index, "message": shaper.message(),
+                    "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+        delta = _joined(deltas)
         if index not in self._started:
             self._started.add(index)
             delta = {"role": "assistant", **delta}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason}
 
     def full(self, finals: list[tuple[int, RequestOutput]]) -> dict[str, Any]:
@@ -131,7 +143,8 @@ class ResponseBuilder:
     def _worth_sending(self, choice: dict[str, Any], c: CompletionOutput) -> bool:
         """A chunk with no text is sent only to open a chat choice or to carry logprobs."""
         delta = choice.get("delta", {})
-        if choice.get("text") or delta.get("content") or "role" in delta:
+        if choice.get("text") or delta.get("content") or "role" in delta or "tool_calls" in delta \
+                or "reasoning" in delta:
             return True
         return self.request.logprobs is not None and bool(c.token_ids)
 
@@ -151,3 +164,12 @@ class ResponseBuilder:
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._chunk([]), "usage": self.usage()}
+
+
+def _joined(deltas: list[MessageDelta]) -> dict[str, Any]:
+    """One stream delta from what one engine output released (an empty content if nothing)."""
+    joined = MessageDelta(
+        reasoning="".join(d.reasoning for d in deltas), content="".join(d.content for d in deltas),
+        tool_calls=tuple(call for d in deltas for call in d.tool_calls),
+    ).as_delta()
+    return joined or {"content": ""}

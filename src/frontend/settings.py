@@ -1,9 +1,11 @@
-"""Server settings that are not engine arguments: API keys, the request body limit, and whether
-requests may bring their own chat template.
+"""Server settings that are not engine arguments: API keys, the request body limit, whether
+requests may bring their own chat template, the server's chat template, and the tool-call
+and reasoning parsers (vLLM's ``--chat-template``, ``--tool-call-parser``,
+``--enable-auto-tool-choice``, ``--reasoning-parser``).
 
 Read from ``TRIODE_API_KEY`` (one key, or several separated by commas),
-``TRIODE_MAX_BODY_SIZE`` (bytes, or with a unit such as ``8MiB``) and
-``TRIODE_TRUST_REQUEST_CHAT_TEMPLATE``; ``triode serve`` flags win.
+``TRIODE_MAX_BODY_SIZE`` (bytes, or with a unit such as ``8MiB``) and ``TRIODE_<FIELD>`` for
+the others; ``triode serve`` flags win.
 
 A chat template is a Jinja program: rendered in a sandbox, it still runs for as long as its
 loops say, in the intake thread every request shares. So, as vLLM does, a request's
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -29,33 +32,93 @@ def _keys(value: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(k for k in (value or ()) if k)
 
 
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+             "off": False, "": False}
+
+
+def _known(choices_of):
+    def check(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+        choices = choices_of()
+        if value is not None and value not in choices:
+            raise InvalidRequestError(f"{attribute.name}: expected one of {', '.join(sorted(choices))}, "
+                                      f"got {value!r}", field=attribute.name)
+    return check
+
+
+def _tool_parsers():
+    from frontend.tool_parsers import TOOL_PARSERS
+
+    return TOOL_PARSERS
+
+
+def _reasoning_parsers():
+    from frontend.reasoning import REASONING_PARSERS
+
+    return REASONING_PARSERS
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's path, or the template itself (vLLM reads it the same way)."""
+    if value is None or not value.strip():
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and "\n" not in value and path.is_file():
+        return path.read_text()
+    if "{{" not in value and "{%" not in value:
+        raise InvalidRequestError(f"chat_template: {value!r} is neither a file nor a Jinja template",
+                                  field="chat_template")
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False
+    chat_template: str | None = attrs.field(default=None, converter=read_chat_template)
+    tool_call_parser: str | None = attrs.field(default=None, validator=_known(_tool_parsers))
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = attrs.field(default=None, validator=_known(_reasoning_parsers))
+
+    def __attrs_post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise InvalidRequestError("enable_auto_tool_choice: needs --tool-call-parser to find the calls",
+                                      field="enable_auto_tool_choice")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, *,
-                 api_keys: Sequence[str] | None = None, max_body_bytes: int | None = None,
-                 trust_request_chat_template: bool | None = None) -> ServerSettings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: object) -> ServerSettings:
+        """Each field from its flag (``given``, None: not given) or else ``TRIODE_<FIELD>``
+        (``TRIODE_API_KEY`` holds one key or several, comma-separated)."""
         environ = os.environ if environ is None else environ
-        if api_keys is None:
-            api_keys = [k.strip() for k in environ.get("TRIODE_API_KEY", "").split(",")]
-        if max_body_bytes is None:
-            raw = environ.get("TRIODE_MAX_BODY_SIZE")
-            try:
-                max_body_bytes = parse_size(raw) if raw else DEFAULT_MAX_BODY_BYTES
-            except ValueError as e:
-                raise InvalidRequestError(f"TRIODE_MAX_BODY_SIZE: {e}", field="max_body_size") from None
-        if trust_request_chat_template is None:
-            raw = environ.get("TRIODE_TRUST_REQUEST_CHAT_TEMPLATE", "").strip().lower()
-            if raw not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise InvalidRequestError(f"TRIODE_TRUST_REQUEST_CHAT_TEMPLATE={raw!r} is not a boolean",
-                                          field="trust_request_chat_template")
-            trust_request_chat_template = raw in ("1", "true", "yes", "on")
-        return cls(api_keys=api_keys, max_body_bytes=max_body_bytes,
-                   trust_request_chat_template=trust_request_chat_template)
+        values: dict[str, object] = {}
+        for field in attrs.fields(cls):
+            value = given.get(field.name)
+            env = _ENV_NAMES.get(field.name, f"TRIODE_{field.name.upper()}")
+            raw = environ.get(env)
+            if value is None and raw is not None:
+                value = _from_text(field, env, raw)
+            if value is not None:
+                values[field.name] = value
+        return cls(**values)
+
+
+_ENV_NAMES = {"api_keys": "TRIODE_API_KEY", "max_body_bytes": "TRIODE_MAX_BODY_SIZE"}
+
+
+def _from_text(field: attrs.Attribute, env: str, raw: str) -> object:
+    if field.name == "api_keys":
+        return [key.strip() for key in raw.split(",")]
+    if field.name == "max_body_bytes":
+        try:
+            return parse_size(raw) if raw else DEFAULT_MAX_BODY_BYTES
+        except ValueError as e:
+            raise InvalidRequestError(f"{env}: {e}", field="max_body_size") from None
+    if str(field.type).startswith("bool"):
+        lowered = raw.strip().lower()
+        if lowered not in _BOOLEANS:
+            raise InvalidRequestError(f"{env}={raw!r} is not a boolean", field=field.name)
+        return _BOOLEANS[lowered]
+    return raw or None
 
 
 def served_model_name(args: EngineArgs) -> str:

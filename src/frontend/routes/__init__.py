@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import attrs
 from quart import Quart, current_app, g, request
 
 from engine.inputs import ChatOptions
@@ -35,6 +36,15 @@ def check_chat_template(chat: ChatOptions | None) -> None:
         raise APIError(400, "chat_template: this server does not take chat templates from requests "
                             "(start it with --trust-request-chat-template to allow them)",
                        param="chat_template", code="untrusted_chat_template")
+
+
+def with_server_chat_template(chat: ChatOptions | None) -> ChatOptions | None:
+    """A chat without a template of its own gets the server's ``--chat-template``, if any
+    (after ``check_chat_template``: the server's own template is trusted)."""
+    template = current_app.extensions["triode.settings"].chat_template
+    if chat is None or chat.chat_template is not None or template is None:
+        return chat
+    return attrs.evolve(chat, chat_template=template)
 
 
 def request_id() -> str:

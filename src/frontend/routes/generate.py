@@ -9,13 +9,20 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from quart import Blueprint, Response, jsonify, request
+import attrs
+from quart import Blueprint, Response, current_app, jsonify, request
 
 from frontend import generation, sse
 from frontend.request_body import read_json_object
-from frontend.requests import GenerationRequest, parse_chat, parse_completion
+from frontend.requests import ChatServing, GenerationRequest, parse_chat, parse_completion
 from frontend.responses import ResponseBuilder
-from frontend.routes import check_chat_template, check_model, host, request_id
+from frontend.routes import (
+    check_chat_template,
+    check_model,
+    host,
+    request_id,
+    with_server_chat_template,
+)
 
 blueprint = Blueprint("generate", __name__)
 
@@ -29,12 +36,17 @@ async def completions() -> Response:
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     body = await read_json_object(request)
-    return await _serve(parse_chat(body, host().generation), prefix="chatcmpl")
+    settings = current_app.extensions["triode.settings"]
+    serving = ChatServing(tool_call_parser=settings.tool_call_parser,
+                          enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                          reasoning_parser=settings.reasoning_parser)
+    return await _serve(parse_chat(body, host().generation, serving), prefix="chatcmpl")
 
 
 async def _serve(parsed: GenerationRequest, *, prefix: str) -> Response:
     check_model(parsed.model)
     check_chat_template(parsed.chat)
+    parsed = attrs.evolve(parsed, chat=with_server_chat_template(parsed.chat))
     engine_host = host()
     llm = engine_host.require_ready()
     base_id = request_id()

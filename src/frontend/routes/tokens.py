@@ -10,7 +10,7 @@ from engine.errors import InvalidRequestError
 from frontend.errors import bad_request
 from frontend.request_body import Reader, read_json_object
 from frontend.requests import parse_chat_options
-from frontend.routes import check_chat_template, check_model, host
+from frontend.routes import check_chat_template, check_model, host, with_server_chat_template
 
 blueprint = Blueprint("tokens", __name__)
 
@@ -25,6 +25,7 @@ async def tokenize() -> Response:
     if reader.body.get("messages") is not None:
         chat = parse_chat_options(reader)
         check_chat_template(chat)
+        chat = with_server_chat_template(chat)
         add_special = reader.bool("add_special_tokens", False)
         processor = llm.intake.processor
 

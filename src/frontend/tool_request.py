@@ -1,0 +1,125 @@
+"""A chat request's tools: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` read into a
+``ToolPlan`` that says how the output becomes ``tool_calls``.
+
+- ``"none"``: the tools are shown to the template, the output is text.
+- ``"auto"`` (OpenAI's default when tools are given): the model decides, and the server's
+  ``--tool-call-parser`` finds the calls in its text; as in vLLM this needs
+  ``--enable-auto-tool-choice``, and is a 400 without it.
+- ``"required"`` and a named function: enforced with structured outputs, as vLLM does: the
+  output is constrained to a JSON array of ``{"name", "parameters"}`` objects built from the
+  tools' parameter schemas (one object of the named function's parameters), so the calls
+  always parse and their arguments validate, whatever the model and whatever the parser."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from engine.structured_outputs import StructuredOutputsParams
+from frontend.errors import bad_request
+from frontend.request_body import Reader
+from frontend.tool_parsers import ToolCall
+from frontend.tool_parsers.base import new_call_id
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_MODES = ("none", "auto", "required")
+
+
+@attrs.frozen(kw_only=True)
+class ToolPlan:
+    mode: str  # none | auto | required | named
+    tools: tuple[dict[str, Any], ...]  # for the chat template: OpenAI's {"type", "function"}
+    named: str | None = None
+    parallel: bool = True
+    parser: str | None = None  # auto: the --tool-call-parser
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The JSON schema that enforces ``required`` or a named function."""
+        by_name = {t["function"]["name"]: t["function"] for t in self.tools}
+        if self.mode == "named":
+            return StructuredOutputsParams(json=_parameters(by_name[self.named]))
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                   "parameters": _parameters(function)},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, function in by_name.items()]
+        array: dict[str, Any] = {"type": "array", "minItems": 1,
+                                 "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputsParams(json=array)
+
+    def forced_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls in a ``required`` or named output (None if it was cut short)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.mode == "named":
+            return [ToolCall(id=new_call_id(), name=self.named, arguments=json.dumps(value, ensure_ascii=False))]
+        return [ToolCall(id=new_call_id(), name=item["name"],
+                         arguments=json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+
+
+def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(function.get("parameters") or {"type": "object", "properties": {}})
+
+
+def _tool(index: int, tool: Any) -> dict[str, Any]:
+    name = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise bad_request(f"{name}: expected a function tool ({{\"type\": \"function\", \"function\": {{...}}}})",
+                          param=name)
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{name}.function: expected an object with a name", param=f"{name}.function")
+    if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
+        raise bad_request(f"{name}.function.name: expected 1 to 64 letters, digits, '_', '-', '.' or ':'",
+                          param=f"{name}.function.name")
+    parameters = function.get("parameters")
+    if parameters is not None and not (isinstance(parameters, dict) and parameters.get("type", "object") == "object"):
+        raise bad_request(f"{name}.function.parameters: expected a JSON Schema of an object",
+                          param=f"{name}.function.parameters")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise bad_request(f"{name}.function.description: expected a string", param=f"{name}.function.description")
+    return {"type": "function", "function": function}
+
+
+def read_tools(reader: Reader, *, parser: str | None, auto_enabled: bool) -> ToolPlan | None:
+    raw = reader.raw("tools")
+    choice = reader.raw("tool_choice")
+    parallel = reader.bool("parallel_tool_calls", True)
+    if raw is None or raw == []:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice: needs tools", param="tool_choice")
+        return None
+    if not isinstance(raw, list):
+        raise reader.fail("tools", "expected an array of function tools")
+    tools = tuple(_tool(index, tool) for index, tool in enumerate(raw))
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", param="tools")
+    mode, named = ("auto" if choice is None else choice), None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                function.get("name"), str):
+            raise bad_request('tool_choice: expected "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        if function["name"] not in names:
+            raise bad_request(f"tool_choice.function.name: {function['name']!r} is not one of the tools "
+                              f"({', '.join(names)})", param="tool_choice.function.name")
+        mode, named = "named", function["name"]
+    elif mode not in _MODES:
+        raise bad_request(f'tool_choice: expected "none", "auto", "required" or a named function, '
+                          f"got {choice!r}", param="tool_choice")
+    if mode == "auto" and not (auto_enabled and parser):
+        raise bad_request('tool_choice: "auto" needs the server to run with --enable-auto-tool-choice and '
+                          '--tool-call-parser (or send "required", a named function, or "none")',
+                          param="tool_choice")
+    return ToolPlan(mode=mode, tools=tools, named=named, parallel=parallel, parser=parser)
