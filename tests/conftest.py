@@ -42,3 +42,13 @@ def protocol_server():
              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     with running(triode_serve(None, *flags)) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def protocol_client(protocol_server):
+    """The openai SDK against ``protocol_server``, with strict response validation."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{protocol_server.url}/v1", api_key="unused", max_retries=0,
+                       _strict_response_validation=True) as client:
+        yield client

@@ -12,8 +12,8 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
+from engine.reasoning import REASONING_PARSERS
 from frontend.chat_output import ChatOutput
-from frontend.reasoning import REASONING_PARSERS
 from frontend.tool_request import ToolPlan
 
 TOOLS = ({"type": "function", "function": {"name": "f", "parameters": {

@@ -122,16 +122,15 @@ def test_request_chat_templates_are_trusted_only_when_asked():
 
 
 def test_tool_reasoning_and_template_settings(tmp_path):
-    settings = ServerSettings.from_env({"TRIODE_TOOL_CALL_PARSER": "hermes", "TRIODE_ENABLE_AUTO_TOOL_CHOICE": "on",
-                                        "TRIODE_REASONING_PARSER": "qwen3"})
-    assert (settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser) == (
-        "hermes", True, "qwen3")
+    settings = ServerSettings.from_env({"TRIODE_TOOL_CALL_PARSER": "hermes", "TRIODE_ENABLE_AUTO_TOOL_CHOICE": "on"})
+    assert (settings.tool_call_parser, settings.enable_auto_tool_choice) == ("hermes", True)
+    assert EngineArgs.from_env({"TRIODE_REASONING_PARSER": "qwen3"}).reasoning_parser == "qwen3"
     with pytest.raises(InvalidRequestError, match="tool_call_parser: expected one of hermes, llama3_json, mistral"):
         ServerSettings(tool_call_parser="pythonic")
     with pytest.raises(InvalidRequestError, match="needs --tool-call-parser"):
         ServerSettings(enable_auto_tool_choice=True)
-    with pytest.raises(InvalidRequestError, match="reasoning_parser"):
-        ServerSettings(reasoning_parser="o1")
+    with pytest.raises(InvalidRequestError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        EngineArgs(reasoning_parser="o1")
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0]['content'] }}")
     assert ServerSettings.from_env({}, chat_template=str(template)).chat_template == template.read_text()

@@ -50,10 +50,8 @@ def server(protocol_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                       _strict_response_validation=True) as c:
-        yield c
+def client(protocol_client):
+    return protocol_client
 
 
 def model(client) -> str:

@@ -43,10 +43,8 @@ SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in 
 
 
 @pytest.fixture(scope="module")
-def client(protocol_server):
-    with openai.OpenAI(base_url=f"{protocol_server.url}/v1", api_key="unused", max_retries=0,
-                       _strict_response_validation=True) as c:
-        yield c
+def client(protocol_client):
+    return protocol_client
 
 
 def model(client) -> str:

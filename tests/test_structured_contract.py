@@ -1,7 +1,8 @@
 """Contract tests: structured outputs through the real engine (worker process, the default
 model). Constrained requests run alone, then all at once on a KV cache too small for them
 (preemption by recompute), then again with the worker SIGKILLed mid-output: the greedy
-outputs are identical each time, and every one is valid against its constraint."""
+outputs are identical each time, and every one is valid against its constraint. A long
+prompt is prefilled in chunks, and the later runs find the prompts in the prefix cache."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def requests() -> list[tuple[str, SamplingParams]]:
     return [
         *((chat(p), params(json=PERSON)) for p in people),
         ("Call me at", params(regex=PHONE)),
+        # Longer than a step's 64-token budget: its prefill is chunked before it samples.
+        ("My number changed again last week, so please note the new one. " * 6 + "Call me at",
+         params(regex=PHONE)),
         ("Is the sky blue? Answer:", params(choice=ANSWERS)),
         (chat("Give me a JSON object with the keys a and b."),
          params(json_object=True, disable_any_whitespace=True)),

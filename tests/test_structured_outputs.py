@@ -177,3 +177,27 @@ def test_the_mask_sets_exactly_the_clear_bits_to_minus_infinity(rows, vocab, dat
     index = None if len(chosen) == rows else torch.tensor(chosen)
     apply_allowed_tokens_(logits, index, bitmask)
     assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("parser, may_skip_thinking", [("qwen3", True), ("deepseek_r1", False)])
+def test_with_a_reasoning_parser_the_constraint_holds_after_the_thinking(
+    tokenizer_file, tiny_tokenizer, eos, parser, may_skip_thinking
+):
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    answer = '{"name":"ab","ok":true}'
+
+    def accepted(text: str) -> bool:
+        grammars = SequenceGrammars(tokenizer_file, len(tiny_tokenizer), reasoning_parser=parser)
+        grammars.start("s", params, eos)
+        for token in tiny_tokenizer.encode(text, add_special_tokens=False):
+            if not allowed_ids(grammars.allowed_tokens(["s"])[0], len(tiny_tokenizer)) >= {token}:
+                return False
+            grammars.accept("s", token)
+        return grammars.is_complete("s") or set(eos) <= allowed_ids(grammars.allowed_tokens(["s"])[0], len(tiny_tokenizer))
+
+    assert accepted("<think>a { b\nc</think>\n\n" + answer)
+    assert accepted(answer) == may_skip_thinking
+    assert not accepted("<think>x</think>not json")
+    compiler(tokenizer_file, tiny_tokenizer, eos).check(params)  # compiles wrapped too
+    GrammarCompiler(tokenizer_file, vocab_size=len(tiny_tokenizer), eos_token_ids=eos, timeout_s=10,
+                    reasoning_parser=parser).check(params)

@@ -72,6 +72,14 @@ _VLLM_ONLY_ARGS = {
 }
 
 
+def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    from engine.reasoning import REASONING_PARSERS
+
+    if value is not None and value not in REASONING_PARSERS:
+        raise InvalidRequestError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}; "
+                                  f"got {value!r}", field="reasoning_parser")
+
+
 def _valid_fault_plan(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
     from engine.worker.faults import parse_fault_plan
 
@@ -102,6 +110,9 @@ class EngineArgs:
     # "auto": generation_config.json's sampling defaults apply to requests that leave them
     # unset; "vllm": they do not; or a folder whose generation_config.json applies instead.
     generation_config: str = attrs.field(default="auto", validator=_non_empty)
+    # How a reasoning model's <think> part is told from its answer (engine.reasoning): the
+    # server splits it off, and structured outputs constrain only the answer.
+    reasoning_parser: str | None = attrs.field(default=None, validator=_reasoning_parser)
     # Seconds a request's structured_outputs may take to compile before it is refused (400).
     structured_outputs_compile_timeout: float = attrs.field(default=5.0, validator=_positive)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir

@@ -43,8 +43,10 @@ def compile_error(tokenizer, source: str) -> str:
 
 class GrammarCompiler:
     def __init__(
-        self, tokenizer_file: Path, *, vocab_size: int, eos_token_ids: Sequence[int], timeout_s: float
+        self, tokenizer_file: Path, *, vocab_size: int, eos_token_ids: Sequence[int], timeout_s: float,
+        reasoning_parser: str | None = None,
     ) -> None:
+        self._reasoning_parser = reasoning_parser
         self._tokenizer_args = (tokenizer_file, vocab_size, tuple(eos_token_ids))
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()
@@ -81,7 +83,7 @@ class GrammarCompiler:
             if error := _schema_error(params.json):
                 return error
         try:
-            source = grammar_source(params)
+            source = grammar_source(params, self._reasoning_parser)
         except ValueError as error:
             return str(error)
         tokenizer = self._grammar_tokenizer()  # once per engine; not the request's to wait on

@@ -43,7 +43,7 @@ def open_input_processor(model: EngineModel, args: EngineArgs, info: WorkerInfo)
     grammars = GrammarCompiler(
         model.path / "tokenizer.json", vocab_size=info.vocab_size,
         eos_token_ids=model.generation.eos_token_ids,
-        timeout_s=args.structured_outputs_compile_timeout,
+        timeout_s=args.structured_outputs_compile_timeout, reasoning_parser=args.reasoning_parser,
     )
     if model.tokenizer.chat_template and not template_reads_tools(model.tokenizer.chat_template):
         log.info("chat template: the model's own ignores tools; chats with tools use triode's %s",

@@ -133,9 +133,10 @@ def _source(kind: str, value: str, compact: bool, closed: bool) -> str:
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
 
 
-def grammar_source(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar for ``params``, cached by the constraint's source. A JSON
-    schema that llguidance cannot read raises ``ValueError`` here."""
+def grammar_source(params: StructuredOutputsParams, reasoning_parser: str | None = None) -> str:
+    """The llguidance grammar for ``params``, cached by the constraint's source; with a
+    reasoning parser, the constraint holds after the thinking. A JSON schema that llguidance
+    cannot read raises ``ValueError`` here."""
     value = getattr(params, params.kind)
     if params.kind == "json":
         value = json.dumps(value)
@@ -143,4 +144,9 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         value = json.dumps(list(value))
     elif params.kind == "json_object":
         value = ""
-    return _source(params.kind, value, params.disable_any_whitespace, params.disable_additional_properties)
+    source = _source(params.kind, value, params.disable_any_whitespace, params.disable_additional_properties)
+    if reasoning_parser is None:
+        return source
+    from engine.reasoning import after_reasoning
+
+    return after_reasoning(reasoning_parser, source)

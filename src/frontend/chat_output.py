@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from frontend.reasoning import REASONING_PARSERS, ReasoningParser
-from frontend.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolCallParser
+from engine.reasoning import REASONING_PARSERS, ReasoningParser
+from frontend.tool_parsers import TOOL_PARSERS, ParserDelta, ToolCall, ToolCallDelta, ToolCallParser
 from frontend.tool_request import ToolPlan
 
 
@@ -98,7 +98,7 @@ class ChatOutput:
                                                    ToolCallDelta(index=index, arguments=call.arguments))))
         return deltas
 
-    def _released(self, delta) -> MessageDelta:
+    def _released(self, delta: ParserDelta) -> MessageDelta:
         self.content += delta.content
         for call in delta.tool_calls:
             if call.id is not None:

@@ -12,7 +12,6 @@ from engine.config import parse_size
 from engine.errors import TriodeError
 from frontend.bench_serve import add_bench_serve
 from frontend.engine_flags import add_engine_flags, engine_args_from
-from frontend.reasoning import REASONING_PARSERS
 from frontend.scenarios.command import add_scenario_commands
 from frontend.tool_parsers import TOOL_PARSERS
 
@@ -28,7 +27,7 @@ def _serve(namespace: argparse.Namespace) -> int:
         api_keys=namespace.api_key, max_body_bytes=namespace.max_body_size,
         trust_request_chat_template=namespace.trust_request_chat_template,
         chat_template=namespace.chat_template, tool_call_parser=namespace.tool_call_parser,
-        enable_auto_tool_choice=namespace.enable_auto_tool_choice, reasoning_parser=namespace.reasoning_parser,
+        enable_auto_tool_choice=namespace.enable_auto_tool_choice,
     )
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
@@ -58,9 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                        help='let the model decide when to call tools (tool_choice "auto"); needs '
                             "--tool-call-parser (default: $TRIODE_ENABLE_AUTO_TOOL_CHOICE or no)")
-    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split <think> reasoning into the message's reasoning field "
-                            "(default: $TRIODE_REASONING_PARSER)")
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 

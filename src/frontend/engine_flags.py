@@ -25,6 +25,8 @@ _HELP = {
     "max_queued_requests": "requests waiting for intake before new ones get 503",
     "generation_config": "auto: the model's generation_config.json sampling defaults apply to "
                          "requests that leave them unset; vllm: they do not; or a folder",
+    "reasoning_parser": "deepseek_r1 or qwen3: <think> goes to the message's reasoning field, and "
+                        "structured outputs constrain only the answer after it",
     "structured_outputs_compile_timeout": "seconds a request's JSON schema, regex or grammar may "
                                           "take to compile before it is refused with 400",
     "cache_dir": "where converted models are cached (default: $TRIODE_CACHE or ~/.cache/triode)",

@@ -1,7 +1,8 @@
 """Server settings that are not engine arguments: API keys, the request body limit, whether
 requests may bring their own chat template, the server's chat template, and the tool-call
-and reasoning parsers (vLLM's ``--chat-template``, ``--tool-call-parser``,
-``--enable-auto-tool-choice``, ``--reasoning-parser``).
+parser (vLLM's ``--chat-template``, ``--tool-call-parser``, ``--enable-auto-tool-choice``).
+``--reasoning-parser`` is an engine argument, as in vLLM: the engine lets a constrained
+output think first.
 
 Read from ``TRIODE_API_KEY`` (one key, or several separated by commas),
 ``TRIODE_MAX_BODY_SIZE`` (bytes, or with a unit such as ``8MiB``) and ``TRIODE_<FIELD>`` for
@@ -51,12 +52,6 @@ def _tool_parsers():
     return TOOL_PARSERS
 
 
-def _reasoning_parsers():
-    from frontend.reasoning import REASONING_PARSERS
-
-    return REASONING_PARSERS
-
-
 def read_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's path, or the template itself (vLLM reads it the same way)."""
     if value is None or not value.strip():
@@ -78,7 +73,6 @@ class ServerSettings:
     chat_template: str | None = attrs.field(default=None, converter=read_chat_template)
     tool_call_parser: str | None = attrs.field(default=None, validator=_known(_tool_parsers))
     enable_auto_tool_choice: bool = False
-    reasoning_parser: str | None = attrs.field(default=None, validator=_known(_reasoning_parsers))
 
     def __attrs_post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -25,8 +25,9 @@ _NEG_INF = float("-inf")
 
 
 class SequenceGrammars:
-    def __init__(self, tokenizer_file: Path, vocab_size: int) -> None:
+    def __init__(self, tokenizer_file: Path, vocab_size: int, *, reasoning_parser: str | None = None) -> None:
         self._tokenizer_file = tokenizer_file
+        self._reasoning_parser = reasoning_parser
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._tokenizers: dict[tuple[int, ...], object] = {}  # by the model's EOS ids
@@ -54,7 +55,8 @@ class SequenceGrammars:
         key = (params.cache_key(), eos)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = LLMatcher(self._tokenizers[eos], grammar_source(params), log_level=0)
+            compiled = LLMatcher(self._tokenizers[eos], grammar_source(params, self._reasoning_parser),
+                                 log_level=0)
             self._compiled[key] = compiled
             while len(self._compiled) > _COMPILED_KEPT:
                 self._compiled.popitem(last=False)

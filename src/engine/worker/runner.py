@@ -128,7 +128,8 @@ class ModelRunner:
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
         # Only rank 0 samples, so only it follows grammars (built on first use).
-        self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size) if rank == 0 else None
+        self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
+                                         reasoning_parser=args.reasoning_parser) if rank == 0 else None
         self._grammar_seconds = 0.0
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
 

@@ -39,7 +39,7 @@ async def chat_completions() -> Response:
     settings = current_app.extensions["triode.settings"]
     serving = ChatServing(tool_call_parser=settings.tool_call_parser,
                           enable_auto_tool_choice=settings.enable_auto_tool_choice,
-                          reasoning_parser=settings.reasoning_parser)
+                          reasoning_parser=host().args.reasoning_parser)
     return await _serve(parse_chat(body, host().generation, serving), prefix="chatcmpl")
 
 

@@ -69,14 +69,6 @@ def call_from_object(value: Any, *, arguments_keys: tuple[str, ...] = ("argument
                     arguments=json.dumps(arguments, ensure_ascii=False))
 
 
-def held_prefix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (it may be cut)."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class ToolCallParser:
     """The base of every parser: keeps what was released, so that the result is the sum of
     the deltas. Subclasses implement ``_feed`` and ``_finish`` with ``_text``/``_call``."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 
-from frontend.tool_parsers.base import ToolCallParser, call_from_object, held_prefix
+from engine.streaming_text import split_at
+from frontend.tool_parsers.base import ToolCallParser, call_from_object
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -36,16 +37,10 @@ class HermesToolParser(ToolCallParser):
                 self._inside = False
                 self._block(block, closed=True)
                 continue
-            start = self._buffer.find(START)
-            if start >= 0:
-                self._outside(self._buffer[:start])
-                self._buffer = self._buffer[start + len(START):]
-                self._inside = True
-                continue
-            keep = held_prefix(self._buffer, START)
-            self._outside(self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
-            return
+            released, self._buffer, self._inside = split_at(self._buffer, START)
+            self._outside(released)
+            if not self._inside:
+                return
 
     def _outside(self, text: str) -> None:
         # Whitespace next to a call is the call's layout, not content; it comes back as text

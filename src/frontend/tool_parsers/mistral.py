@@ -12,7 +12,8 @@ import string
 
 import attrs
 
-from frontend.tool_parsers.base import ToolCall, ToolCallParser, call_from_object, held_prefix
+from engine.streaming_text import split_at
+from frontend.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ID_CHARACTERS = string.ascii_letters + string.digits
@@ -54,15 +55,8 @@ class MistralToolParser(ToolCallParser):
         self._buffer += text
         if self._after_marker:
             return
-        start = self._buffer.find(MARKER)
-        if start >= 0:
-            self._text(self._buffer[:start].rstrip())
-            self._buffer = self._buffer[start + len(MARKER):]
-            self._after_marker = True
-            return
-        keep = held_prefix(self._buffer, MARKER)
-        self._text(self._buffer[:len(self._buffer) - keep])
-        self._buffer = self._buffer[len(self._buffer) - keep:]
+        released, self._buffer, self._after_marker = split_at(self._buffer, MARKER)
+        self._text(released.rstrip() if self._after_marker else released)
 
     def _finish(self) -> None:
         calls = _calls(self._buffer.strip()) if self._after_marker else None

@@ -8,13 +8,18 @@ like the tool-call parsers; the answer part is what tool parsing then reads.
   closes it is all thinking, as in vLLM.
 - ``qwen3``: thinking only when the output opens with ``<think>`` (with
   ``enable_thinking=False`` Qwen3's template closes the block in the prompt, and the output
-  is all answer)."""
+  is all answer).
+
+With a reasoning parser, a structured output constrains the answer only: its grammar is
+wrapped in one that lets the thinking come first (``after_reasoning``)."""
 
 from __future__ import annotations
 
+import json
+
 import attrs
 
-from frontend.tool_parsers.base import held_prefix
+from engine.streaming_text import held_prefix
 
 START, END = "<think>", "</think>"
 
@@ -28,6 +33,8 @@ class ReasoningDelta:
 class ReasoningParser:
     name = ""
     starts_in_reasoning = True  # before any tag is seen
+    # The Lark rule that lets a constrained output think first: it ends at ``@answer``.
+    grammar_start = ""
 
     def __init__(self) -> None:
         self.reasoning = ""
@@ -83,13 +90,26 @@ class ReasoningParser:
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
     starts_in_reasoning = True
+    grammar_start = 'start: "<think>"? thinking gap @answer'
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     starts_in_reasoning = False
+    grammar_start = 'start: ("<think>" thinking gap)? @answer'
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
 }
+
+
+def after_reasoning(parser: str, answer: str) -> str:
+    """An llguidance grammar that lets the model reason as ``parser`` reads it, then holds
+    the rest to ``answer`` (an llguidance grammar): a constraint applies to the answer only."""
+    grammars = json.loads(answer)["grammars"] if answer.lstrip().startswith("{") else [{"lark_grammar": answer}]
+    if len(grammars) != 1:
+        raise ValueError("a constraint compiles to one grammar")
+    rules = "\n".join([REASONING_PARSERS[parser].grammar_start,
+                       f'thinking[lazy]: /(?s:.*)/ "{END}"', r"gap: /[\n ]*/"])
+    return json.dumps({"grammars": [{"lark_grammar": rules}, {**grammars[0], "name": "answer"}]})
