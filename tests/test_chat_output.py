@@ -110,3 +110,19 @@ def test_a_template_that_ignores_tools_is_replaced_by_the_shipped_one(tiny_token
     assert "<tool_response>\n2\n</tool_response>" in rendered and rendered.endswith("<|im_start|>assistant\n")
     own = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}"
     assert processor.render_chat(ChatOptions(messages=[messages[0]], tools=TOOLS, chat_template=own)) == "x?2"
+
+
+@pytest.mark.parametrize("tools, field", [
+    ([{"type": "retrieval"}], "tools[0]"),
+    ([{"type": "function", "function": {"name": "no spaces"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "tools[0].function.parameters"),
+    ([TOOLS[0], TOOLS[0]], "tools"),
+    ("f", "tools"),
+])
+def test_bad_tools_raise_before_anything_renders(tools, field):
+    from engine.errors import InvalidRequestError
+    from engine.inputs import ChatOptions
+
+    with pytest.raises(InvalidRequestError) as caught:
+        ChatOptions(messages=[{"role": "user", "content": "x"}], tools=tools)
+    assert caught.value.field == field

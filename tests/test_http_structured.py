@@ -1,6 +1,7 @@
 """HTTP tests: structured outputs through the real openai SDK (strict response validation on)
 against one ``triode serve`` on the default model: ``chat.completions.parse`` with a pydantic
-model, json_schema and json_object at temperature 0 and 1, vLLM's ``structured_outputs``
+model, json_schema and json_object at temperature 0 and 1 (with n, logprobs, stop strings and
+max_tokens), vLLM's ``structured_outputs``
 (choice, regex, grammar) on chat and completions, streamed and not, and the 400s that bad
 constraints get before anything is scheduled."""
 
@@ -114,6 +115,16 @@ def test_a_constrained_output_cut_by_max_tokens_says_length(client):
     )
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage.completion_tokens == 6
+
+
+def test_a_stop_string_ends_a_constrained_output(client):
+    completion = client.chat.completions.create(
+        model=model(client), messages=ASK_PERSON, max_completion_tokens=120, temperature=0.0,
+        response_format=json_schema_format(PERSON_SCHEMA), stop=['"age"'],
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == '"age"'
+    assert choice.message.content.startswith("{") and '"age"' not in choice.message.content
 
 
 def test_choice_regex_and_grammar_hold_on_chat_and_completions(server, client):

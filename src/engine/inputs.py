@@ -6,6 +6,7 @@ intake actor (which runs it in a worker thread: tokenizers release the GIL) shar
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
@@ -66,6 +67,41 @@ def _checked_template(instance: object, attribute: attrs.Attribute, value: Any) 
         )
 
 
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+def _tool_error(field: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field}: {message}", field=field)
+
+
+def _checked_tool(index: int, tool: Any) -> dict[str, Any]:
+    name = f"tools[{index}]"
+    if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+        raise _tool_error(name, 'expected a function tool ({"type": "function", "function": {...}})')
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise _tool_error(f"{name}.function", "expected an object with a name")
+    if not isinstance(function.get("name"), str) or not _TOOL_NAME.match(function["name"]):
+        raise _tool_error(f"{name}.function.name", "expected 1 to 64 letters, digits, '_', '-', '.' or ':'")
+    parameters = function.get("parameters")
+    if parameters is not None and not (isinstance(parameters, Mapping) and parameters.get("type", "object") == "object"):
+        raise _tool_error(f"{name}.function.parameters", "expected a JSON Schema of an object")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise _tool_error(f"{name}.function.description", "expected a string")
+    return {"type": "function", "function": dict(function)}
+
+
+def checked_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+    """OpenAI's function definitions, checked (``InvalidRequestError`` naming the field)."""
+    if isinstance(tools, str | Mapping) or not isinstance(tools, Sequence):
+        raise _tool_error("tools", "expected a list of function tools")
+    checked = tuple(_checked_tool(index, tool) for index, tool in enumerate(tools))
+    names = [tool["function"]["name"] for tool in checked]
+    if len(set(names)) != len(names):
+        raise _tool_error("tools", "function names must be unique")
+    return checked
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class ChatOptions:
     """A chat request: the messages and how to render them (vLLM's ``LLM.chat`` options). A
@@ -79,7 +115,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: tuple[Mapping[str, Any], ...] | None = attrs.field(
-        default=None, converter=lambda value: None if value is None else tuple(value))
+        default=None, converter=lambda value: None if value is None else checked_tools(value))
 
 
 TOOL_TEMPLATE_NAME = "chatml_tools.jinja"

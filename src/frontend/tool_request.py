@@ -13,19 +13,19 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from engine.errors import InvalidRequestError
+from engine.inputs import checked_tools
 from engine.structured_outputs import StructuredOutputsParams
 from frontend.errors import bad_request
 from frontend.request_body import Reader
 from frontend.tool_parsers import ToolCall
 from frontend.tool_parsers.base import new_call_id
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MODES = ("none", "auto", "required")
 
 
@@ -70,26 +70,6 @@ def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
     return dict(function.get("parameters") or {"type": "object", "properties": {}})
 
 
-def _tool(index: int, tool: Any) -> dict[str, Any]:
-    name = f"tools[{index}]"
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise bad_request(f"{name}: expected a function tool ({{\"type\": \"function\", \"function\": {{...}}}})",
-                          param=name)
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise bad_request(f"{name}.function: expected an object with a name", param=f"{name}.function")
-    if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
-        raise bad_request(f"{name}.function.name: expected 1 to 64 letters, digits, '_', '-', '.' or ':'",
-                          param=f"{name}.function.name")
-    parameters = function.get("parameters")
-    if parameters is not None and not (isinstance(parameters, dict) and parameters.get("type", "object") == "object"):
-        raise bad_request(f"{name}.function.parameters: expected a JSON Schema of an object",
-                          param=f"{name}.function.parameters")
-    if function.get("description") is not None and not isinstance(function["description"], str):
-        raise bad_request(f"{name}.function.description: expected a string", param=f"{name}.function.description")
-    return {"type": "function", "function": function}
-
-
 def read_tools(reader: Reader, *, parser: str | None, auto_enabled: bool) -> ToolPlan | None:
     raw = reader.raw("tools")
     choice = reader.raw("tool_choice")
@@ -100,10 +80,11 @@ def read_tools(reader: Reader, *, parser: str | None, auto_enabled: bool) -> Too
         return None
     if not isinstance(raw, list):
         raise reader.fail("tools", "expected an array of function tools")
-    tools = tuple(_tool(index, tool) for index, tool in enumerate(raw))
+    try:
+        tools = checked_tools(raw)
+    except InvalidRequestError as error:
+        raise bad_request(str(error), param=error.field) from None
     names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise bad_request("tools: function names must be unique", param="tools")
     mode, named = ("auto" if choice is None else choice), None
     if isinstance(choice, dict):
         function = choice.get("function")
