@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import httpx2
 import jsonschema
 import openai
 import pytest
@@ -176,3 +177,12 @@ def test_bad_tool_requests_get_a_400_naming_the_parameter(client, extra, param):
         client.chat.completions.create(model=model(client), messages=ASK, max_completion_tokens=5,
                                        extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_tokenize_renders_the_tools_too(protocol_server):
+    messages = [*ASK]
+    plain = httpx2.post(f"{protocol_server.url}/tokenize", json={"messages": messages}).json()
+    with_tools = httpx2.post(f"{protocol_server.url}/tokenize", json={"messages": messages, "tools": [WEATHER]})
+    assert with_tools.json()["count"] > plain["count"] + 50  # the tool's signature is in the prompt
+    bad = httpx2.post(f"{protocol_server.url}/tokenize", json={"messages": messages, "tools": [{"type": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0]"

@@ -2,8 +2,11 @@
 
 Each parses a decoded JSON body into prompts (or a chat) and one SamplingParams, with the
 output constraint (``response_format``, ``structured_outputs``: ``frontend.structured_request``)
-in it; fields we do not implement (tools, best_of, suffix) get a 400 that says so; unknown fields are ignored and logged once. Sampling fields a request leaves unset take
-the model's generation_config.json defaults (``--generation-config auto``, as in vLLM)."""
+in it; a chat also reads its tools (``frontend.tool_request``) and its messages' tool calls
+and tool results. Fields we do not implement (the legacy ``functions``, best_of, suffix) get
+a 400 that says so; unknown fields are ignored and logged once. Sampling fields a request
+leaves unset take the model's generation_config.json defaults (``--generation-config auto``,
+as in vLLM)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ POST /detokenize, with the engine's own tokenizer and template."""
 
 from __future__ import annotations
 
+import attrs
 import trio
 from quart import Blueprint, Response, jsonify, request
 
@@ -26,6 +27,11 @@ async def tokenize() -> Response:
         chat = parse_chat_options(reader)
         check_chat_template(chat)
         chat = with_server_chat_template(chat)
+        if (tools := reader.raw("tools")) is not None:
+            try:
+                chat = attrs.evolve(chat, tools=tools or None)
+            except InvalidRequestError as error:
+                raise bad_request(str(error), param=error.field) from None
         add_special = reader.bool("add_special_tokens", False)
         processor = llm.intake.processor
 
