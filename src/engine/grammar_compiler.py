@@ -94,9 +94,6 @@ class GrammarCompiler:
             return (f"compiling the constraint took longer than {self._timeout_s:g} s "
                     f"(structured_outputs_compile_timeout); simplify it")
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def _readable(params: StructuredOutputsParams, error: str) -> str:
     # llguidance reports a regex error against the one-rule grammar it wraps the regex in;

@@ -83,15 +83,20 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
 
-    def cache_key(self) -> str:
-        """The constraint's source in one canonical string: equal keys compile to one grammar."""
+    def source_text(self) -> str:
+        """The constraint itself as text: the schema or the choices as JSON (key order kept:
+        it is output order), the regex or grammar as given, nothing for any JSON object."""
         value: Any = getattr(self, self.kind)
         if self.kind == "json":
-            value = json.dumps(value, separators=(",", ":"))  # key order is output order
-        elif self.kind == "choice":
-            value = json.dumps(list(value))
+            return json.dumps(value, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        return "" if self.kind == "json_object" else value
+
+    def cache_key(self) -> str:
+        """The constraint's source in one canonical string: equal keys compile to one grammar."""
         flags = f"{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
-        return f"{self.kind}:{flags}:{value}"
+        return f"{self.kind}:{flags}:{self.source_text()}"
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
@@ -137,14 +142,8 @@ def grammar_source(params: StructuredOutputsParams, reasoning_parser: str | None
     """The llguidance grammar for ``params``, cached by the constraint's source; with a
     reasoning parser, the constraint holds after the thinking. A JSON schema that llguidance
     cannot read raises ``ValueError`` here."""
-    value = getattr(params, params.kind)
-    if params.kind == "json":
-        value = json.dumps(value)
-    elif params.kind == "choice":
-        value = json.dumps(list(value))
-    elif params.kind == "json_object":
-        value = ""
-    source = _source(params.kind, value, params.disable_any_whitespace, params.disable_additional_properties)
+    source = _source(params.kind, params.source_text(), params.disable_any_whitespace,
+                     params.disable_additional_properties)
     if reasoning_parser is None:
         return source
     from engine.reasoning import after_reasoning

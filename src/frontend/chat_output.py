@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from engine.reasoning import REASONING_PARSERS, ReasoningParser
+from engine.reasoning import REASONING_PARSERS, ReasoningDelta, ReasoningParser
 from frontend.tool_parsers import TOOL_PARSERS, ParserDelta, ToolCall, ToolCallDelta, ToolCallParser
 from frontend.tool_request import ToolPlan
 
@@ -56,12 +56,12 @@ class ChatOutput:
         self.tool_calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[MessageDelta]:
-        return self._answer(self._reasoning.feed(text) if self._reasoning else [_Answer(text)], finish=False)
+        return self._answer(self._reasoning.feed(text) if self._reasoning else [ReasoningDelta(content=text)], finish=False)
 
     def finish(self) -> list[MessageDelta]:
         return self._answer(self._reasoning.finish() if self._reasoning else [], finish=True)
 
-    def _answer(self, pieces, *, finish: bool) -> list[MessageDelta]:
+    def _answer(self, pieces: list[ReasoningDelta], *, finish: bool) -> list[MessageDelta]:
         out: list[MessageDelta] = []
         for piece in pieces:
             if piece.reasoning:
@@ -123,9 +123,3 @@ class ChatOutput:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
-
-
-@attrs.frozen
-class _Answer:
-    content: str
-    reasoning: str = ""

@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationDefaults
 from engine.sampling_params import OutputKind, SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
-from frontend.errors import bad_request
+from frontend.errors import bad_request, from_engine_error
 
 log = logging.getLogger("triode.frontend")
 
@@ -226,6 +226,4 @@ def read_sampling(reader: Reader, *, max_tokens: int | None, logprobs: int | Non
     try:
         return SamplingParams(**fields)
     except InvalidRequestError as e:
-        field = (aliases or {}).get(e.field, e.field) if e.field else None
-        message = str(e) if field == e.field else f"{field}{str(e)[len(e.field or ''):]}"
-        raise bad_request(message, param=field) from None
+        raise from_engine_error(e, aliases) from None

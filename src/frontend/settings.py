@@ -37,19 +37,12 @@ _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "fals
              "off": False, "": False}
 
 
-def _known(choices_of):
-    def check(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-        choices = choices_of()
-        if value is not None and value not in choices:
-            raise InvalidRequestError(f"{attribute.name}: expected one of {', '.join(sorted(choices))}, "
-                                      f"got {value!r}", field=attribute.name)
-    return check
-
-
-def _tool_parsers():
+def _tool_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
     from frontend.tool_parsers import TOOL_PARSERS
 
-    return TOOL_PARSERS
+    if value is not None and value not in TOOL_PARSERS:
+        raise InvalidRequestError(f"tool_call_parser: expected one of {', '.join(sorted(TOOL_PARSERS))}, "
+                                  f"got {value!r}", field="tool_call_parser")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -71,7 +64,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False
     chat_template: str | None = attrs.field(default=None, converter=read_chat_template)
-    tool_call_parser: str | None = attrs.field(default=None, validator=_known(_tool_parsers))
+    tool_call_parser: str | None = attrs.field(default=None, validator=_tool_parser)
     enable_auto_tool_choice: bool = False
 
     def __attrs_post_init__(self) -> None:

@@ -17,7 +17,7 @@ import attrs
 
 from engine.errors import InvalidRequestError
 from engine.structured_outputs import FIELD, StructuredOutputsParams
-from frontend.errors import bad_request
+from frontend.errors import bad_request, from_engine_error
 from frontend.request_body import Reader
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -46,11 +46,7 @@ def _params(fields: dict[str, Any], names: Mapping[str, str]) -> Constraint:
     try:
         return Constraint(StructuredOutputsParams(**fields), names)
     except InvalidRequestError as error:
-        param = names.get(error.field or "", error.field)
-        message = str(error)
-        if error.field and message.startswith(error.field):
-            message = param + message[len(error.field):]
-        raise bad_request(message, param=param) from None
+        raise from_engine_error(error, names) from None
 
 
 def _response_format(reader: Reader) -> Constraint:

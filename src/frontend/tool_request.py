@@ -21,7 +21,7 @@ import attrs
 from engine.errors import InvalidRequestError
 from engine.inputs import checked_tools
 from engine.structured_outputs import StructuredOutputsParams
-from frontend.errors import bad_request
+from frontend.errors import bad_request, from_engine_error
 from frontend.request_body import Reader
 from frontend.tool_parsers import ToolCall
 from frontend.tool_parsers.base import new_call_id
@@ -83,7 +83,7 @@ def read_tools(reader: Reader, *, parser: str | None, auto_enabled: bool) -> Too
     try:
         tools = checked_tools(raw)
     except InvalidRequestError as error:
-        raise bad_request(str(error), param=error.field) from None
+        raise from_engine_error(error) from None
     names = [t["function"]["name"] for t in tools]
     mode, named = ("auto" if choice is None else choice), None
     if isinstance(choice, dict):

@@ -9,10 +9,10 @@ masks, applying them, advancing matchers) comes from the engine's statistics."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from engine.bench.report import machine_description, plot_bars, print_table, write_json
+from engine.bench.throughput import timed_generate
 from engine.bench.workloads import Workload, make_workload
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -30,25 +30,14 @@ SCHEMA = {
 }
 
 
-def _params(workload: Workload, constrained: bool) -> list[SamplingParams]:
-    if not constrained:
-        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    constraint = StructuredOutputsParams(json=SCHEMA)
-    return [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=constraint)
-            for n in workload.output_lens]
-
-
 def _measure(llm: LLM, workload: Workload, constrained: bool) -> dict:
-    before = llm.llm_engine.statistics()
-    started = time.perf_counter()
-    outputs = llm.generate(list(workload.prompts), _params(workload, constrained), use_tqdm=True)
-    seconds = time.perf_counter() - started
-    after = llm.llm_engine.statistics()
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=constraint)
+              for n in workload.output_lens] if constrained else None
+    seconds, before, after = timed_generate(llm, workload, params)
     step = after.rank_step_seconds_total[0] - before.rank_step_seconds_total[0]
     grammar = after.grammar_seconds_total - before.grammar_seconds_total
-    return {"seconds": seconds, "tokens_per_second": produced / seconds,
+    return {"seconds": seconds, "tokens_per_second": workload.total_output_tokens / seconds,
             "grammar_share_of_step": grammar / step if step else 0.0}
 
 

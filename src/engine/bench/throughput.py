@@ -16,9 +16,13 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
-def timed_generate(llm: LLM, workload: Workload) -> tuple[float, EngineStatistics, EngineStatistics]:
-    """Runs the workload greedily through ``llm``; (seconds, statistics before, after)."""
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+def timed_generate(
+    llm: LLM, workload: Workload, params: list[SamplingParams] | None = None
+) -> tuple[float, EngineStatistics, EngineStatistics]:
+    """Runs the workload through ``llm`` (greedily, all its tokens, unless ``params`` say
+    otherwise; they must still produce every token); (seconds, statistics before, after)."""
+    if params is None:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     before = llm.llm_engine.statistics()
     started = time.perf_counter()
     outputs = llm.generate(list(workload.prompts), params, use_tqdm=True)

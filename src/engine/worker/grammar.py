@@ -14,6 +14,8 @@ import collections
 from collections.abc import Sequence
 from pathlib import Path
 
+import llguidance
+import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
@@ -47,15 +49,13 @@ class SequenceGrammars:
         output_token_ids: Sequence[int] = (),
     ) -> None:
         """A matcher for ``seq_id`` that has consumed ``output_token_ids`` (a replay)."""
-        from llguidance import LLMatcher
-
         eos = tuple(eos_token_ids)
         if eos not in self._tokenizers:
             self._tokenizers[eos] = open_grammar_tokenizer(self._tokenizer_file, self.vocab_size, eos)
         key = (params.cache_key(), eos)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = LLMatcher(self._tokenizers[eos], grammar_source(params, self._reasoning_parser),
+            compiled = llguidance.LLMatcher(self._tokenizers[eos], grammar_source(params, self._reasoning_parser),
                                  log_level=0)
             self._compiled[key] = compiled
             while len(self._compiled) > _COMPILED_KEPT:
@@ -79,9 +79,6 @@ class SequenceGrammars:
         """[len(seq_ids), words] int32: bit ``t % 32`` of word ``t // 32`` is set where token
         ``t`` may come next. A matcher in an error state (it cannot happen when every token was
         sampled under its mask) allows only EOS, so its sequence ends instead of looping."""
-        import llguidance
-        import llguidance.numpy as llg_numpy
-
         bitmask = np.zeros((len(seq_ids), self.words), dtype=np.int32)
         matchers = [self._matchers[seq_id] for seq_id in seq_ids]
         if len(matchers) == 1:

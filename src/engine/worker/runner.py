@@ -153,15 +153,16 @@ class ModelRunner:
             self.sequences.pop(seq_id, None)
             if self.grammars is not None:
                 self.grammars.forget(seq_id)
-        grammar_started = time.perf_counter()
+        self._grammar_seconds = 0.0
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = _Sequence(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids
             )
             if self.grammars is not None and new.params.structured_outputs is not None:
+                grammar_started = time.perf_counter()
                 self.grammars.start(new.seq_id, new.params.structured_outputs, new.eos_token_ids,
                                     new.output_token_ids)
-        self._grammar_seconds = time.perf_counter() - grammar_started
+                self._grammar_seconds += time.perf_counter() - grammar_started
         # Decodes (one query token) go first: the attention ops batch them together.
         chunks = sorted(plan.chunks, key=lambda chunk: len(chunk.token_ids) != 1)
         for chunk in chunks:

@@ -8,7 +8,7 @@ import trio
 from quart import Blueprint, Response, jsonify, request
 
 from engine.errors import InvalidRequestError
-from frontend.errors import bad_request
+from frontend.errors import bad_request, from_engine_error
 from frontend.request_body import Reader, read_json_object
 from frontend.requests import parse_chat_options
 from frontend.routes import check_chat_template, check_model, host, with_server_chat_template
@@ -31,7 +31,7 @@ async def tokenize() -> Response:
             try:
                 chat = attrs.evolve(chat, tools=tools or None)
             except InvalidRequestError as error:
-                raise bad_request(str(error), param=error.field) from None
+                raise from_engine_error(error) from None
         add_special = reader.bool("add_special_tokens", False)
         processor = llm.intake.processor
 
@@ -49,7 +49,7 @@ async def tokenize() -> Response:
     try:
         tokens = await trio.to_thread.run_sync(encode)
     except InvalidRequestError as e:
-        raise bad_request(str(e), param=e.field) from None
+        raise from_engine_error(e) from None
     body = {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
     if return_strs:
         body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)

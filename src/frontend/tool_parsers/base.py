@@ -8,6 +8,7 @@ the whole text at once, so streamed and whole outputs agree by construction."""
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from collections.abc import Mapping
@@ -69,7 +70,7 @@ def call_from_object(value: Any, *, arguments_keys: tuple[str, ...] = ("argument
                     arguments=json.dumps(arguments, ensure_ascii=False))
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """The base of every parser: keeps what was released, so that the result is the sum of
     the deltas. Subclasses implement ``_feed`` and ``_finish`` with ``_text``/``_call``."""
 
@@ -114,11 +115,11 @@ class ToolCallParser:
         self._finish()
         return self._released()
 
-    def _feed(self, text: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _feed(self, text: str) -> None: ...
 
-    def _finish(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _finish(self) -> None: ...
 
 
 def parse(parser: ToolCallParser, text: str) -> tuple[str, list[ToolCall]]:

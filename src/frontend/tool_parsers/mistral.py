@@ -10,8 +10,6 @@ import json
 import random
 import string
 
-import attrs
-
 from engine.streaming_text import split_at
 from frontend.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
 
@@ -28,7 +26,8 @@ def _calls(body: str) -> list[ToolCall] | None:
         calls = []
         for part in body.split(MARKER):
             name, found, arguments = part.partition(ARGS)
-            call = call_from_object({"name": name.strip(), "arguments": arguments}) if found else None
+            call = call_from_object({"name": name.strip(), "arguments": arguments},
+                                    call_id=mistral_call_id()) if found else None
             if call is None:
                 return None
             calls.append(call)
@@ -38,7 +37,7 @@ def _calls(body: str) -> list[ToolCall] | None:
     except json.JSONDecodeError:
         return None
     items = value if isinstance(value, list) else [value]
-    calls = [call_from_object(item) for item in items]
+    calls = [call_from_object(item, call_id=mistral_call_id()) for item in items]
     return calls if calls and all(c is not None for c in calls) else None
 
 
@@ -62,7 +61,7 @@ class MistralToolParser(ToolCallParser):
         calls = _calls(self._buffer.strip()) if self._after_marker else None
         if calls:
             for call in calls:
-                self._call(attrs.evolve(call, id=mistral_call_id()))
+                self._call(call)
         else:
             self._text((MARKER if self._after_marker else "") + self._buffer)
         self._buffer = ""
