@@ -29,8 +29,11 @@ TINY_MODEL_TEXTS = (
 def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, dtype=torch.float32,
               device: str = "cpu"):
     """(token ids, per-step log-softmax rows, on the CPU) for each prompt, one prompt at a time
-    so that no padding enters the comparison."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    so that no padding enters the comparison. A directory holding a GGUF file (the default
+    model's cache entry) is read from that file, as transformers dequantizes it."""
+    ggufs = sorted(Path(path).glob("*.gguf"))
+    source = {"gguf_file": ggufs[0].name} if ggufs else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **source).to(device).eval()
     # Without this, generate merges the model's own EOS back in and stops early.
     model.generation_config.eos_token_id = None
     config = GenerationConfig(

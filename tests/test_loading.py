@@ -19,8 +19,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -32,6 +30,7 @@ from engine.model_files.cache import MARKER_FILE, ensure_cache_entry, entry_is_c
 from engine.model_files.layout import load_hf_config
 from engine.model_files.resolve import ResolvedModel, resolve_model
 from engine.worker.checkpoint import iter_safetensors
+from tests.gguf_models import write_tiny_gguf
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -264,60 +263,6 @@ def test_hub_repo_not_found(tmp_path, monkeypatch):
 # --- GGUF ------------------------------------------------------------------------------------
 
 
-def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's rotary layout for q/k rows (convert_hf_to_gguf.py's LlamaModel.permute)."""
-    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
-
-
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer) -> None:
-    """Writes ``model`` (F32) and its byte-level BPE tokenizer the way llama.cpp would."""
-    config = model.config
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    special = set(tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>"}
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_types([3 if token in special else 1 for token, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        array = tensor.float().numpy().copy()
-        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
-        if parts[0] == "layers":
-            local = ".".join(parts[2:])
-            if local == "self_attn.q_proj":
-                array = _permute(array, config.num_attention_heads)
-            elif local == "self_attn.k_proj":
-                array = _permute(array, config.num_key_value_heads)
-            gguf_name = f"blk.{parts[1]}.{names[local]}.weight"
-        else:
-            gguf_name = f"{names[parts[0]]}.weight"
-        writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def tiny_gguf(request, tmp_path_factory, tiny_tokenizer):
     directory = tmp_path_factory.mktemp("gguf")
@@ -510,7 +455,7 @@ def check_default_entry(path: Path) -> None:
 def test_default_model(shared_cache_dir, monkeypatch):
     resolved = resolve_model(None, cache_dir=shared_cache_dir, progress=True)
     assert resolved.source == "default"
-    assert resolved.path == Path(shared_cache_dir) / "models" / "SmolLM2-135M-Instruct"
+    assert resolved.path == Path(shared_cache_dir) / "models" / "SmolLM2-135M-Instruct-q1"
     check_default_entry(resolved.path)
     marker = resolved.path / MARKER_FILE
     sealed_at = marker.stat().st_mtime_ns

@@ -6,7 +6,10 @@ directory, given by :func:`use_cache_dir`; a per-user temporary directory when n
 it), named by a hash of the sources, the flags and the compiler, so every start after the
 first costs a ``dlopen``.
 Without a compiler (or if the build fails) :func:`native_library` returns None, the reason
-is logged once, and the ops take their torch references. The library links the
+is logged once, and the ops take their torch references. ``TRIODE_CPU_ISA=avx2`` (or
+:func:`set_cpu_isa`) builds and loads the library for AVX2 (``-march=x86-64-v3``) instead of
+this CPU's widest vectors, so that the AVX2 code paths run, and are tested, on an AVX-512
+machine too. The library links the
 ``libgomp.so.1`` that torch has already loaded, so the kernels share torch's OpenMP thread
 pool (``torch.set_num_threads`` governs both).
 """
@@ -27,14 +30,30 @@ _SOURCES = tuple(sorted(_CSRC.glob("*.c")))
 _HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 # -ffast-math lets the dot products vectorize; it is given to the compile step only, since
 # linking a shared library with it would set flush-to-zero for the whole process (gcc < 13).
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+_COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
 _LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["bind", "native_library", "use_cache_dir"]
+__all__ = ["ISA_FLAGS", "bind", "cpu_isa", "native_library", "set_cpu_isa", "use_cache_dir"]
 
 _directory = Path(tempfile.gettempdir()) / f"triode-kernels-{os.getuid()}"
+_isa = os.environ.get("TRIODE_CPU_ISA", "native")
+
+
+def set_cpu_isa(name: str) -> None:
+    """Which build later calls bind: 'native' (this CPU's instructions) or 'avx2'."""
+    global _isa
+    if name not in ISA_FLAGS:
+        raise ValueError(f"CPU ISA must be one of {', '.join(ISA_FLAGS)}; got {name!r}")
+    _isa = name
+
+
+def cpu_isa() -> str:
+    if _isa not in ISA_FLAGS:
+        raise ValueError(f"TRIODE_CPU_ISA must be one of {', '.join(ISA_FLAGS)}; got {_isa!r}")
+    return _isa
 
 
 def use_cache_dir(cache_dir: str | Path) -> None:
@@ -43,10 +62,11 @@ def use_cache_dir(cache_dir: str | Path) -> None:
     _directory = Path(cache_dir) / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, isa: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     files = (path.read_text() for path in (*_SOURCES, *_HEADERS))
-    text = "\0".join([*files, *_COMPILE_FLAGS, *_LINK_FLAGS, version])
+    compile_flags = (*_COMPILE_FLAGS, *ISA_FLAGS[isa])
+    text = "\0".join([*files, *compile_flags, *_LINK_FLAGS, version])
     library = _directory / f"triode-kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
     if library.exists():
         return library
@@ -56,7 +76,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         objects = [str(Path(scratch) / f"{source.stem}.o") for source in _SOURCES]
         built = Path(scratch) / library.name
-        _run_all([[compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", obj]
+        _run_all([[compiler, *compile_flags, "-c", str(source), "-o", obj]
                   for source, obj in zip(_SOURCES, objects, strict=True)])
         _run_all([[compiler, *objects, *_LINK_FLAGS, "-o", str(built)]])
         os.replace(built, library)
@@ -77,11 +97,16 @@ def _run_all(commands: list[list[str]]) -> None:
         raise RuntimeError(failures[0])
 
 
-@functools.cache
 def native_library() -> ctypes.CDLL | None:
-    """The loaded library, built first if needed; None (logged once) when it cannot be."""
+    """The loaded library for :func:`cpu_isa`, built first if needed; None (logged once) when
+    it cannot be."""
+    return _library(cpu_isa())
+
+
+@functools.cache
+def _library(isa: str) -> ctypes.CDLL | None:
     try:
-        return ctypes.CDLL(str(_build(os.environ.get("CC") or "cc")))
+        return ctypes.CDLL(str(_build(os.environ.get("CC") or "cc", isa)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         logger.warning("triode's C kernels are unavailable, using the torch references: %s", error)
         return None

@@ -14,6 +14,7 @@ def _step(namespace: argparse.Namespace) -> int:
         batch_sizes=tuple(namespace.batch_sizes),
         context=namespace.context,
         steps=namespace.steps,
+        dtypes=tuple(namespace.dtypes),
         output_dir=Path(namespace.output_dir),
     )
     return 0
@@ -58,6 +59,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
     step.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    step.add_argument("--dtypes", nargs="+", default=["auto"],
+                      help="one runner per dtype (auto keeps quantized weights on a CPU)")
     step.add_argument("--output-dir", default="bench-results")
     step.set_defaults(handler=_step)
 

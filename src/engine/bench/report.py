@@ -104,3 +104,15 @@ def plot_bars(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
+
+
+def load_hf_reference(model_path: Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """transformers' model of a resolved model directory. A directory that triode converted
+    from GGUF holds quantized blocks transformers cannot read; where it keeps the source file
+    (the default model does), transformers reads that, dequantizing it as it loads."""
+    from transformers import AutoModelForCausalLM
+
+    ggufs = sorted(Path(model_path).glob("*.gguf"))
+    source = {"gguf_file": ggufs[0].name} if ggufs else {}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **source)
+    return model.to(device).eval()

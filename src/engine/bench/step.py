@@ -1,5 +1,7 @@
 """`triode bench step`: decode step time of our runner against Hugging Face's model forward
-with its KV cache, at the same batch size and context, measured in the same run."""
+with its KV cache, at the same batch size and context, measured in the same run; with
+``--dtypes auto float32``, a quantized model's runner from its blocks and dequantized, side by
+side."""
 
 from __future__ import annotations
 
@@ -7,10 +9,17 @@ import statistics
 import time
 from pathlib import Path
 
+import attrs
 import torch
 from tqdm import tqdm
 
-from engine.bench.report import machine_description, plot_lines, print_table, write_json
+from engine.bench.report import (
+    load_hf_reference,
+    machine_description,
+    plot_lines,
+    print_table,
+    write_json,
+)
 from engine.config import EngineArgs
 from engine.model_files.resolve import resolve_model
 from engine.sampling_params import SamplingParams
@@ -71,38 +80,51 @@ def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
+def _label(runner: ModelRunner) -> str:
+    """What a runner computes with: its dtype, and the block types it keeps quantized."""
+    kinds = sorted(set(runner.quantized.values()))
+    dtype = str(runner.dtype).removeprefix("torch.")
+    return f"{'+'.join(kinds)} weights, {dtype}" if kinds else dtype
+
+
 def run(
     *,
     model: str | None,
     batch_sizes: tuple[int, ...] = (1, 8, 32, 64),
     context: int = 128,
     steps: int = 8,
+    dtypes: tuple[str, ...] = ("auto",),
     output_dir: Path = Path("bench-results"),
 ) -> list[dict]:
-    from transformers import AutoModelForCausalLM
-
     args = EngineArgs(model=model, kv_cache_memory="2GiB")
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-    runner = ModelRunner(args, resolved.path)
-    hf_model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=runner.dtype).to(runner.device).eval()
-    vocab = runner.config.vocab_size
+    runners = {dtype: ModelRunner(attrs.evolve(args, dtype=dtype), resolved.path) for dtype in dtypes}
+    first = next(iter(runners.values()))
+    hf_model = load_hf_reference(resolved.path, first.dtype, first.device)
+    vocab = first.config.vocab_size
+    labels = {dtype: _label(runner) for dtype, runner in runners.items()}
     print(f"triode bench step: {resolved.source}, context {context} tokens, {steps} decode steps, "
-          f"{runner.dtype} on {runner.device}; {machine_description()}")
+          f"triode {' / '.join(labels.values())}, HF {first.dtype} on {first.device}; {machine_description()}")
     rows = []
     for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
         prompts = _context(batch, context, vocab, seed=batch)
-        ours = time_ours(runner, prompts, steps)
-        hf = time_hf(hf_model, prompts, steps)
-        rows.append({"batch": batch, "triode_ms": ours * 1e3, "hf_ms": hf * 1e3, "speedup": hf / ours})
+        row = {"batch": batch}
+        for dtype, runner in runners.items():
+            row[f"triode_{dtype}_ms"] = time_ours(runner, prompts, steps) * 1e3
+        row["hf_ms"] = time_hf(hf_model, prompts, steps) * 1e3
+        rows.append(row)
     print_table(
-        ["batch", "triode ms/step", "HF ms/step", "HF/triode"],
-        [[r["batch"], r["triode_ms"], r["hf_ms"], f"{r['speedup']:.2f}x"] for r in rows],
+        ["batch", *(f"triode {label} ms" for label in labels.values()), "HF ms/step",
+         *(f"HF/{label}" for label in labels.values())],
+        [[r["batch"], *(r[f"triode_{d}_ms"] for d in runners), r["hf_ms"],
+          *(f"{r['hf_ms'] / r[f'triode_{d}_ms']:.2f}x" for d in runners)] for r in rows],
     )
-    write_json(output_dir / "step.json", {"context": context, "steps": steps, "rows": rows})
+    write_json(output_dir / "step.json", {"context": context, "steps": steps, "triode": labels, "rows": rows})
     plot_lines(
         output_dir / "step.png", title=f"Decode step time, context {context}",
         x_label="batch size", y_label="ms per step", x=[r["batch"] for r in rows],
-        series={"triode": [r["triode_ms"] for r in rows], "HF transformers": [r["hf_ms"] for r in rows]},
+        series={**{f"triode {labels[d]}": [r[f"triode_{d}_ms"] for r in rows] for d in runners},
+                "HF transformers": [r["hf_ms"] for r in rows]},
         log_x=True,
     )
     print(f"wrote {output_dir / 'step.json'} and {output_dir / 'step.png'}")

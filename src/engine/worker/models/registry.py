@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -24,10 +24,13 @@ def build_model(
     max_positions: int,
     source: str,
     parallel: TensorParallelGroup | None = None,
+    quantized: Mapping[str, str] | None = None,
 ) -> nn.Module:
     """Builds the model without initialising parameters (they are overwritten by the load).
     With ``parallel``, the model holds that rank's shard and ``weights`` must yield the
-    slices ``checkpoint_slices`` names (the loader reads only those)."""
+    slices ``checkpoint_slices`` names (the loader reads only those). ``quantized`` (tensor
+    name -> block type) names the checkpoint's quantized tensors to keep as they are; other
+    quantized tensors are dequantized as they load."""
     model_class = _MODELS.get(config.architecture)
     if model_class is None:
         raise UnsupportedModelError(
@@ -36,6 +39,8 @@ def build_model(
         )
     with torch.device("meta"):
         model = model_class(config, max_positions=max_positions, parallel=parallel)
+        if quantized:
+            model.keep_quantized(quantized)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(weights, source=source)

@@ -1,0 +1,275 @@
+"""GGUF files into the triode cache, quantized weights kept as they are.
+
+The config and tokenizer are read from the GGUF metadata by transformers (which reads no
+tensor data for them). The tensors are ours: each is renamed to its Hugging Face name, the
+q/k rows of a ``llama`` file are put back from llama.cpp's rotary order, and the result is
+streamed into one safetensors file. Tensors of a block type the CPU kernels run
+(:data:`KERNEL_TYPES`) stay in GGUF's blocks, as uint8 rows listed in the file's metadata
+(:data:`engine.model_files.layout.QUANTIZED_METADATA_KEY`); every other type is dequantized to
+float32 here, and the log says which. The worker decides at load whether a quantized tensor
+runs as it is or is dequantized (:func:`engine.worker.runner.kept_quantized`).
+
+It runs in the engine process, while it resolves the model. The tensors take numpy and the
+``gguf`` package, and memory of one tensor at a time on top of the mapped file; transformers,
+for the metadata, may import torch while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.model_files.default_model import say
+from engine.model_files.layout import QUANTIZED_METADATA_KEY
+
+# Block types the quantized CPU kernels run (kernels.quant_linear.QUANT_TYPES, which imports
+# torch; a test keeps the two equal).
+KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+# GGUF general.architecture -> the transformers class the converted directory names.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"mistral": "MistralForCausalLM"}  # a llama file that transformers calls mistral
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_PROGRESS_EVERY_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ARCHITECTURES", "KERNEL_TYPES", "check_gguf", "convert_gguf"]
+
+
+def check_gguf(path: Path) -> Any:
+    """The file's ``gguf.GGUFReader``; raises ModelLoadError unless it parses as a complete
+    GGUF file of an architecture triode runs."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file: {e.strerror or e}", path=str(path)) from e
+    if magic != b"GGUF":
+        raise ModelLoadError("not a GGUF file (bad magic bytes)", path=str(path))
+    import gguf
+
+    # GGUFReader memory-maps the file and views every tensor, so truncation surfaces here as
+    # a reshape or index error rather than later, deep inside transformers.
+    try:
+        reader = gguf.GGUFReader(path)
+        count = len(reader.tensors)
+    except Exception as e:
+        raise ModelLoadError(
+            f"GGUF file is truncated or corrupt ({type(e).__name__}: {e})", path=str(path)
+        ) from e
+    if count == 0:
+        raise ModelLoadError("GGUF file holds no tensors", path=str(path))
+    architecture = _architecture(reader)
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {architecture!r} is not supported; triode reads "
+            f"{', '.join(ARCHITECTURES)}", path=str(path))
+    return reader
+
+
+def _architecture(reader: Any) -> str | None:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: bool) -> None:
+    """Writes ``gguf_path`` into ``out_dir`` as a Hugging Face directory: config.json, the
+    tokenizer files and model.safetensors (quantized blocks where the kernels run them)."""
+    reader = check_gguf(gguf_path)
+    say(progress, f"converting {gguf_path.name} (one-time) ...")
+    started = time.monotonic()
+    config = _write_config_and_tokenizer(gguf_path, out_dir, scratch, progress)
+    tensors = _plan_tensors(reader, config, gguf_path)
+    _write_safetensors(out_dir / "model.safetensors", tensors, progress)
+    kept = sum(1 for t in tensors if t.kind is not None)
+    say(progress, f"converted in {time.monotonic() - started:.1f} s "
+                  f"({kept} of {len(tensors)} tensors kept quantized)")
+
+
+def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, progress: bool) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    # A clean directory holding only the GGUF, so that stray config or tokenizer files next to
+    # the user's file cannot leak into the conversion.
+    staging = scratch / "gguf"
+    staging.mkdir()
+    link = staging / "model.gguf"
+    try:
+        os.symlink(gguf_path.resolve(), link)
+    except OSError:
+        shutil.copyfile(gguf_path, link)
+    try:
+        with _quiet_unless(progress):
+            config = AutoConfig.from_pretrained(staging, gguf_file=link.name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=link.name, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the GGUF metadata ({type(e).__name__}: {e})",
+                             path=str(gguf_path)) from e
+    raw = config.to_dict()
+    raw.pop("quantization_config", None)
+    model_type = raw.get("model_type")
+    architecture = _MODEL_TYPES.get(model_type) or ARCHITECTURES.get(model_type)
+    if architecture is None:
+        raise UnsupportedModelError(f"GGUF model type {model_type!r} is not supported", path=str(gguf_path))
+    raw["architectures"] = [architecture]
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
+    tokenizer.save_pretrained(out_dir)
+    return raw
+
+
+class _Tensor:
+    """One tensor of the output: its name, storage, and how to produce its bytes."""
+
+    def __init__(self, name: str, kind: str | None, shape: list[int], nbytes: int,
+                 produce: Callable[[], Any]) -> None:
+        self.name, self.kind, self.shape, self.nbytes, self.produce = name, kind, shape, nbytes, produce
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    match = _LAYER_NAME.match(gguf_name)
+    if match:
+        layer, local, suffix = match.groups()
+        mapped = _LAYER_TENSORS.get(local)
+        return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
+    stem, _, suffix = gguf_name.rpartition(".")
+    mapped = _MODEL_TENSORS.get(stem)
+    return None if mapped is None else f"{mapped}.{suffix}"
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
+                                          "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    local = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+             "self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.q_proj.bias": (heads * head_dim,),
+             "self_attn.k_proj.weight": (kv_heads * head_dim, hidden), "self_attn.k_proj.bias": (kv_heads * head_dim,),
+             "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), "self_attn.v_proj.bias": (kv_heads * head_dim,),
+             "self_attn.o_proj.weight": (hidden, heads * head_dim), "self_attn.o_proj.bias": (hidden,),
+             "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
+             "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+             "mlp.down_proj.weight": (hidden, inter)}
+    for layer in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in local.items()})
+    return shapes
+
+
+def _rotary_rows(rows: int, heads: int) -> Any:
+    """The row order that undoes llama.cpp's q/k permutation (HF row -> GGUF row)."""
+    import numpy as np
+
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).transpose(0, 2, 1).reshape(rows)
+
+
+def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[_Tensor]:
+    import numpy as np
+    from gguf.quants import dequantize
+
+    expected = _expected_shapes(config)
+    heads = config["num_attention_heads"]
+    permute = {".q_proj.": heads, ".k_proj.": config.get("num_key_value_heads") or heads}
+    unpermute = _architecture(reader) == "llama"
+    planned, dequantized = [], []
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # llama3 rope factors: the config's rope_scaling says the same
+        name = _hf_name(tensor.name)
+        if name is None or name not in expected:
+            raise ModelLoadError(f"tensor {tensor.name} has no place in a "
+                                 f"{config['architectures'][0]} model", path=str(gguf_path))
+        shape = [int(n) for n in reversed(tensor.shape.tolist())]
+        if tuple(shape) != expected[name]:
+            raise ModelLoadError(f"tensor {tensor.name} has shape {shape}, but the file's header "
+                                 f"says {list(expected[name])}", path=str(gguf_path))
+        order = None
+        if unpermute:
+            heads_of = next((n for fragment, n in permute.items() if fragment in name), None)
+            order = None if heads_of is None else _rotary_rows(shape[0], heads_of)
+        kind = tensor.tensor_type.name
+        if kind in KERNEL_TYPES:
+            def produce(data=tensor.data, order=order):
+                return data if order is None else data[order]
+            planned.append(_Tensor(name, kind, list(tensor.data.shape), int(tensor.data.nbytes), produce))
+            continue
+        if kind not in ("F32", "F16", "BF16"):
+            dequantized.append(f"{tensor.name} ({kind})")
+
+        def produce(data=tensor.data, kind_id=tensor.tensor_type, shape=shape, order=order):
+            values = dequantize(data, kind_id).astype(np.float32, copy=False).reshape(shape)
+            return values if order is None else values[order]
+        planned.append(_Tensor(name, None, shape, 4 * int(np.prod(shape)), produce))
+    if dequantized:
+        logger.warning("%s: %d tensors are of block types triode's kernels do not run and are "
+                       "dequantized to float32: %s", gguf_path.name, len(dequantized),
+                       ", ".join(dequantized[:5]) + (" ..." if len(dequantized) > 5 else ""))
+    return planned
+
+
+def _write_safetensors(path: Path, tensors: list[_Tensor], progress: bool) -> None:
+    """Streams ``tensors`` into one safetensors file, one tensor in memory at a time."""
+    import numpy as np
+
+    header: dict[str, Any] = {}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": "U8" if t.kind else "F32", "shape": t.shape,
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    quantized = {t.name: t.kind for t in tensors if t.kind}
+    header["__metadata__"] = {"format": "pt", QUANTIZED_METADATA_KEY: json.dumps(quantized, sort_keys=True)}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    written, reported = 0, time.monotonic()
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in tensors:
+            data = np.ascontiguousarray(t.produce())
+            if data.nbytes != t.nbytes:
+                raise ModelLoadError(f"tensor {t.name}: {data.nbytes} bytes, expected {t.nbytes}")
+            f.write(data.data)
+            written += t.nbytes
+            if progress and time.monotonic() - reported >= _PROGRESS_EVERY_S:
+                reported = time.monotonic()
+                say(progress, f"  {written / offset:.0%} of {offset / 1e9:.2f} GB written")
+
+
+@contextlib.contextmanager
+def _quiet_unless(progress: bool) -> Iterator[None]:
+    """Hides transformers' progress bars when progress is off."""
+    if progress:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

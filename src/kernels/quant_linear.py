@@ -1,0 +1,173 @@
+"""Linear layers and embedding lookups over weights kept in GGUF's quantized blocks, on CPUs
+(``csrc/quant_linear.c``).
+
+A :class:`QuantizedWeight` is a matrix [out, in] stored as GGUF stores it: each row its
+blocks back to back, as a uint8 tensor [out, row_bytes]. Up to :data:`FUSED_ROWS` rows of
+activations go to the C loop, which decodes each group of 32 weights into registers once and
+multiplies it into every row (float32 throughout). More rows, a prefill, run as a float32
+matrix multiply over panels of the weight dequantized by the C code: the decode is then paid
+once per panel for all the rows, and the multiply runs at the matrix library's speed.
+
+On a CPU without AVX2, or without a C compiler, there are no quantized kernels
+(:func:`quantized_kernels_available` is False) and a model dequantizes its weights at load
+instead (:meth:`QuantizedWeight.dequantize` then uses the ``gguf`` package's numpy code).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import attrs
+import torch
+
+from kernels.native import bind, cpu_isa
+
+# GGUF type name -> (GGMLQuantizationType value, weights per block, bytes per block).
+QUANT_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+# Rows the fused C loop takes; beyond them a step dequantizes panels. Measured on the default
+# model's Q4_1 layers (2-core AVX2, ms for 30 layers' matmuls, C loop / panel + MKL): 8 rows
+# 22 / 78, 32 rows 112 / 126, 64 rows 212 / 191, 128 rows 474 / 293.
+FUSED_ROWS = 48
+# Output rows per dequantized panel: 4 MiB of float32 at in = 1024, so a panel stays in cache.
+PANEL_WEIGHTS = 1 << 20
+_NOT_BUILT = -4
+
+__all__ = ["FUSED_ROWS", "QUANT_TYPES", "QuantizedWeight", "quantized_kernels_available"]
+
+
+@functools.cache
+def _entries(isa: str):
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    linear = bind("triode_quant_linear", i32, pointer, i64, pointer, i64, pointer, pointer, i64, i64, i32, i64)
+    dequantize = bind("triode_quant_dequantize", i32, pointer, i64, pointer, i64, i64, i32, pointer, i64)
+    if linear is None or dequantize is None:
+        return None
+    x, weight, y = torch.zeros(1, 32), torch.zeros(1, 34, dtype=torch.uint8), torch.empty(1, 1)
+    if linear(QUANT_TYPES["Q8_0"][0], x.data_ptr(), 32, weight.data_ptr(), 34, None, y.data_ptr(),
+              1, 1, 32, 1) == _NOT_BUILT:
+        return None  # built for a CPU without AVX2
+    return linear, dequantize
+
+
+def _kernels():
+    return _entries(cpu_isa())
+
+
+def quantized_kernels_available() -> bool:
+    """Whether this CPU runs quantized weights as they are (AVX2 and a C compiler)."""
+    return _kernels() is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise ValueError(f"{what}: the C kernel refused its arguments (status {status})")
+
+
+@attrs.frozen
+class QuantizedWeight:
+    """A weight matrix [out_features, in_features] in one GGUF block type: ``data`` is uint8
+    [out_features, row_bytes], each row ``in_features / block`` blocks."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(QUANT_TYPES))
+    data: torch.Tensor = attrs.field(converter=lambda tensor: tensor.contiguous())
+    in_features: int
+
+    def __attrs_post_init__(self) -> None:
+        _, weights, size = QUANT_TYPES[self.kind]
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"{self.kind} data must be uint8 [rows, bytes]; got {self.data.dtype} "
+                             f"{list(self.data.shape)}")
+        if self.in_features % weights or self.data.shape[1] != self.in_features // weights * size:
+            raise ValueError(f"{self.kind} rows of {self.in_features} weights are "
+                             f"{self.in_features // weights * size} bytes; got {self.data.shape[1]}")
+
+    @classmethod
+    def from_bytes(cls, kind: str, data: torch.Tensor) -> QuantizedWeight:
+        """The weight whose rows are ``data`` [out, row_bytes] (in_features follows)."""
+        _, weights, size = QUANT_TYPES[kind]
+        return cls(kind, data, data.shape[1] // size * weights)
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def block_weights(self) -> int:
+        return QUANT_TYPES[self.kind][1]
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        return QuantizedWeight(self.kind, self.data[start:stop], self.in_features)
+
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Columns [start, stop), which must fall on block boundaries."""
+        _, weights, size = QUANT_TYPES[self.kind]
+        if start % weights or stop % weights:
+            raise ValueError(f"{self.kind} weights split only at multiples of {weights} columns; "
+                             f"asked for [{start}:{stop}]")
+        data = self.data[:, start // weights * size: stop // weights * size].contiguous()
+        return QuantizedWeight(self.kind, data, stop - start)
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [len(ids) or out, in]: the rows ``ids`` (int64, in range), or all rows."""
+        entries = _kernels()
+        count = self.out_features if ids is None else ids.numel()
+        if entries is None:
+            return self._dequantize_numpy(ids)
+        out = torch.empty((count, self.in_features), dtype=torch.float32)
+        if count:
+            data = self.data.contiguous()
+            ids = None if ids is None else ids.to(torch.int64).contiguous()
+            _check(entries[1](QUANT_TYPES[self.kind][0], data.data_ptr(), data.shape[1],
+                              None if ids is None else ids.data_ptr(), 0, count,
+                              self.in_features, out.data_ptr(), out.stride(0)), "dequantize")
+        return out
+
+    def _dequantize_numpy(self, ids: torch.Tensor | None) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        data = self.data if ids is None else self.data[ids]
+        values = dequantize(data.numpy(), GGMLQuantizationType[self.kind])
+        return torch.from_numpy(values.astype("float32", copy=False).reshape(data.shape[0], -1))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for float32 rows x [rows, in], into ``out`` [rows,
+        out_features] (a column slice of a wider tensor is fine) or a new tensor."""
+        entries = _kernels()
+        if entries is None:
+            raise RuntimeError("quantized kernels are not available on this CPU")
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        if rows == 0:
+            return out
+        kind = QUANT_TYPES[self.kind][0]
+        if rows <= FUSED_ROWS:
+            _check(entries[0](kind, x.data_ptr(), x.stride(0), self.data.data_ptr(), self.data.shape[1],
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                              rows, self.in_features, self.out_features), f"{self.kind} linear")
+            return out
+        step = max(1, PANEL_WEIGHTS // self.in_features)
+        panel = torch.empty((min(step, self.out_features), self.in_features), dtype=torch.float32)
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            _check(entries[1](kind, self.data.data_ptr(), self.data.shape[1], None, start, stop - start,
+                              self.in_features, panel.data_ptr(), panel.stride(0)), "dequantize")
+            part = panel[: stop - start]
+            out[:, start:stop] = torch.nn.functional.linear(
+                x, part, None if bias is None else bias[start:stop])
+        return out

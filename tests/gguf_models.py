@@ -1,0 +1,132 @@
+"""GGUF files of tiny models for the tests: written the way llama.cpp writes them (q/k rows in
+its rotary order, the tokenizer in the metadata), every matrix in one block type.
+
+The ``gguf`` package quantizes Q4_0, Q4_1 and Q8_0 but not the K types; :func:`quantize` does
+those with a plain min/max rule per sub-block (llama.cpp searches for better scales; any valid
+blocks serve a test whose reference is the same blocks dequantized).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+
+def quantize(array: np.ndarray, kind: str) -> np.ndarray:
+    """uint8 [rows, bytes] blocks of ``array`` [rows, columns] in block type ``kind``."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if kind in ("Q4_K", "Q5_K"):
+        return _quantize_q45_k(array, 31 if kind == "Q5_K" else 15)
+    if kind == "Q6_K":
+        return _quantize_q6_k(array)
+    return gguf_quantize(array, GGMLQuantizationType[kind])
+
+
+def _halves(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def _quantize_q45_k(array: np.ndarray, top: int) -> np.ndarray:
+    rows = array.shape[0]
+    x = array.reshape(rows, -1, 8, 32)  # blocks of 256, sub-blocks of 32
+    low = np.minimum(x.min(axis=-1), 0.0)
+    step = (x.max(axis=-1) - low) / top
+    # Scales stay normal float16 numbers (an all-zero row, such as a padding embedding, too).
+    d = np.maximum(step.max(axis=-1) / 63, 1e-4)
+    dmin = np.maximum((-low).max(axis=-1) / 63, 1e-4)
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(step / d[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(-low / dmin[..., None]), 0, 63).astype(np.uint8)
+    scale = (d[..., None] * sc)[..., None]
+    q = np.clip(np.rint((x + (dmin[..., None] * m)[..., None]) / scale), 0, top).astype(np.uint8)
+    scales = np.zeros((*sc.shape[:2], 12), dtype=np.uint8)
+    scales[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    q = q.reshape(*q.shape[:2], 4, 2, 32)  # pairs of sub-blocks: low and high nibbles
+    qs = ((q[..., 0, :] & 0xF) | ((q[..., 1, :] & 0xF) << 4)).reshape(*q.shape[:2], 128)
+    parts = [_halves(d), _halves(dmin), scales]
+    if top == 31:
+        bits = (q.reshape(*q.shape[:2], 8, 32) >> 4) & 1
+        parts.append((bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2).astype(np.uint8))
+    parts.append(qs)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _quantize_q6_k(array: np.ndarray) -> np.ndarray:
+    rows = array.shape[0]
+    x = array.reshape(rows, -1, 16, 16)  # blocks of 256, sub-blocks of 16
+    step = np.abs(x).max(axis=-1) / 31
+    d = np.maximum(step.max(axis=-1) / 127, 1e-4).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(step / d[..., None]), 1, 127).astype(np.int8)
+    scale = (d[..., None] * sc)[..., None]
+    q = (np.clip(np.rint(x / scale), -32, 31) + 32).astype(np.uint8).reshape(*x.shape[:2], 2, 4, 32)
+    ql = np.empty((*x.shape[:2], 2, 64), dtype=np.uint8)
+    ql[..., 0:32] = (q[..., 0, :] & 0xF) | ((q[..., 2, :] & 0xF) << 4)
+    ql[..., 32:64] = (q[..., 1, :] & 0xF) | ((q[..., 3, :] & 0xF) << 4)
+    qh = sum(((q[..., s, :] >> 4) & 3) << (2 * s) for s in range(4)).astype(np.uint8)
+    parts = [ql.reshape(*x.shape[:2], 128), qh.reshape(*x.shape[:2], 64), sc.view(np.uint8), _halves(d)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary layout for q/k rows (convert_hf_to_gguf.py's LlamaModel.permute)."""
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32") -> None:
+    """Writes ``model`` and its byte-level BPE tokenizer the way llama.cpp would: norms in F32,
+    every matrix in ``kind`` (F32 or a block type)."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = set(tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>"}
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if token in special else 1 for token, _ in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy().copy()
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] == "layers":
+            local = ".".join(parts[2:])
+            if local == "self_attn.q_proj":
+                array = _permute(array, config.num_attention_heads)
+            elif local == "self_attn.k_proj":
+                array = _permute(array, config.num_key_value_heads)
+            gguf_name = f"blk.{parts[1]}.{names[local]}.weight"
+        else:
+            gguf_name = f"{names[parts[0]]}.weight"
+        if kind == "F32" or array.ndim == 1:
+            writer.add_tensor(gguf_name, array)
+        else:
+            writer.add_tensor(gguf_name, quantize(array, kind), raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,148 @@
+"""contract: GGUF models run from their quantized weights, held to Hugging Face transformers
+reading the same GGUF file (``gguf_file=``, which dequantizes it to float32).
+
+Each block type gets a tiny random Llama written as a GGUF file (tests/gguf_models.py); our
+runner keeps its matrices quantized (dtype auto on a CPU with the kernels) or dequantizes
+them (``--dtype float32``); both must give transformers' greedy tokens, with vLLM's top-5
+rule where float32 sums in another order part a near-tie. Bad files fail at conversion with
+the file and the tensor named, and leave nothing in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.model_files.layout import QUANTIZED_METADATA_KEY
+from engine.model_files.resolve import resolve_model
+from engine.worker.checkpoint import iter_safetensors, quantized_tensors
+from kernels.quant_linear import QuantizedWeight, quantized_kernels_available
+from tests.gguf_models import write_tiny_gguf
+from tests.hf_compare import assert_close_to_hf, hf_greedy, make_driver, ours_greedy
+
+pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+MAX_TOKENS = 32
+
+
+def tiny_quantizable_llama(tokenizer) -> LlamaForCausalLM:
+    """Rows of 256 so that every block type fits; weights large enough for decisive logits."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5, initializer_range=0.08,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_tokenizer):
+    return tiny_quantizable_llama(tiny_tokenizer)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def quantized_gguf(request, tmp_path_factory, tiny_model, tiny_tokenizer):
+    """(the GGUF file in a directory of its own, the converted cache entry)."""
+    directory = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    path = directory / f"tiny.{request.param}.gguf"
+    write_tiny_gguf(path, tiny_model, tiny_tokenizer, request.param)
+    entry = resolve_model(str(path), cache_dir=str(directory / "cache"), progress=False).path
+    return request.param, path, entry
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    from tests.hf_compare import TINY_MODEL_TEXTS
+
+    return [tiny_tokenizer.encode(text) for text in TINY_MODEL_TEXTS]
+
+
+def test_conversion_keeps_the_blocks(quantized_gguf):
+    kind, path, entry = quantized_gguf
+    kinds = quantized_tensors(entry)
+    # Every matrix (the embedding and the LM head included) stays in the file's blocks.
+    assert len(kinds) == 2 + 2 * 7 and set(kinds.values()) == {kind}
+    reader = gguf.GGUFReader(path)
+    tensors = dict(iter_safetensors(entry))
+    original = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    down = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, QuantizedWeight) and down.kind == kind
+    assert np.array_equal(down.data.numpy(), np.asarray(original.data))
+    assert tensors["model.norm.weight"].dtype == torch.float32
+
+
+def test_quantized_and_dequantized_runs_match_hf_on_the_same_file(quantized_gguf, prompts):
+    kind, path, entry = quantized_gguf
+    reference = hf_greedy(path.parent, prompts, MAX_TOKENS)
+    driver = make_driver(entry)
+    assert driver.runner.quantized, "dtype auto on this CPU keeps the blocks"
+    quantized = driver.generate(prompts, _greedy())
+    assert_close_to_hf(quantized, reference, logprob_atol=2e-3)
+    dequantized = ours_greedy(entry, prompts, MAX_TOKENS, dtype="float32")
+    assert_close_to_hf(dequantized, reference, logprob_atol=2e-3)
+    agree = sum(a == b for (ours, _), (hf, _) in zip(quantized, reference, strict=True)
+                for a, b in zip(ours, hf, strict=True))
+    assert agree >= 0.9 * MAX_TOKENS * len(prompts), f"{kind}: only {agree} tokens agree"
+
+
+def _greedy():
+    from tests.hf_compare import greedy_params
+
+    return greedy_params(MAX_TOKENS)
+
+
+def test_an_unknown_architecture_fails_naming_the_file(tmp_path):
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"other\.gguf: GGUF architecture 'gpt2' is not supported"):
+        resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
+
+
+def test_a_tensor_whose_size_disagrees_with_the_header_names_it(tmp_path, tiny_model, tiny_tokenizer):
+    """A file whose feed-forward length says 512 but whose gate matrix has other rows."""
+    path = tmp_path / "inconsistent.gguf"
+    wrong = tiny_quantizable_llama(tiny_tokenizer)
+    layer = wrong.model.layers[1].mlp
+    layer.gate_proj.weight = torch.nn.Parameter(layer.gate_proj.weight[:256].clone())
+    write_tiny_gguf(path, wrong, tiny_tokenizer, "Q8_0")
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelLoadError, match=r"inconsistent\.gguf: tensor blk\.1\.ffn_gate\.weight has "
+                                             r"shape \[256, 256\], but the file's header says \[512, 256\]"):
+        resolve_model(str(path), cache_dir=str(cache), progress=False)
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_unkept_types_are_dequantized_and_logged(tmp_path, tiny_model, tiny_tokenizer, caplog):
+    """Q5_0 has no kernel here: its matrices arrive as float32, and the log says so."""
+    path = tmp_path / "tiny.Q5_0.gguf"
+    write_tiny_gguf(path, tiny_model, tiny_tokenizer, "Q5_0")
+    with caplog.at_level("WARNING", logger="engine.model_files.gguf_convert"):
+        entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    assert "dequantized to float32: token_embd.weight (Q5_0)" in caplog.text
+    assert quantized_tensors(entry) == {}
+    header = json.loads((entry / "model.safetensors").read_bytes()[8:][:int.from_bytes(
+        (entry / "model.safetensors").read_bytes()[:8], "little")])
+    assert json.loads(header["__metadata__"][QUANTIZED_METADATA_KEY]) == {}
+
+
+def test_a_bfloat16_run_dequantizes(tmp_path, tiny_model, tiny_tokenizer):
+    path = tmp_path / "tiny.Q8_0.gguf"
+    write_tiny_gguf(path, tiny_model, tiny_tokenizer, "Q8_0")
+    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    driver = make_driver(entry, dtype="bfloat16")
+    assert driver.runner.quantized == {}
+    assert driver.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16

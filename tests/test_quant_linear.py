@@ -1,0 +1,128 @@
+"""kernels: the quantized CPU kernels (kernels.quant_linear, csrc/quant_linear.c) against the
+gguf package's own dequantization followed by a float64 matmul.
+
+Blocks are random, written into a GGUF file by the ``gguf`` package's writer and read back by
+its reader, so the kernels read exactly the bytes a real file holds. Every type runs at 1, 2,
+8, 64 and 512 rows (the C loop and the dequantized-panel path both), on odd output sizes,
+with this CPU's widest vectors and with the AVX2 build (``TRIODE_CPU_ISA=avx2``).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from engine.model_files.gguf_convert import KERNEL_TYPES
+from kernels import native
+from kernels.quant_linear import (
+    FUSED_ROWS,
+    QUANT_TYPES,
+    QuantizedWeight,
+    quantized_kernels_available,
+)
+
+pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
+
+# Offsets of the float16 scales in each block (the rest of a block is any bits at all).
+_HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# float32 sums in another order than the float64 reference: error relative to the largest
+# output, per type (measured at most 4e-7; the K types' larger blocks sum more terms).
+TOLERANCE = {"Q4_0": 2e-6, "Q4_1": 2e-6, "Q8_0": 2e-6, "Q4_K": 5e-6, "Q5_K": 5e-6, "Q6_K": 5e-6}
+
+
+def random_blocks(kind: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """uint8 [rows, bytes]: random quantized values with finite, moderate float16 scales."""
+    _, weights, size = QUANT_TYPES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, columns // weights, size), dtype=np.uint8)
+    for offset in _HALF_OFFSETS[kind]:
+        halves = (rng.standard_normal(blocks.shape[:2]) * 0.02).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def through_a_gguf_file(path, kind: str, blocks: np.ndarray) -> np.ndarray:
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("weight", blocks, raw_dtype=T[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(path).tensors
+    assert tensor.tensor_type == T[kind]
+    return np.array(tensor.data)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request):
+    previous = native.cpu_isa()
+    native.set_cpu_isa(request.param)
+    yield request.param
+    native.set_cpu_isa(previous)
+
+
+def test_every_kernel_type_is_kept_by_the_converter():
+    assert set(QUANT_TYPES) == KERNEL_TYPES
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("out_features", [37, 96])
+def test_linear_matches_dequantize_then_matmul(kind, out_features, isa, tmp_path):
+    weights = QUANT_TYPES[kind][1]
+    in_features = 3 * weights if weights == 256 else 5 * weights
+    blocks = through_a_gguf_file(tmp_path / "w.gguf", kind, random_blocks(kind, out_features, in_features, 1))
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(blocks))
+    assert weight.shape == (out_features, in_features)
+    reference_weight = torch.from_numpy(dequantize(blocks, T[kind])).double()
+    bias = torch.randn(out_features)
+    for rows in (1, 2, 8, FUSED_ROWS + 16, 512):
+        x = torch.randn(rows, in_features)
+        expected = x.double() @ reference_weight.T + bias.double()
+        got = weight.linear(x, bias)
+        scale = expected.abs().max().item()
+        assert (got.double() - expected).abs().max().item() <= TOLERANCE[kind] * scale, (kind, rows)
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_dequantize_matches_gguf(kind, isa, tmp_path):
+    weights = QUANT_TYPES[kind][1]
+    blocks = through_a_gguf_file(tmp_path / "w.gguf", kind, random_blocks(kind, 19, 2 * weights, 2))
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(blocks))
+    expected = torch.from_numpy(dequantize(blocks, T[kind]))
+    torch.testing.assert_close(weight.dequantize(), expected, rtol=1e-6, atol=1e-6)
+    ids = torch.tensor([18, 0, 7, 7])
+    torch.testing.assert_close(weight.dequantize(ids), expected[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_output_slices_and_strided_rows(isa):
+    """Fused layers write each part into its columns of a wider output."""
+    blocks = random_blocks("Q8_0", 40, 64, 3)
+    weight = QuantizedWeight.from_bytes("Q8_0", torch.from_numpy(blocks))
+    x = torch.randn(3, 128)[:, ::2]  # rows with a column stride: copied first
+    out = torch.full((3, 100), 7.0)
+    weight.linear(x, out=out[:, 30:70])
+    expected = x.double() @ torch.from_numpy(dequantize(blocks, T.Q8_0)).double().T
+    torch.testing.assert_close(out[:, 30:70].double(), expected, rtol=1e-5, atol=1e-5)
+    assert (out[:, :30] == 7).all() and (out[:, 70:] == 7).all()
+
+
+def test_columns_split_only_on_block_boundaries():
+    weight = QuantizedWeight.from_bytes("Q4_K", torch.from_numpy(random_blocks("Q4_K", 4, 512, 4)))
+    right = weight.columns(256, 512)
+    assert right.shape == (4, 256)
+    torch.testing.assert_close(right.dequantize(), weight.dequantize()[:, 256:])
+    with pytest.raises(ValueError, match="multiples of 256"):
+        weight.columns(0, 128)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="rows of 64 weights are 68 bytes; got 35"):
+        QuantizedWeight("Q8_0", torch.zeros(2, 35, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedWeight("Q8_0", torch.zeros(2, 34, dtype=torch.int8), 32)
+    with pytest.raises(ValueError):
+        QuantizedWeight("Q3_K", torch.zeros(2, 34, dtype=torch.uint8), 32)
