@@ -455,7 +455,7 @@ def check_default_entry(path: Path) -> None:
 def test_default_model(shared_cache_dir, monkeypatch):
     resolved = resolve_model(None, cache_dir=shared_cache_dir, progress=True)
     assert resolved.source == "default"
-    assert resolved.path == Path(shared_cache_dir) / "models" / "SmolLM2-135M-Instruct-q1"
+    assert resolved.path == Path(shared_cache_dir) / "models" / "SmolLM2-135M-Instruct-q2"
     check_default_entry(resolved.path)
     marker = resolved.path / MARKER_FILE
     sealed_at = marker.stat().st_mtime_ns

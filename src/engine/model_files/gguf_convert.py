@@ -93,8 +93,9 @@ def _architecture(reader: Any) -> str | None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: bool) -> None:
-    """Writes ``gguf_path`` into ``out_dir`` as a Hugging Face directory: config.json, the
-    tokenizer files and model.safetensors (quantized blocks where the kernels run them)."""
+    """Writes ``gguf_path`` into ``out_dir`` as a Hugging Face directory: config.json,
+    generation_config.json, the tokenizer files and model.safetensors (quantized blocks where
+    the kernels run them)."""
     reader = check_gguf(gguf_path)
     say(progress, f"converting {gguf_path.name} (one-time) ...")
     started = time.monotonic()
@@ -107,7 +108,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: boo
 
 
 def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, progress: bool) -> dict[str, Any]:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     # A clean directory holding only the GGUF, so that stray config or tokenizer files next to
     # the user's file cannot leak into the conversion.
@@ -133,6 +134,8 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
         raise UnsupportedModelError(f"GGUF model type {model_type!r} is not supported", path=str(gguf_path))
     raw["architectures"] = [architecture]
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
+    # The EOS and special token ids, as transformers derives them from the model config.
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return raw
 

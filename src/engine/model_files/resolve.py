@@ -42,7 +42,7 @@ _HUB_IGNORE = ["consolidated*", "*/*"]
 _HUB_PROBE_TIMEOUT_S = 5.0
 # Part of every GGUF cache entry's name: a converter that writes another layout bumps it, so an
 # entry written by an older one is never read as this one's.
-GGUF_LAYOUT = "q1"
+GGUF_LAYOUT = "q2"
 
 
 @attrs.frozen
