@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
+from engine.bench.report import load_hf_reference
 from engine.config import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.worker.runner import ModelRunner
@@ -31,9 +32,7 @@ def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, 
     """(token ids, per-step log-softmax rows, on the CPU) for each prompt, one prompt at a time
     so that no padding enters the comparison. A directory holding a GGUF file (the default
     model's cache entry) is read from that file, as transformers dequantizes it."""
-    ggufs = sorted(Path(path).glob("*.gguf"))
-    source = {"gguf_file": ggufs[0].name} if ggufs else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **source).to(device).eval()
+    model = load_hf_reference(path, dtype, device)
     # Without this, generate merges the model's own EOS back in and stops early.
     model.generation_config.eos_token_id = None
     config = GenerationConfig(

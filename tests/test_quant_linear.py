@@ -126,3 +126,11 @@ def test_bad_shapes_are_refused():
         QuantizedWeight("Q8_0", torch.zeros(2, 34, dtype=torch.int8), 32)
     with pytest.raises(ValueError):
         QuantizedWeight("Q3_K", torch.zeros(2, 34, dtype=torch.uint8), 32)
+
+
+def test_row_ids_outside_the_table_raise():
+    weight = QuantizedWeight.from_bytes("Q8_0", torch.from_numpy(random_blocks("Q8_0", 5, 32, 5)))
+    with pytest.raises(IndexError, match=r"row ids \[0, 5\] outside \[0, 5\)"):
+        weight.dequantize(torch.tensor([0, 5]))
+    with pytest.raises(IndexError):
+        weight.dequantize(torch.tensor([-1]))

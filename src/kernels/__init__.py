@@ -5,6 +5,8 @@ torch references, except on a CPU where a C compiler could build triode's C kern
 (:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`) and the elementwise
 ops (:mod:`kernels.cpu_elementwise`) run them, and linear layers run oneDNN with weights packed
 at load time (:mod:`kernels.packed_linear`), one row the C loop of :mod:`kernels.cpu_linear`.
+Weights kept in GGUF's quantized blocks are :class:`QuantizedWeight` objects, whose ``linear``
+and ``dequantize`` run the C kernels of :mod:`kernels.quant_linear` (CPUs with AVX2 only).
 ``TRIODE_KERNELS=torch|triton|auto`` (or :func:`set_backend`) overrides the choice for tests
 and benchmarks: ``torch`` runs only the references; forcing triton on CPU needs
 ``TRITON_INTERPRET=1``.
@@ -44,6 +46,7 @@ from kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
+from kernels.quant_linear import QuantizedWeight, quantized_kernels_available
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
@@ -54,12 +57,14 @@ _backend = os.environ.get("TRIODE_KERNELS", "auto")
 __all__ = [
     "BACKENDS",
     "AttentionMetadata",
+    "QuantizedWeight",
     "backend_for",
     "get_backend",
     "linear",
     "pack_linear_weight",
     "paged_attention",
     "prepare",
+    "quantized_kernels_available",
     "rms_norm",
     "rotary_embedding",
     "set_backend",

@@ -36,7 +36,7 @@ QUANT_TYPES: dict[str, tuple[int, int, int]] = {
 # model's Q4_1 layers (2-core AVX2, ms for 30 layers' matmuls, C loop / panel + MKL): 8 rows
 # 22 / 78, 32 rows 112 / 126, 64 rows 212 / 191, 128 rows 474 / 293.
 FUSED_ROWS = 48
-# Output rows per dequantized panel: 4 MiB of float32 at in = 1024, so a panel stays in cache.
+# Weights per dequantized panel (whole output rows): 4 MiB of float32, so a panel stays in cache.
 PANEL_WEIGHTS = 1 << 20
 _NOT_BUILT = -4
 
@@ -120,16 +120,20 @@ class QuantizedWeight:
         return QuantizedWeight(self.kind, data, stop - start)
 
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [len(ids) or out, in]: the rows ``ids`` (int64, in range), or all rows."""
-        entries = _kernels()
+        """float32 [len(ids) or out, in]: the rows ``ids``, or all rows. A row id outside
+        [0, out) raises IndexError, as an embedding lookup does (the C code reads any row)."""
         count = self.out_features if ids is None else ids.numel()
+        if ids is not None and count:
+            low, high = torch.aminmax(ids)
+            if low < 0 or high >= self.out_features:
+                raise IndexError(f"row ids [{int(low)}, {int(high)}] outside [0, {self.out_features})")
+        entries = _kernels()
         if entries is None:
             return self._dequantize_numpy(ids)
         out = torch.empty((count, self.in_features), dtype=torch.float32)
         if count:
-            data = self.data.contiguous()
             ids = None if ids is None else ids.to(torch.int64).contiguous()
-            _check(entries[1](QUANT_TYPES[self.kind][0], data.data_ptr(), data.shape[1],
+            _check(entries[1](QUANT_TYPES[self.kind][0], self.data.data_ptr(), self.data.shape[1],
                               None if ids is None else ids.data_ptr(), 0, count,
                               self.in_features, out.data_ptr(), out.stride(0)), "dequantize")
         return out

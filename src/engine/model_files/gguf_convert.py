@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model_files.default_model import say
 from engine.model_files.layout import QUANTIZED_METADATA_KEY
@@ -140,12 +142,16 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     return raw
 
 
+@attrs.frozen
 class _Tensor:
-    """One tensor of the output: its name, storage, and how to produce its bytes."""
+    """One tensor of the output: its name, block type (None: float32), shape as stored, size,
+    and how to produce its bytes when they are written."""
 
-    def __init__(self, name: str, kind: str | None, shape: list[int], nbytes: int,
-                 produce: Callable[[], Any]) -> None:
-        self.name, self.kind, self.shape, self.nbytes, self.produce = name, kind, shape, nbytes, produce
+    name: str
+    kind: str | None
+    shape: list[int]
+    nbytes: int
+    produce: Callable[[], Any]
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -32,7 +32,6 @@ from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.sampling_batch import SamplingBatch, SamplingRow
 from engine.worker.step_inputs import StepInputs
 from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
-from kernels.quant_linear import quantized_kernels_available
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device
     float32), none elsewhere (they are dequantized to the model's dtype as they load)."""
     if device.type != "cpu" or args.dtype != "auto" or not kinds:
         return {}
-    if not quantized_kernels_available():
+    if not kernels.quantized_kernels_available():
         logger.warning("this CPU has no quantized kernels (they need AVX2 and a C compiler): "
                        "%d quantized tensors are dequantized to float32", len(kinds))
         return {}

@@ -14,9 +14,9 @@ this runs: no collective, no mask, the single-rank forward is unchanged.
 
 Quantized weights (a GGUF checkpoint on a CPU with the kernels): :meth:`keep_quantized`, called
 on the model before its parameters are allocated, turns the linear layers and the embedding
-whose checkpoint tensors are quantized into holders of :class:`QuantizedWeight` parts, so the
-float copy is never allocated; a fused layer keeps one part per checkpoint tensor (q, k and v
-may have different block types), each writing its columns of the output.
+whose checkpoint tensors are quantized into holders of :class:`kernels.QuantizedWeight`
+parts, so the float copy is never allocated; a fused layer keeps one part per checkpoint
+tensor (q, k and v may have different block types), each writing its columns of the output.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition, TensorParallelGroup
 from engine.worker.models.rope import cos_sin_cache
-from kernels.quant_linear import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,7 +40,7 @@ class QuantizedParts:
     """A module whose weight may be replaced by quantized parts (:meth:`quantize_parts`),
     stacked along the output rows, before its parameters are allocated."""
 
-    parts: list[QuantizedWeight | None] | None = None
+    parts: list[kernels.QuantizedWeight | None] | None = None
 
     def quantize_parts(self, count: int) -> None:
         del self.weight  # a registered parameter: the float copy is never allocated
@@ -209,23 +208,20 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.embed_tokens.parts is None:
             self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
 
-    def keep_quantized(self, kinds: Mapping[str, str]) -> list[str]:
+    def keep_quantized(self, kinds: Mapping[str, str]) -> None:
         """Before the parameters are allocated: the layers whose checkpoint tensors (Hugging
         Face names -> block type, ``kinds``) are all quantized will hold those tensors as
-        they are. Returns the names of those layers."""
+        they are."""
         sources: dict[str, list[str]] = {}
         for hf_name in kinds:
             target, _ = self._target(hf_name)
             sources.setdefault(target, []).append(hf_name)
-        kept = []
         for target, names in sources.items():
             module_name, _, leaf = target.rpartition(".")
             module = self._submodule(module_name)
             count = self._shard_count(target)
             if leaf == "weight" and isinstance(module, QuantizedParts) and len(names) == count:
                 module.quantize_parts(count)
-                kept.append(module_name)
-        return kept
 
     def init_rope(self) -> None:
         config = self.config
@@ -289,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *, source: str
+        self, weights: Iterable[tuple[str, torch.Tensor | kernels.QuantizedWeight]], *, source: str
     ) -> None:
         """Copies Hugging Face-named tensors into the (fused) parameters, or the quantized
         parts :meth:`keep_quantized` made room for (a quantized tensor for any other parameter
@@ -307,14 +303,14 @@ class LlamaForCausalLM(nn.Module):
             key = target if shard is None else f"{target}#{shard}"
             if isinstance(module, QuantizedParts) and module.parts is not None and leaf == "weight":
                 expected = self._part_shape(module, target, shard)
-                if not isinstance(tensor, QuantizedWeight) or tensor.shape != expected:
-                    got = list(tensor.shape) if isinstance(tensor, QuantizedWeight) else "not quantized"
+                if not isinstance(tensor, kernels.QuantizedWeight) or tensor.shape != expected:
+                    got = list(tensor.shape) if isinstance(tensor, kernels.QuantizedWeight) else "not quantized"
                     raise ModelLoadError(f"tensor {hf_name!r} is {got}, expected quantized {list(expected)}",
                                          path=source)
                 module.parts[shard or 0] = tensor
                 loaded.add(key)
                 continue
-            if isinstance(tensor, QuantizedWeight):
+            if isinstance(tensor, kernels.QuantizedWeight):
                 tensor = tensor.dequantize()
             param = params.get(target)
             if param is None:
