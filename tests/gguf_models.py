@@ -8,13 +8,28 @@ blocks serve a test whose reference is the same blocks dequantized).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.bench.synthetic_gguf import add_bpe_tokenizer
+
+
+def tiny_quantizable_llama(tokenizer) -> LlamaForCausalLM:
+    """Rows of 256 so that every block type fits; weights large enough for decisive logits."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5, initializer_range=0.08,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
 
 
 def quantize(array: np.ndarray, kind: str) -> np.ndarray:
@@ -94,15 +109,7 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32") -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    special = set(tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>"}
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_types([3 if token in special else 1 for token, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    add_bpe_tokenizer(writer, tokenizer)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

@@ -5,6 +5,11 @@ Blocks are random, written into a GGUF file by the ``gguf`` package's writer and
 its reader, so the kernels read exactly the bytes a real file holds. Every type runs at 1, 2,
 8, 64 and 512 rows (the C loop and the dequantized-panel path both), on odd output sizes,
 with this CPU's widest vectors and with the AVX2 build (``TRIODE_CPU_ISA=avx2``).
+
+The int8-activation loop (csrc/quant_linear_int8.c) is held to the same reference exactly on
+rows that int8 represents without loss (integers times a power of two per 32 values, or per
+256 for the K types, each 32 reaching 127), which checks its integer arithmetic bit for bit,
+and within the quantization error of the activations on random rows.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from kernels.quant_linear import (
     FUSED_ROWS,
     QUANT_TYPES,
     QuantizedWeight,
+    quantized_activations,
     quantized_kernels_available,
+    set_quantized_activations,
 )
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
@@ -63,6 +70,56 @@ def isa(request):
     native.set_cpu_isa(request.param)
     yield request.param
     native.set_cpu_isa(previous)
+
+
+@pytest.fixture
+def int8_activations():
+    previous = quantized_activations()
+    set_quantized_activations("int8")
+    yield
+    set_quantized_activations(previous)
+
+
+def representable_rows(rows: int, columns: int, span: int, seed: int) -> torch.Tensor:
+    """Rows that the int8 activations hold exactly: integers in [-127, 127] with a 127 in every
+    32, times a power of two per ``span`` values (the kernels' scale: 32, or 256 for K types)."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-127, 128, size=(rows, columns // 32, 32))
+    values[:, :, 0] = 127 * rng.choice([-1, 1], size=(rows, columns // 32))
+    scales = np.repeat(2.0 ** rng.integers(-8, 2, size=(rows, columns // span)), span // 32, axis=1)
+    return torch.from_numpy((values * scales[..., None]).reshape(rows, columns).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_int8_activations_compute_exactly_what_they_hold(kind, isa, int8_activations, tmp_path):
+    weights = QUANT_TYPES[kind][1]
+    in_features = 3 * weights if weights == 256 else 7 * weights  # an odd count of groups
+    blocks = through_a_gguf_file(tmp_path / "w.gguf", kind, random_blocks(kind, 37, in_features, 6))
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(blocks))
+    reference_weight = torch.from_numpy(dequantize(blocks, T[kind])).double()
+    bias = torch.randn(37)
+    for rows in (1, 2, 3, 4, 5, 13):
+        x = representable_rows(rows, in_features, weights, rows)
+        expected = x.double() @ reference_weight.T + bias.double()
+        got = weight.linear(x, bias)
+        scale = expected.abs().max().item()
+        assert (got.double() - expected).abs().max().item() <= 4 * TOLERANCE[kind] * scale, (kind, rows)
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_int8_activations_stay_within_their_rounding(kind, int8_activations, tmp_path):
+    """Random rows: each activation moves by at most half its step (max |x| / 254 over its 32,
+    or its 256 for K types), and the result is the weights times the moved activations, so
+    each output moves by at most sum(|w| * step)."""
+    weights = QUANT_TYPES[kind][1]
+    blocks = through_a_gguf_file(tmp_path / "w.gguf", kind, random_blocks(kind, 64, 2 * weights, 7))
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(blocks))
+    reference_weight = torch.from_numpy(dequantize(blocks, T[kind])).double()
+    x = torch.randn(3, 2 * weights)
+    expected = x.double() @ reference_weight.T
+    step = x.reshape(3, -1, weights).abs().amax(-1, keepdim=True).double() / 254
+    bound = (reference_weight.abs().reshape(1, 64, -1, weights).sum(-1) * step.reshape(3, 1, -1)).sum(-1)
+    assert ((weight.linear(x).double() - expected).abs() <= bound + 1e-5).all(), kind
 
 
 def test_every_kernel_type_is_kept_by_the_converter():
@@ -117,6 +174,18 @@ def test_columns_split_only_on_block_boundaries():
     torch.testing.assert_close(right.dequantize(), weight.dequantize()[:, 256:])
     with pytest.raises(ValueError, match="multiples of 256"):
         weight.columns(0, 128)
+
+
+def test_activation_types_are_the_engine_settings():
+    from engine.config import QUANTIZED_ACTIVATIONS
+    from kernels.quant_linear import ACTIVATIONS
+
+    assert ACTIVATIONS == QUANTIZED_ACTIVATIONS
+
+
+def test_an_unknown_activation_type_is_refused():
+    with pytest.raises(ValueError, match="one of float32, int8; got 'int4'"):
+        set_quantized_activations("int4")
 
 
 def test_bad_shapes_are_refused():

@@ -2,7 +2,7 @@
 slow) gives greedy token ids identical to TP=1 and logprobs within 1e-4, on tiny random
 models of every architecture whose KV heads are 1 (replicated), 2, and equal to the
 attention heads, plus uneven splits (whole GQA groups, intermediate and vocabulary shards of
-different sizes) and row-parallel biases; through the real engine (supervisor, one worker
+different sizes) and row-parallel biases, and GGUF-quantized weights sharded by whole blocks; through the real engine (supervisor, one worker
 process per rank) on a tiny model and on the default model; SIGKILL of rank 1 mid-batch
 (and a hung rank, slow) restarts the whole group with undisturbed outputs and no stray
 process; a follower rank in another process ("another node", slow) joins and rejoins after
@@ -33,9 +33,10 @@ from engine.tensor_parallel import (
     check_tensor_parallel,
     supported_sizes,
 )
-from engine.worker.checkpoint import iter_safetensors
+from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
 from engine.worker.distributed import Partition
 from engine.worker.models.llama import checkpoint_slices
+from kernels.quant_linear import quantized_kernels_available
 from tests.hf_compare import greedy_params, ours_greedy
 from tests.tp_ranks import Job, run_sharded
 
@@ -215,6 +216,40 @@ def _check_sharded(factory, names, prompts, world_size):
 
 def test_tp2_matches_tp1_on_every_architecture(tiny_model_factory, prompts):
     _check_sharded(tiny_model_factory, list(TINY), prompts, 2)
+
+
+@pytest.fixture(scope="module")
+def quantized_ggufs(tmp_path_factory, tiny_tokenizer):
+    """kind -> converted cache entry of a tiny Llama GGUF whose matrices are all ``kind``."""
+    from engine.model_files.resolve import resolve_model
+    from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
+
+    directory = tmp_path_factory.mktemp("tp-gguf")
+    model = tiny_quantizable_llama(tiny_tokenizer)
+    entries = {}
+    for kind in ("Q8_0", "Q4_K"):
+        write_tiny_gguf(directory / f"tiny.{kind}.gguf", model, tiny_tokenizer, kind)
+        entries[kind] = resolve_model(str(directory / f"tiny.{kind}.gguf"), cache_dir=str(directory / "cache"),
+                                      progress=False).path
+    return entries
+
+
+@pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
+def test_tp2_shards_quantized_weights_by_whole_blocks(quantized_ggufs, prompts):
+    """Q8_0 (32-weight blocks) shards every matrix quantized; Q4_K (256) splits o_proj's 256
+    columns into blocks of 128 that do not exist, so that one matrix loads dequantized."""
+    config = ModelConfig.from_hf(load_hf_config(quantized_ggufs["Q8_0"]))
+    for rank in range(2):
+        select = checkpoint_slices(config, Partition.of(config, rank, 2))
+        for kind, entry in quantized_ggufs.items():
+            kinds = quantized_tensors(entry)
+            kept = blocks_kept_by_shards(kinds, select)
+            split = {"Q8_0": set(), "Q4_K": {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)}}
+            assert set(kinds) - set(kept) == split[kind]
+    jobs = [Job(path=entry, prompts=tuple(prompts), params=greedy_params(MAX_TOKENS), args=runner_args(entry))
+            for entry in quantized_ggufs.values()]
+    for (kind, entry), ours in zip(quantized_ggufs.items(), run_sharded(2, jobs), strict=True):
+        assert_same_generation(ours, ours_greedy(entry, prompts, MAX_TOKENS), label=f"{kind} at TP=2")
 
 
 @pytest.mark.slow

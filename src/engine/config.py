@@ -13,6 +13,7 @@ from engine.errors import InvalidRequestError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZED_ACTIVATIONS = ("float32", "int8")  # kernels.quant_linear.ACTIVATIONS
 GiB = 1 << 30
 
 
@@ -80,6 +81,14 @@ def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str |
                                   f"got {value!r}", field="reasoning_parser")
 
 
+def _quantization(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    from engine.model_files.quantize import QUANTIZATIONS
+
+    if value is not None and value not in QUANTIZATIONS:
+        raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}",
+                                  field="quantization")
+
+
 def _valid_fault_plan(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
     from engine.worker.faults import parse_fault_plan
 
@@ -93,6 +102,12 @@ class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     served_model_name: str | None = None
     dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
+    # A float checkpoint's weights quantized at load (cached): int8 or int4, kept quantized
+    # and run by the CPU kernels (engine.model_files.quantize).
+    quantization: str | None = attrs.field(default=None, validator=_quantization)
+    # What quantized weights multiply on a CPU: float32 activations (closest to the
+    # dequantized model), or int8 ones per 32 values as llama.cpp does (faster decode steps).
+    quantized_activations: str = attrs.field(default="float32", validator=_one_of(QUANTIZED_ACTIVATIONS))
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
@@ -118,6 +133,13 @@ class EngineArgs:
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
     # Test facility: faults the workers inflict on themselves (see engine.worker.faults).
     fault_plan: str | None = attrs.field(default=None, validator=_valid_fault_plan)
+
+    def __attrs_post_init__(self) -> None:
+        if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):
+            raise InvalidRequestError(
+                f"quantization {self.quantization} keeps the weights quantized for the CPU kernels: "
+                f"it needs dtype auto and a CPU device (got dtype "
+                f"{self.dtype}, device {self.device})", field="quantization")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineArgs:

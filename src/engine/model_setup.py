@@ -28,7 +28,7 @@ class EngineModel:
 
 def open_engine_model(args: EngineArgs) -> EngineModel:
     """Resolves the model, loads its tokenizer and reads its generation settings (logged)."""
-    path = resolve_model(args.model, cache_dir=args.resolved_cache_dir()).path
+    path = resolve_model(args.model, cache_dir=args.resolved_cache_dir(), quantization=args.quantization).path
     tokenizer = load_tokenizer(path)
     generation = read_generation_defaults(
         path, mode=args.generation_config, tokenizer_eos_token_id=tokenizer.eos_token_id

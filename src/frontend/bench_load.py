@@ -70,14 +70,21 @@ async def served_model(client: httpx2.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
+# What makes a server produce exactly max_tokens: vLLM's and triode's field. A server without
+# it (llama.cpp's) gets its own equivalent through run_level's ``request_fields``.
+IGNORE_EOS = {"ignore_eos": True}
+
+
 async def one_request(client: httpx2.AsyncClient, model: str, messages: list[dict[str, str]],
-                      output_tokens: int) -> RequestResult:
+                      output_tokens: int, request_fields: dict[str, Any] | None = None) -> RequestResult:
     started = trio.current_time()
     first = last = None
+    chunks = 0
     gaps: list[float] = []
     usage: dict[str, int] = {}
     body = {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": True, "stream_options": {"include_usage": True},
+            **(IGNORE_EOS if request_fields is None else request_fields)}
     error = None
     try:
         async with client.stream("POST", "/chat/completions", json=body) as response:
@@ -100,6 +107,7 @@ async def one_request(client: httpx2.AsyncClient, model: str, messages: list[dic
                     usage = chunk.get("usage") or usage
                     choices = chunk.get("choices")
                     if choices and choices[0].get("delta", {}).get("content"):
+                        chunks += 1
                         if first is None:
                             first = now
                         else:
@@ -112,7 +120,8 @@ async def one_request(client: httpx2.AsyncClient, model: str, messages: list[dic
     return RequestResult(
         ok=True, seconds=trio.current_time() - started,
         ttft=None if first is None else first - started, gaps=tuple(gaps),
-        prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
+        # A server that streams no usage (llama.cpp's) sends a token per content chunk.
+        prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", chunks),
     )
 
 
@@ -121,14 +130,15 @@ def _failed(started: float, error: str) -> RequestResult:
 
 
 async def run_level(client: httpx2.AsyncClient, model: str, chats: Sequence[list[dict[str, str]]], *,
-                    concurrency: int, output_tokens: int, progress: Any = None) -> dict[str, Any]:
+                    concurrency: int, output_tokens: int, progress: Any = None,
+                    request_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Sends every chat with at most ``concurrency`` in flight; returns the level's figures."""
     results: list[RequestResult] = []
     pending = iter(chats)
 
     async def client_loop() -> None:
         for messages in pending:  # the iterator is shared: each client takes the next chat
-            results.append(await one_request(client, model, messages, output_tokens))
+            results.append(await one_request(client, model, messages, output_tokens, request_fields))
             if progress is not None:
                 progress.update(1)
 

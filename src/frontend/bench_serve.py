@@ -38,12 +38,20 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="for the started server and the offline run (auto: as triode serve)")
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="the same sweep against llama.cpp's server on the same GGUF file (--model, default: "
+                        "the default model's), built once into an environment of its own")
     p.add_argument("--output-dir", default="bench-results")
     p.set_defaults(handler=_command)
 
 
 def _command(namespace: argparse.Namespace) -> int:
-    run(namespace)
+    if namespace.peer:
+        from frontend import bench_peer
+
+        bench_peer.run(namespace)
+    else:
+        run(namespace)
     return 0
 
 
@@ -62,11 +70,11 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     cpu_started = time.process_time()
     try:
         if base_url is None:
-            server, base_url = _start_server(ns, output_dir / SERVER_LOG)
-        results = trio.run(_sweep, ns, base_url, levels)
+            server, base_url = start_server(ns, output_dir / SERVER_LOG)
+        results = trio.run(sweep, ns, base_url, levels)
     finally:
         if server is not None:
-            _stop_server(server)
+            stop_server(server)
     client_cpu = time.process_time() - cpu_started
     report: dict[str, Any] = {
         "base_url": ns.base_url or "triode serve (started by the command)",
@@ -108,25 +116,29 @@ def _cell(value: Any) -> Any:
     return "-" if value is None else value
 
 
-async def _sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list]) -> dict[str, Any]:
+async def sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list], *,
+                request_fields: dict[str, Any] | None = None, label: str = "") -> dict[str, Any]:
+    """Every level of ``levels`` against the server at ``base_url``, after one warm-up request."""
     from tqdm import tqdm
 
     from frontend.bench_load import one_request, open_client, run_level, served_model
 
     async with open_client(base_url, ns.api_key) as client:
         model = ns.model_name or await served_model(client)
-        warm = await one_request(client, model, levels[min(levels)][0], 4)  # first-request costs
+        # First-request costs.
+        warm = await one_request(client, model, levels[min(levels)][0], 4, request_fields)
         if not warm.ok:
             raise SystemExit(f"triode: error: the server at {base_url} failed a request: {warm.error}")
         results = []
         for concurrency, chats in levels.items():
-            with tqdm(total=len(chats), desc=f"concurrency {concurrency}", unit="req") as progress:
+            with tqdm(total=len(chats), desc=f"{label}concurrency {concurrency}", unit="req") as progress:
                 results.append(await run_level(client, model, chats, concurrency=concurrency,
-                                               output_tokens=ns.output_tokens, progress=progress))
+                                               output_tokens=ns.output_tokens, progress=progress,
+                                               request_fields=request_fields))
     return {"model": model, "levels": results}
 
 
-def _start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-c", "import sys; from frontend.cli import main; sys.exit(main())", "serve",
                *([ns.model] if ns.model else []), "--host", "127.0.0.1", "--port", "0",
                "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
@@ -143,7 +155,7 @@ def _start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Po
     raise SystemExit(f"triode: error: the server exited ({process.returncode}); see {log_path}")
 
 
-def _stop_server(process: subprocess.Popen) -> None:
+def stop_server(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(60)
@@ -187,9 +199,16 @@ def _plot(path: Path, levels: list[dict[str, Any]], offline: dict[str, Any] | No
                        ("itl_p99_ms", "ITL p99")):
         right.plot(x, [r[key] if r[key] is not None else float("nan") for r in levels], marker="o", label=label)
     right.set(title="Latency", xlabel="concurrent clients", ylabel="ms", yscale="log")
-    for axis in (left, right):
+    save_sweep_figure(figure, (left, right), x, path)
+
+
+def save_sweep_figure(figure: Any, axes: Any, concurrency: list[int], path: Path) -> None:
+    """Log-2 concurrency axes with a grid and legend on every axis, then the PNG."""
+    from matplotlib import pyplot
+
+    for axis in axes:
         axis.set_xscale("log", base=2)
-        axis.set_xticks(x, [str(v) for v in x])
+        axis.set_xticks(concurrency, [str(v) for v in concurrency])
         axis.grid(True, alpha=0.3)
         axis.legend()
     figure.tight_layout()

@@ -14,6 +14,10 @@ _HELP = {
     "model": "Hugging Face directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
     "served_model_name": "the model name clients send and see (default: the model argument)",
     "dtype": "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "quantization": "quantize a float checkpoint's weights at load (cached) and run them with the CPU "
+                    "kernels: int8 (Q8_0 blocks) or int4 (Q4_1 layers, Q8_0 embedding and LM head)",
+    "quantized_activations": "what quantized weights multiply on a CPU: float32 activations (closest to "
+                             "the dequantized model) or int8 per 32 values, as llama.cpp (faster)",
     "kv_cache_memory": "KV-cache budget per rank, bytes or with a unit (e.g. 2GiB)",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "max_num_seqs": "most sequences in one step",

@@ -46,7 +46,11 @@ from kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
-from kernels.quant_linear import QuantizedWeight, quantized_kernels_available
+from kernels.quant_linear import (
+    QuantizedWeight,
+    quantized_kernels_available,
+    set_quantized_activations,
+)
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
@@ -68,6 +72,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "set_backend",
+    "set_quantized_activations",
     "silu_and_mul",
     "write_kv",
 ]

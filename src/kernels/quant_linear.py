@@ -6,7 +6,9 @@ blocks back to back, as a uint8 tensor [out, row_bytes]. Up to :data:`FUSED_ROWS
 activations go to the C loop, which decodes each group of 32 weights into registers once and
 multiplies it into every row (float32 throughout). More rows, a prefill, run as a float32
 matrix multiply over panels of the weight dequantized by the C code: the decode is then paid
-once per panel for all the rows, and the multiply runs at the matrix library's speed.
+once per panel for all the rows, and the multiply runs at the matrix library's speed. With
+:func:`set_quantized_activations` ``("int8")`` the C loop quantizes the activations to int8
+first and multiplies bytes by bytes, as llama.cpp does (faster at one or two rows).
 
 On a CPU without AVX2, or without a C compiler, there are no quantized kernels
 (:func:`quantized_kernels_available` is False) and a model dequantizes its weights at load
@@ -39,22 +41,43 @@ FUSED_ROWS = 48
 # Weights per dequantized panel (whole output rows): 4 MiB of float32, so a panel stays in cache.
 PANEL_WEIGHTS = 1 << 20
 _NOT_BUILT = -4
+# What the few-row C loop multiplies the weights with: float32 activations (results as close to
+# the dequantized model's as float32 sums allow), or activations quantized to int8 with a scale
+# per 32 (per 256 for the K types), as llama.cpp does (csrc/quant_linear_int8.c: fewer
+# instructions per weight, results a little further off).
+ACTIVATIONS = ("float32", "int8")
+_activations = "float32"  # engine.config.EngineArgs.quantized_activations sets it in a worker
 
-__all__ = ["FUSED_ROWS", "QUANT_TYPES", "QuantizedWeight", "quantized_kernels_available"]
+__all__ = ["ACTIVATIONS", "FUSED_ROWS", "QUANT_TYPES", "QuantizedWeight", "quantized_activations",
+           "quantized_kernels_available", "set_quantized_activations"]
+
+
+def set_quantized_activations(name: str) -> None:
+    """float32 or int8 activations for the few-row loop, from now on in this process."""
+    global _activations
+    if name not in ACTIVATIONS:
+        raise ValueError(f"quantized activations must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
+    _activations = name
+
+
+def quantized_activations() -> str:
+    return _activations
 
 
 @functools.cache
 def _entries(isa: str):
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    linear = bind("triode_quant_linear", i32, pointer, i64, pointer, i64, pointer, pointer, i64, i64, i32, i64)
+    linear_args = (i32, pointer, i64, pointer, i64, pointer, pointer, i64, i64, i32, i64)
+    linear = bind("triode_quant_linear", *linear_args)
+    linear_int8 = bind("triode_quant_linear_int8", *linear_args)
     dequantize = bind("triode_quant_dequantize", i32, pointer, i64, pointer, i64, i64, i32, pointer, i64)
-    if linear is None or dequantize is None:
+    if linear is None or linear_int8 is None or dequantize is None:
         return None
     x, weight, y = torch.zeros(1, 32), torch.zeros(1, 34, dtype=torch.uint8), torch.empty(1, 1)
     if linear(QUANT_TYPES["Q8_0"][0], x.data_ptr(), 32, weight.data_ptr(), 34, None, y.data_ptr(),
               1, 1, 32, 1) == _NOT_BUILT:
         return None  # built for a CPU without AVX2
-    return linear, dequantize
+    return linear, dequantize, linear_int8
 
 
 def _kernels():
@@ -161,7 +184,8 @@ class QuantizedWeight:
             return out
         kind = QUANT_TYPES[self.kind][0]
         if rows <= FUSED_ROWS:
-            _check(entries[0](kind, x.data_ptr(), x.stride(0), self.data.data_ptr(), self.data.shape[1],
+            fused = entries[2] if _activations == "int8" else entries[0]
+            _check(fused(kind, x.data_ptr(), x.stride(0), self.data.data_ptr(), self.data.shape[1],
                               None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
                               rows, self.in_features, self.out_features), f"{self.kind} linear")
             return out

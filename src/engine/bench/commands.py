@@ -15,6 +15,7 @@ def _step(namespace: argparse.Namespace) -> int:
         context=namespace.context,
         steps=namespace.steps,
         dtypes=tuple(namespace.dtypes),
+        activations=tuple(namespace.quantized_activations),
         output_dir=Path(namespace.output_dir),
     )
     return 0
@@ -53,6 +54,12 @@ def _tp(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def _write_gguf(namespace: argparse.Namespace) -> int:
+    from engine.bench import synthetic_gguf
+
+    return synthetic_gguf.command(namespace)
+
+
 def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step = benches.add_parser("step", help="decode step time: our runner vs Hugging Face forward")
     step.add_argument("--model", default=None)
@@ -61,6 +68,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     step.add_argument("--dtypes", nargs="+", default=["auto"],
                       help="one runner per dtype (auto keeps quantized weights on a CPU)")
+    step.add_argument("--quantized-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
+                      help="one runner per activation type, for runners that keep quantized weights")
     step.add_argument("--output-dir", default="bench-results")
     step.set_defaults(handler=_step)
 
@@ -88,3 +97,14 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     tp.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache budget per rank")
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
+
+    from engine.bench.synthetic_gguf import FILE_TYPES, SHAPES
+
+    write_gguf = benches.add_parser(
+        "write-gguf", help="a GGUF file of a real model's shape with random weights (no download)"
+    )
+    write_gguf.add_argument("path", help="the .gguf file to write")
+    write_gguf.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    write_gguf.add_argument("--file-type", choices=FILE_TYPES, default="Q4_K_M")
+    write_gguf.add_argument("--seed", type=int, default=0)
+    write_gguf.set_defaults(handler=_write_gguf)

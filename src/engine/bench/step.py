@@ -13,6 +13,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
+import kernels
 from engine.bench.report import (
     load_hf_reference,
     machine_description,
@@ -80,11 +81,11 @@ def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
-def _label(runner: ModelRunner) -> str:
+def _label(runner: ModelRunner, activation: str) -> str:
     """What a runner computes with: its dtype, and the block types it keeps quantized."""
     kinds = sorted(set(runner.quantized.values()))
     dtype = str(runner.dtype).removeprefix("torch.")
-    return f"{'+'.join(kinds)} weights, {dtype}" if kinds else dtype
+    return f"{'+'.join(kinds)} weights, {activation} activations" if kinds else dtype
 
 
 def run(
@@ -94,23 +95,34 @@ def run(
     context: int = 128,
     steps: int = 8,
     dtypes: tuple[str, ...] = ("auto",),
+    activations: tuple[str, ...] = ("float32",),
     output_dir: Path = Path("bench-results"),
 ) -> list[dict]:
-    args = EngineArgs(model=model, kv_cache_memory="2GiB")
+    args = EngineArgs.from_env(model=model, kv_cache_memory="2GiB")
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-    runners = {dtype: ModelRunner(attrs.evolve(args, dtype=dtype), resolved.path) for dtype in dtypes}
+    # One runner per dtype, and per activation type for a runner that keeps quantized weights.
+    runners: dict[str, ModelRunner] = {}
+    settings: dict[str, str] = {}
+    for dtype in dtypes:
+        for activation in activations:
+            runner = ModelRunner(attrs.evolve(args, dtype=dtype, quantized_activations=activation), resolved.path)
+            if not runner.quantized and activation != activations[0]:
+                continue
+            key = dtype if len(activations) == 1 or not runner.quantized else f"{dtype}_{activation}"
+            runners[key], settings[key] = runner, activation
     first = next(iter(runners.values()))
     hf_model = load_hf_reference(resolved.path, first.dtype, first.device)
     vocab = first.config.vocab_size
-    labels = {dtype: _label(runner) for dtype, runner in runners.items()}
+    labels = {key: _label(runner, settings[key]) for key, runner in runners.items()}
     print(f"triode bench step: {resolved.source}, context {context} tokens, {steps} decode steps, "
           f"triode {' / '.join(labels.values())}, HF {first.dtype} on {first.device}; {machine_description()}")
     rows = []
     for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
         prompts = _context(batch, context, vocab, seed=batch)
         row = {"batch": batch}
-        for dtype, runner in runners.items():
-            row[f"triode_{dtype}_ms"] = time_ours(runner, prompts, steps) * 1e3
+        for key, runner in runners.items():
+            kernels.set_quantized_activations(settings[key])  # process-wide: each runner's own
+            row[f"triode_{key}_ms"] = time_ours(runner, prompts, steps) * 1e3
         row["hf_ms"] = time_hf(hf_model, prompts, steps) * 1e3
         rows.append(row)
     print_table(

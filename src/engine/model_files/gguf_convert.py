@@ -5,7 +5,7 @@ tensor data for them). The tensors are ours: each is renamed to its Hugging Face
 q/k rows of a ``llama`` file are put back from llama.cpp's rotary order, and the result is
 streamed into one safetensors file. Tensors of a block type the CPU kernels run
 (:data:`KERNEL_TYPES`) stay in GGUF's blocks, as uint8 rows listed in the file's metadata
-(:data:`engine.model_files.layout.QUANTIZED_METADATA_KEY`); every other type is dequantized to
+(:mod:`engine.model_files.tensor_writer`); every other type is dequantized to
 float32 here, and the log says which. The worker decides at load whether a quantized tensor
 runs as it is or is dequantized (:func:`engine.worker.runner.kept_quantized`).
 
@@ -24,15 +24,13 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model_files.default_model import say
-from engine.model_files.layout import QUANTIZED_METADATA_KEY
+from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 
 # Block types the quantized CPU kernels run (kernels.quant_linear.QUANT_TYPES, which imports
 # torch; a test keeps the two equal).
@@ -49,7 +47,6 @@ _LAYER_TENSORS = {
 }
 _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_PROGRESS_EVERY_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +100,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: boo
     started = time.monotonic()
     config = _write_config_and_tokenizer(gguf_path, out_dir, scratch, progress)
     tensors = _plan_tensors(reader, config, gguf_path)
-    _write_safetensors(out_dir / "model.safetensors", tensors, progress)
+    write_safetensors(out_dir / "model.safetensors", tensors, progress)
     kept = sum(1 for t in tensors if t.kind is not None)
     say(progress, f"converted in {time.monotonic() - started:.1f} s "
                   f"({kept} of {len(tensors)} tensors kept quantized)")
@@ -140,18 +137,6 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return raw
-
-
-@attrs.frozen
-class _Tensor:
-    """One tensor of the output: its name, block type (None: float32), shape as stored, size,
-    and how to produce its bytes when they are written."""
-
-    name: str
-    kind: str | None
-    shape: list[int]
-    nbytes: int
-    produce: Callable[[], Any]
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -193,7 +178,7 @@ def _rotary_rows(rows: int, heads: int) -> Any:
     return np.arange(rows).reshape(heads, half, 2).transpose(0, 2, 1).reshape(rows)
 
 
-def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[_Tensor]:
+def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[PlannedTensor]:
     import numpy as np
     from gguf.quants import dequantize
 
@@ -221,7 +206,7 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
         if kind in KERNEL_TYPES:
             def produce(data=tensor.data, order=order):
                 return data if order is None else data[order]
-            planned.append(_Tensor(name, kind, list(tensor.data.shape), int(tensor.data.nbytes), produce))
+            planned.append(PlannedTensor(name, kind, list(tensor.data.shape), int(tensor.data.nbytes), produce))
             continue
         if kind not in ("F32", "F16", "BF16"):
             dequantized.append(f"{tensor.name} ({kind})")
@@ -229,41 +214,12 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
         def produce(data=tensor.data, kind_id=tensor.tensor_type, shape=shape, order=order):
             values = dequantize(data, kind_id).astype(np.float32, copy=False).reshape(shape)
             return values if order is None else values[order]
-        planned.append(_Tensor(name, None, shape, 4 * int(np.prod(shape)), produce))
+        planned.append(PlannedTensor(name, None, shape, 4 * int(np.prod(shape)), produce))
     if dequantized:
         logger.warning("%s: %d tensors are of block types triode's kernels do not run and are "
                        "dequantized to float32: %s", gguf_path.name, len(dequantized),
                        ", ".join(dequantized[:5]) + (" ..." if len(dequantized) > 5 else ""))
     return planned
-
-
-def _write_safetensors(path: Path, tensors: list[_Tensor], progress: bool) -> None:
-    """Streams ``tensors`` into one safetensors file, one tensor in memory at a time."""
-    import numpy as np
-
-    header: dict[str, Any] = {}
-    offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": "U8" if t.kind else "F32", "shape": t.shape,
-                          "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    quantized = {t.name: t.kind for t in tensors if t.kind}
-    header["__metadata__"] = {"format": "pt", QUANTIZED_METADATA_KEY: json.dumps(quantized, sort_keys=True)}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    written, reported = 0, time.monotonic()
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for t in tensors:
-            data = np.ascontiguousarray(t.produce())
-            if data.nbytes != t.nbytes:
-                raise ModelLoadError(f"tensor {t.name}: {data.nbytes} bytes, expected {t.nbytes}")
-            f.write(data.data)
-            written += t.nbytes
-            if progress and time.monotonic() - reported >= _PROGRESS_EVERY_S:
-                reported = time.monotonic()
-                say(progress, f"  {written / offset:.0%} of {offset / 1e9:.2f} GB written")
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@ Every entry point goes through :func:`resolve_model`, so a model given as a loca
 a ``.gguf`` file, a hub id or nothing at all (the default model) reaches the model code in
 one layout: ``config.json`` plus safetensors (single file or sharded) plus tokenizer files.
 GGUF files are converted once into the triode cache (:mod:`engine.model_files.cache`), their
-quantized weights kept as they are (:mod:`engine.model_files.gguf_convert`);
+quantized weights kept as they are (:mod:`engine.model_files.gguf_convert`); with
+``--quantization``, a float checkpoint is quantized once into the cache the same way
+(:mod:`engine.model_files.quantize`);
 directories are checked by :mod:`engine.model_files.layout` before anything loads them.
 
 It runs in the engine process (the workers are handed the resolved directory), and in a
@@ -22,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from engine.errors import ModelLoadError
+from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model_files.cache import ensure_cache_entry
 from engine.model_files.default_model import (
     DEFAULT_MODEL_NAME,
@@ -32,6 +34,7 @@ from engine.model_files.default_model import (
 )
 from engine.model_files.gguf_convert import convert_gguf
 from engine.model_files.layout import validate_hf_dir
+from engine.model_files.quantize import check_quantizable, quantize_checkpoint
 
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken",
@@ -43,6 +46,7 @@ _HUB_PROBE_TIMEOUT_S = 5.0
 # Part of every GGUF cache entry's name: a converter that writes another layout bumps it, so an
 # entry written by an older one is never read as this one's.
 GGUF_LAYOUT = "q2"
+QUANTIZED_LAYOUT = "q1"  # the same for entries of --quantization
 
 
 @attrs.frozen
@@ -53,8 +57,21 @@ class ResolvedModel:
     source: str
 
 
-def resolve_model(model: str | None, *, cache_dir: str, progress: bool = True) -> ResolvedModel:
-    """Resolves a local directory, a ``.gguf`` file, a hub id, or None/"default" (SmolLM2)."""
+def resolve_model(model: str | None, *, cache_dir: str, progress: bool = True,
+                  quantization: str | None = None) -> ResolvedModel:
+    """Resolves a local directory, a ``.gguf`` file, a hub id, or None/"default" (SmolLM2);
+    with ``quantization``, to the cache entry of that checkpoint quantized."""
+    resolved = _resolve(model, cache_dir, progress)
+    if quantization is None:
+        return resolved
+    if resolved.source == "default" or Path(resolved.source).suffix.lower() == ".gguf":
+        raise InvalidRequestError("quantization: the model is a GGUF file, already quantized; "
+                                  "run it without --quantization", field="quantization")
+    return ResolvedModel(path=_quantized(resolved.path, quantization, cache_dir, progress),
+                         source=resolved.source)
+
+
+def _resolve(model: str | None, cache_dir: str, progress: bool) -> ResolvedModel:
     if model is None or model == "default":
         path = ensure_cache_entry(
             Path(cache_dir) / "models", f"{DEFAULT_MODEL_NAME}-{GGUF_LAYOUT}", _build_default,
@@ -98,6 +115,25 @@ def _resolve_gguf(path: Path, cache_dir: str, progress: bool) -> Path:
 
     return ensure_cache_entry(
         Path(cache_dir) / "models", f"gguf-{stem}-{key[:16]}", build, progress=progress
+    )
+
+
+def _quantized(path: Path, quantization: str, cache_dir: str, progress: bool) -> Path:
+    check_quantizable(path, quantization)
+    # Keyed by the checkpoint files' identities and versions, like a GGUF entry.
+    identity = [f"{path.resolve()}", quantization, QUANTIZED_LAYOUT]
+    for file in sorted(path.iterdir()):
+        if file.is_file():
+            stat = file.stat()
+            identity.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()
+    stem = re.sub(r"[^\w.-]+", "_", path.name)[:80]
+
+    def build(out: Path, scratch: Path, progress: bool) -> None:
+        quantize_checkpoint(path, out, quantization, progress=progress)
+
+    return ensure_cache_entry(
+        Path(cache_dir) / "models", f"{quantization}-{stem}-{key[:16]}", build, progress=progress
     )
 
 

@@ -5,7 +5,8 @@ and checked by :mod:`engine.model_files.layout`.
 A checkpoint that triode converted from GGUF may hold quantized weights: uint8 tensors of
 GGUF's blocks, named with their block type in the file's metadata under
 :data:`QUANTIZED_METADATA_KEY` (:mod:`engine.model_files.gguf_convert` writes them). They are
-read as :class:`kernels.quant_linear.QuantizedWeight` and sliced by whole rows or whole blocks.
+read as :class:`kernels.quant_linear.QuantizedWeight` and sliced by whole rows or whole blocks
+(a shard that would split blocks is read dequantized: :func:`blocks_kept_by_shards`).
 
 No trio here: this runs inside worker processes.
 """
@@ -13,6 +14,7 @@ No trio here: this runs inside worker processes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +31,8 @@ from engine.model_files.layout import (
 )
 from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
 
+logger = logging.getLogger(__name__)
+
 # For a tensor name: (dim, start, stop) to read only that slice along ``dim``, or None for all.
 SliceSelector = Callable[[str], "tuple[int, int, int] | None"]
 
@@ -44,6 +48,25 @@ def quantized_tensors(path: Path) -> dict[str, str]:
         with _TensorReader(file) as reader:
             kinds.update(reader.quantized)
     return kinds
+
+
+def splits_on_blocks(kind: str, spec: tuple[int, int, int] | None) -> bool:
+    """Whether a slice ``spec`` of a ``kind`` tensor keeps whole blocks (rows always do)."""
+    if spec is None or spec[0] == 0:
+        return True
+    weights = QUANT_TYPES[kind][1]
+    return spec[1] % weights == 0 and spec[2] % weights == 0
+
+
+def blocks_kept_by_shards(kinds: Mapping[str, str], select: SliceSelector) -> dict[str, str]:
+    """The quantized tensors whose tensor-parallel slice keeps whole blocks. Under K types
+    (256 weights a block) a row-parallel layer's shard may end inside a block; such a
+    tensor is dequantized as it loads, and the log says which."""
+    kept = {name: kind for name, kind in kinds.items() if splits_on_blocks(kind, select(name))}
+    if split := sorted(set(kinds) - set(kept)):
+        logger.warning("%d quantized tensors are dequantized to float32 because this rank's shard "
+                       "splits their blocks: %s", len(split), ", ".join(split[:4]) + (" ..." if len(split) > 4 else ""))
+    return kept
 
 
 def iter_safetensors(
@@ -135,10 +158,11 @@ class _TensorReader:
         if spec is None or spec[0] == 0:
             return QuantizedWeight.from_bytes(kind, self._read(name, spec))
         whole = QuantizedWeight.from_bytes(kind, self._read(name, None))
-        try:
-            return whole.columns(spec[1], spec[2])
-        except ValueError as e:
-            raise ModelLoadError(f"this tensor-parallel shard splits a quantized block: {e}") from e
+        if not splits_on_blocks(kind, spec):
+            # A shard edge inside a block: these columns load as float32 (blocks_kept_by_shards
+            # has already told the runner not to keep this tensor quantized).
+            return whole.dequantize()[:, spec[1]:spec[2]].contiguous()
+        return whole.columns(spec[1], spec[2])
 
     def _read(self, name: str, spec: tuple[int, int, int] | None) -> torch.Tensor:
         entry = self._entries[name]

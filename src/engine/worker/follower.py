@@ -74,7 +74,8 @@ def serve(
                 continue
             if not 0 < rank < world_size:
                 raise RendezvousError(f"rank {rank} is not a follower rank of a group of {world_size}")
-            path = resolve_model(model or args.model, cache_dir=args.resolved_cache_dir()).path
+            path = resolve_model(model or args.model, cache_dir=args.resolved_cache_dir(),
+                                 quantization=args.quantization).path
             _say(f"rank {rank} of {world_size}: loading {path} and joining {host}:{port}")
             rendezvous = Rendezvous(host=host, port=port, world_size=world_size,
                                     timeout_s=max(120.0, 2 * args.step_timeout))

@@ -18,12 +18,12 @@ import torch
 
 import kernels
 from engine.config import EngineArgs
-from engine.errors import InvalidRequestError, KVCacheTooSmallError
+from engine.errors import InvalidRequestError, KVCacheTooSmallError, ModelLoadError
 from engine.model_config import ModelConfig
 from engine.model_files.layout import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import Rendezvous
-from engine.worker.checkpoint import iter_safetensors, quantized_tensors
+from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from engine.worker.models.llama import checkpoint_slices
@@ -57,6 +57,9 @@ def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device
     """The checkpoint's quantized tensors that the model keeps as they are: all of them on a
     CPU with the quantized kernels when ``--dtype`` is auto (the activations are then
     float32), none elsewhere (they are dequantized to the model's dtype as they load)."""
+    if args.quantization and (device.type != "cpu" or not kernels.quantized_kernels_available()):
+        raise ModelLoadError(f"--quantization {args.quantization} runs on the quantized CPU kernels, which "
+                             f"need a CPU with AVX2 and a C compiler; this worker is on {device}")
     if device.type != "cpu" or args.dtype != "auto" or not kinds:
         return {}
     if not kernels.quantized_kernels_available():
@@ -128,7 +131,10 @@ class ModelRunner:
         else:
             self.num_blocks = self._num_blocks(args.kv_cache_memory, kv_heads)
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
+        kernels.set_quantized_activations(args.quantized_activations)
         self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
+        if select is not None:
+            self.quantized = blocks_kept_by_shards(self.quantized, select)
         self.model = build_model(
             self.config, iter_safetensors(path, select=select), dtype=self.dtype,
             device=self.device, max_positions=self.max_model_len, source=str(path),

@@ -116,25 +116,36 @@ static inline int block_groups(int type) {
     return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? 8 : 1;
 }
 
+/* One group's 32 quantized values as bytes (lo: weights 0..15, hi: 16..31) and how they
+ * become weights: w = scale_lo / scale_hi * q + offset. The values are signed bytes for
+ * Q8_0 and Q6_K (group_is_signed), unsigned for the rest. Both the float32 path (decode_group)
+ * and the int8 path (quant_dot.h) start from here. */
+typedef struct {
+    __m128i lo, hi;
+    float scale_lo, scale_hi, offset;
+} group_q;
+
+static inline int group_is_signed(int type) { return type == TYPE_Q8_0 || type == TYPE_Q6_K; }
+
 /* Q4_0: d (f16), 16 bytes of nibbles; weight i is the low nibble of byte i, weight i + 16
  * the high one; w = d * (q - 8). */
-static inline void decode_q4_0(const uint8_t *b, vf *w) {
+static inline group_q group_q4_0(const uint8_t *b) {
     const float d = half_to_float(b);
     const __m128i q = load_16(b + 2);
-    scaled(low_nibbles(q), high_nibbles(q), 0, d, d, -8.0f * d, w);
+    return (group_q){low_nibbles(q), high_nibbles(q), d, d, -8.0f * d};
 }
 
 /* Q4_1: d, m (f16), nibbles as Q4_0; w = d * q + m. */
-static inline void decode_q4_1(const uint8_t *b, vf *w) {
+static inline group_q group_q4_1(const uint8_t *b) {
     const float d = half_to_float(b);
     const __m128i q = load_16(b + 4);
-    scaled(low_nibbles(q), high_nibbles(q), 0, d, d, half_to_float(b + 2), w);
+    return (group_q){low_nibbles(q), high_nibbles(q), d, d, half_to_float(b + 2)};
 }
 
 /* Q8_0: d (f16), 32 signed bytes; w = d * q. */
-static inline void decode_q8_0(const uint8_t *b, vf *w) {
+static inline group_q group_q8_0(const uint8_t *b) {
     const float d = half_to_float(b);
-    scaled(load_16(b + 2), load_16(b + 18), 1, d, d, 0.0f, w);
+    return (group_q){load_16(b + 2), load_16(b + 18), d, d, 0.0f};
 }
 
 /* The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block, packed in 12 bytes:
@@ -153,19 +164,19 @@ static inline void k_scale_min(const uint8_t *scales, int j, float *scale, float
 /* Q4_K: 256 weights, d, dmin (f16), 12 bytes of sub-block scales and mins, 128 bytes of
  * nibbles. Sub-blocks 2p and 2p + 1 are the low and high nibbles of bytes 32p .. 32p + 31;
  * w = d * scale * q - dmin * min. Group g is sub-block g. */
-static inline void decode_q4_k(const uint8_t *b, int g, vf *w) {
+static inline group_q group_q4_k(const uint8_t *b, int g) {
     float scale, min;
     k_scale_min(b + 4, g, &scale, &min);
     scale *= half_to_float(b);
     min *= half_to_float(b + 2);
     const uint8_t *qs = b + 16 + 32 * (g >> 1);
     const int shift = (g & 1) * 4;
-    scaled(bits(load_16(qs), shift, 4), bits(load_16(qs + 16), shift, 4), 0, scale, scale, -min, w);
+    return (group_q){bits(load_16(qs), shift, 4), bits(load_16(qs + 16), shift, 4), scale, scale, -min};
 }
 
 /* Q5_K: as Q4_K with a fifth bit per weight: bit g of byte l of qh (32 bytes, before the
  * nibbles) is the high bit of weight l of sub-block g. */
-static inline void decode_q5_k(const uint8_t *b, int g, vf *w) {
+static inline group_q group_q5_k(const uint8_t *b, int g) {
     float scale, min;
     k_scale_min(b + 4, g, &scale, &min);
     scale *= half_to_float(b);
@@ -174,7 +185,7 @@ static inline void decode_q5_k(const uint8_t *b, int g, vf *w) {
     const int shift = (g & 1) * 4;
     const __m128i lo = _mm_or_si128(bits(load_16(qs), shift, 4), _mm_slli_epi16(bits(load_16(qh), g, 1), 4));
     const __m128i hi = _mm_or_si128(bits(load_16(qs + 16), shift, 4), _mm_slli_epi16(bits(load_16(qh + 16), g, 1), 4));
-    scaled(lo, hi, 0, scale, scale, -min, w);
+    return (group_q){lo, hi, scale, scale, -min};
 }
 
 /* Q6_K: 256 weights as two halves of 128: ql (128 bytes of nibbles), qh (64 bytes of 2-bit
@@ -182,7 +193,7 @@ static inline void decode_q5_k(const uint8_t *b, int g, vf *w) {
  * takes the low (s < 2) or high nibble of ql[64n + 32 (s & 1) + l] and bits 2s .. 2s+1 of
  * qh[32n + l]; w = d * scale[8n + 2s + l / 16] * (q - 32). Group g is weights 32g .. 32g + 31:
  * half g / 4, s = g % 4. */
-static inline void decode_q6_k(const uint8_t *b, int g, vf *w) {
+static inline group_q group_q6_k(const uint8_t *b, int g) {
     const int n = g >> 2, s = g & 3;
     const uint8_t *ql = b + 64 * n + 32 * (s & 1), *qh = b + 128 + 32 * n;
     const int8_t *scales = (const int8_t *)(b + 192) + 8 * n + 2 * s;
@@ -192,20 +203,25 @@ static inline void decode_q6_k(const uint8_t *b, int g, vf *w) {
     const __m128i hi = _mm_or_si128(bits(load_16(ql + 16), nibble, 4), _mm_slli_epi16(bits(load_16(qh + 16), pair, 2), 4));
     /* q - 32 in bytes: the 6-bit values become signed. */
     const __m128i bias = _mm_set1_epi8(32);
-    const float lo_scale = d * scales[0], hi_scale = d * scales[1];
-    scaled(_mm_sub_epi8(lo, bias), _mm_sub_epi8(hi, bias), 1, lo_scale, hi_scale, 0.0f, w);
+    return (group_q){_mm_sub_epi8(lo, bias), _mm_sub_epi8(hi, bias), d * scales[0], d * scales[1], 0.0f};
+}
+
+/* Group g of the block at b, as bytes and scales. */
+static inline __attribute__((always_inline)) group_q group_of(const int type, const uint8_t *b, int g) {
+    switch (type) {
+        case TYPE_Q4_0: return group_q4_0(b);
+        case TYPE_Q4_1: return group_q4_1(b);
+        case TYPE_Q8_0: return group_q8_0(b);
+        case TYPE_Q4_K: return group_q4_k(b, g);
+        case TYPE_Q5_K: return group_q5_k(b, g);
+        default: return group_q6_k(b, g);
+    }
 }
 
 /* Weights 32g .. 32g + 31 of the block at b, in w[0 .. NV). */
 static inline __attribute__((always_inline)) void decode_group(const int type, const uint8_t *b, int g, vf *w) {
-    switch (type) {
-        case TYPE_Q4_0: decode_q4_0(b, w); break;
-        case TYPE_Q4_1: decode_q4_1(b, w); break;
-        case TYPE_Q8_0: decode_q8_0(b, w); break;
-        case TYPE_Q4_K: decode_q4_k(b, g, w); break;
-        case TYPE_Q5_K: decode_q5_k(b, g, w); break;
-        default: decode_q6_k(b, g, w); break;
-    }
+    const group_q q = group_of(type, b, g);
+    scaled(q.lo, q.hi, group_is_signed(type), q.scale_lo, q.scale_hi, q.offset, w);
 }
 
 #endif

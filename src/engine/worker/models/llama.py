@@ -51,13 +51,17 @@ class QuantizedParts:
 class Linear(QuantizedParts, nn.Linear):
     """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
     gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
-    columns of the output with the quantized kernels."""
+    columns of the output with the quantized kernels; :meth:`pack` joins parts of one block
+    type into one weight (rows are independent blocks), so a fused layer is one kernel call."""
 
     packed_weight: torch.Tensor | None = None
 
     def pack(self) -> None:
         if self.parts is None:
             self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
+        elif len(self.parts) > 1 and len({part.kind for part in self.parts}) == 1:
+            rows = torch.cat([part.data for part in self.parts])
+            self.parts = [kernels.QuantizedWeight(self.parts[0].kind, rows, self.in_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is None:

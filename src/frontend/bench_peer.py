@@ -1,0 +1,238 @@
+"""``triode bench serve --peer llama.cpp``: the serving sweep against triode and against
+llama.cpp's server on the same GGUF file, in one run.
+
+llama.cpp comes from PyPI as ``llama-cpp-python[server]``, built once (about 12 minutes on
+2 cores) into an environment of its own under the triode cache, never into triode's: the
+test suite does not need it and triode's dependencies stay as they are. Both servers get
+every core, are started by this command one after the other (never sharing the CPU), and
+see the same chats; llama.cpp has no ``ignore_eos``, so its requests carry a logit bias of
+-100 on every end-of-generation token of the file instead, and each side's mean output
+length is reported so that a reader can check they produced the same work.
+
+Next to the sweep it measures this machine's memory read bandwidth and the bytes of weights
+a decode step reads, so that the batch-one time between tokens can be held to the limit the
+memory sets (weight bytes / bandwidth), and the resident memory of the triode server's
+processes once they have answered (PSS, so pages two processes share count once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+_LLAMA_CPP_REQUIREMENT = "llama-cpp-python[server]==0.3.36"
+PEER_LOG = "serve-peer-llama-cpp.log"
+_READY_TIMEOUT_S = 600.0
+
+
+def run(ns: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    from engine.bench.report import machine_description, write_json
+    from engine.config import EngineArgs
+    from frontend.bench_load import conversations
+    from frontend.bench_serve import start_server, stop_server, sweep
+
+    output_dir = Path(ns.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = EngineArgs.from_env().resolved_cache_dir()
+    gguf_path = peer_gguf(ns.model, cache_dir)
+    print(f"triode bench serve --peer llama.cpp on {machine_description()}\nmodel file: {gguf_path}")
+    python = ensure_llama_cpp(Path(cache_dir))
+    bandwidth = read_bandwidth()
+    weight_bytes = decode_weight_bytes(gguf_path)
+    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; a decode step reads {weight_bytes / 1e9:.3f} GB "
+          f"of weights: at least {1000 * weight_bytes / bandwidth:.1f} ms per token at batch one")
+    levels = {c: conversations(ns.num_prompts or max(8, 2 * c), ns.prompt_tokens, seed=c) for c in ns.concurrency}
+    ns.model = str(gguf_path)
+    server, base_url = start_server(ns, output_dir / "serve-server.log")
+    try:
+        ours = trio.run(functools.partial(sweep, ns, base_url, levels, label="triode "))
+        resident = resident_bytes(server.pid)
+    finally:
+        stop_server(server)
+    peer, peer_url = start_llama_cpp(python, gguf_path, ns, output_dir / PEER_LOG)
+    try:
+        theirs = trio.run(functools.partial(sweep, ns, peer_url, levels, request_fields=no_eos_bias(gguf_path),
+                                            label="llama.cpp "))
+    finally:
+        stop_server(peer)
+    report = {
+        "model_file": str(gguf_path), "peer": LLAMA_CPP_PYTHON,
+        "workload": {"prompt_tokens": ns.prompt_tokens, "output_tokens": ns.output_tokens, "greedy": True,
+                     "requests_per_level": {c: len(v) for c, v in levels.items()}},
+        "memory_read_bandwidth_gb_s": bandwidth / 1e9, "decode_weight_bytes": weight_bytes,
+        "weight_read_limit_ms": 1000 * weight_bytes / bandwidth,
+        "triode_resident_bytes": resident,
+        "triode": ours["levels"], "llama_cpp": theirs["levels"],
+    }
+    _print_comparison(report)
+    write_json(output_dir / "serve-peer.json", report)
+    _plot(output_dir / "serve-peer.png", report)
+    print(f"wrote {output_dir / 'serve-peer.json'} and {output_dir / 'serve-peer.png'}")
+    return report
+
+
+def peer_gguf(model: str | None, cache_dir: str) -> Path:
+    """The GGUF file both servers load: ``model`` when it is one, else the default model's."""
+    if model is not None and model != "default":
+        path = Path(model).expanduser()
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            raise SystemExit("triode: error: --peer llama.cpp needs a .gguf file as --model (or none: the "
+                             f"default model's), got {model!r}")
+        return path.resolve()
+    from engine.model_files.resolve import resolve_model
+
+    entry = resolve_model(None, cache_dir=cache_dir).path
+    return next(entry.glob("*.gguf"))
+
+
+def ensure_llama_cpp(cache_dir: Path) -> Path:
+    """The Python of the environment holding llama.cpp's server, built on first use."""
+    venv = cache_dir / "peers" / LLAMA_CPP_PYTHON.replace("==", "-")
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import llama_cpp.server"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    log = cache_dir / "peers" / "build.log"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    print(f"building {LLAMA_CPP_PYTHON} into {venv} (one-time, about 12 minutes on 2 cores; log: {log}) ...",
+          flush=True)
+    with log.open("w") as out:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=subprocess.STDOUT)
+        built = subprocess.run([str(python), "-m", "pip", "install", _LLAMA_CPP_REQUIREMENT],
+                               stdout=out, stderr=subprocess.STDOUT)
+    if built.returncode != 0:
+        raise SystemExit(f"triode: error: building {LLAMA_CPP_PYTHON} failed; see {log}")
+    return python
+
+
+def start_llama_cpp(python: Path, gguf_path: Path, ns: argparse.Namespace,
+                    log_path: Path) -> tuple[subprocess.Popen, str]:
+    threads = str(os.cpu_count() or 1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", str(ns.max_model_len), "--n_threads", threads,
+               "--n_threads_batch", threads,
+               # Its default cuts a running stream off when the next request arrives; queued
+               # is what a server owes its clients (it runs one request at a time).
+               "--interrupt_requests", "False"]
+    log = log_path.open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    print(f"starting llama.cpp's server (log: {log_path}) ...", flush=True)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return process, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"triode: error: llama.cpp's server did not start; see {log_path}")
+
+
+def no_eos_bias(gguf_path: Path) -> dict[str, Any]:
+    """llama.cpp's stand-in for ``ignore_eos``: its end-of-generation tokens made unpickable."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    ids = set()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        field = reader.fields.get(key)
+        if field is not None:
+            ids.add(int(field.parts[field.data[0]][0]))
+    return {"logit_bias": {str(token): -100 for token in sorted(ids)}}
+
+
+def decode_weight_bytes(gguf_path: Path) -> int:
+    """Bytes of the matrices one decode step reads: every tensor but the embedding table, of
+    which a step reads only its tokens' rows (unless it is also the LM head)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied)
+
+
+def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second a sum over a buffer far larger than the caches reads, best of a few."""
+    import torch
+
+    buffer = torch.ones(megabytes << 18, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * 4 / best
+
+
+def resident_bytes(pid: int) -> int:
+    """Proportional set size of a process and its descendants (the workers)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for process in (root, *root.children(recursive=True)):
+        try:
+            total += process.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+def _print_comparison(report: dict[str, Any]) -> None:
+    from engine.bench.report import print_table
+
+    rows = []
+    for ours, theirs in zip(report["triode"], report["llama_cpp"], strict=True):
+        rows.append([ours["concurrency"], ours["output_tokens_per_second"], theirs["output_tokens_per_second"],
+                     _ratio(ours["output_tokens_per_second"], theirs["output_tokens_per_second"]),
+                     ours["itl_p50_ms"], theirs["itl_p50_ms"], ours["ttft_p50_ms"], theirs["ttft_p50_ms"],
+                     ours["mean_output_tokens"], theirs["mean_output_tokens"],
+                     f"{ours['failed']}/{theirs['failed']}"])
+    print_table(["conc", "triode tok/s", "llama.cpp tok/s", "ratio", "triode ITL p50", "llama.cpp ITL p50",
+                 "triode TTFT p50", "llama.cpp TTFT p50", "triode out", "llama.cpp out", "failed"],
+                [["-" if v is None else v for v in row] for row in rows])
+    first = report["triode"][0]
+    if first["itl_p50_ms"] is not None:
+        print(f"batch-one weight-read limit {report['weight_read_limit_ms']:.1f} ms per token; triode's ITL p50 "
+              f"at concurrency {first['concurrency']} is {first['itl_p50_ms'] / report['weight_read_limit_ms']:.2f}x it")
+    print(f"triode's server processes: {report['triode_resident_bytes'] / 2**30:.2f} GiB resident (PSS)")
+
+
+def _ratio(ours: float, theirs: float) -> float | None:
+    return ours / theirs if theirs else None
+
+
+def _plot(path: Path, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    from frontend.bench_serve import save_sweep_figure
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4.5))
+    for key, label in (("triode", "triode"), ("llama_cpp", "llama.cpp server")):
+        levels = report[key]
+        x = [r["concurrency"] for r in levels]
+        left.plot(x, [r["output_tokens_per_second"] for r in levels], marker="o", label=label)
+        right.plot(x, [r["itl_p50_ms"] if r["itl_p50_ms"] is not None else float("nan") for r in levels],
+                   marker="o", label=f"{label}, ITL p50")
+    right.axhline(report["weight_read_limit_ms"], linestyle=":", color="gray", label="weight bytes / bandwidth")
+    left.set(title=f"Output tokens/s, {Path(report['model_file']).name}", xlabel="concurrent clients",
+             ylabel="tokens / s")
+    right.set(title="Time between tokens", xlabel="concurrent clients", ylabel="ms", yscale="log")
+    save_sweep_figure(figure, (left, right), x, path)

@@ -1,0 +1,305 @@
+/* y = x @ w^T (+ bias) with w in GGUF's quantized blocks and x quantized to int8 on the way
+ * in, as llama.cpp computes it: the measured faster option next to quant_linear.c's float32
+ * path (kernels.quant_linear picks one).
+ *
+ * Each 32 activations of a row become int8 values x_q with one float scale (max |x| / 127).
+ * A group of 32 weights stays in its bytes (quant_blocks.h's group_of): one multiply-add
+ * instruction (maddubs) takes 32 byte pairs, where the float32 path widens every weight to a
+ * float first. With w = scale * q + offset, a group's share of a dot product is
+ * scale * x_scale * sum(q * x_q) + offset * x_scale * sum(x_q): exactly w . x_scale * x_q, so
+ * the error is sum(w * rounding), as small for the offset types as for the others (with the
+ * float sum of x instead, it would be sum((w - offset) * rounding), twice as large). maddubs multiplies
+ * unsigned by signed bytes, so signed weights (Q8_0, Q6_K) go in as |q| with the sign moved
+ * onto the activation. Its 16-bit sums cannot overflow: |q| <= 128 and |x_q| <= 127.
+ *
+ * Layouts as in quant_linear.c; rows run in tiles of up to MAX_ROWS, the weights decoded
+ * once per tile.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#define NOT_BUILT -4
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "quant_blocks.h"
+
+#define MAX_ROWS 4
+#define PARALLEL_MIN_WEIGHTS 65536
+
+/* Row r's activations: int8 values, one scale per span of them (32 for the 32-weight block
+ * types, 256 for the K types, whose integer sums then run over a whole block as llama.cpp's
+ * Q8_K does), and the integer sum of every 32. */
+typedef struct {
+    const int8_t *q;
+    const float *scale;
+    const int32_t *sum;
+} rows_q8;
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, int span, int8_t *q, float *scale,
+                          int32_t *sum)
+{
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    for (int r = 0; r < rows; r++)
+        for (int s = 0; s < in / span; s++) {
+            const float *src = x + r * x_stride + s * span;
+            __m256 peak = _mm256_setzero_ps();
+            for (int i = 0; i < span; i += 8)
+                peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float amax = _mm_cvtss_f32(m);
+            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            scale[(int64_t)r * (in / span) + s] = amax / 127.0f;
+            for (int g = 0; g < span / 32; g++) {
+                __m256i i32[4];
+                for (int i = 0; i < 4; i++)
+                    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(
+                        _mm256_mul_ps(_mm256_loadu_ps(src + 32 * g + 8 * i), inverse),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order. */
+                const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+                const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                               _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                const int64_t k = (int64_t)s * (span / 32) + g;
+                _mm256_storeu_si256((__m256i *)(q + (int64_t)r * in + 32 * k), i8);
+                sum[(int64_t)r * (in / 32) + k] = hsum8i(
+                    _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3])));
+            }
+        }
+}
+
+/* Group k of a 32-weight block type's row against every row of the tile, into acc and
+ * offsets (w = scale * q + offset: offset * x_scale * sum(x_q) is the offset's share). */
+static inline __attribute__((always_inline)) void int8_group(
+    const int type, const int rows, rows_q8 x, int in, const uint8_t *w_row, int k, __m256 *acc,
+    float *offsets)
+{
+    const int is_signed = group_is_signed(type), row_groups = in / 32;
+    const group_q q = group_of(type, w_row + (int64_t)k * block_bytes(type), 0);
+    const __m256i wq = _mm256_set_m128i(q.hi, q.lo);
+    const __m256i magnitude = is_signed ? _mm256_sign_epi8(wq, wq) : wq;
+    UNROLL
+    for (int r = 0; r < rows; r++) {
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (int64_t)r * in + 32 * k));
+        if (is_signed) xq = _mm256_sign_epi8(xq, wq);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xq), _mm256_set1_epi16(1));
+        const float x_scale = x.scale[r * row_groups + k];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q.scale_lo * x_scale), acc[r]);
+        offsets[r] += q.offset * x_scale * (float)x.sum[r * row_groups + k];
+    }
+}
+
+/* Sub-block j's 6-bit scale and min of a Q4_K / Q5_K block, as integers (quant_blocks.h's
+ * k_scale_min has the layout). */
+static inline void k_scales(const uint8_t *packed, int16_t *scale, int16_t *min) {
+    UNROLL
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            scale[j] = packed[j] & 63;
+            min[j] = packed[j + 4] & 63;
+        } else {
+            scale[j] = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
+            min[j] = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+        }
+    }
+}
+
+/* The 32 unsigned 6-bit values (q + 32) of group g of a Q6_K block, and its two scales
+ * (weights 0..15 and 16..31) as 16-bit lanes for madd. */
+static inline __m256i q6_k_values(const uint8_t *b, int g, __m256i *scales) {
+    const int n = g >> 2, s = g & 3;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (s & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + 2 * s;
+    *scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, (s >> 1) * 4), _mm256_set1_epi8(0x0F));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+
+/* One K-type block (256 weights) against every row of the tile. The activations have one
+ * scale for the block, so the integer sums of its 8 groups, each times its integer scale
+ * (madd's second operand), add up before a single float multiply-add per row. */
+static inline __attribute__((always_inline)) void k_block(
+    const int type, const int rows, rows_q8 x, int in, const uint8_t *b, int block, __m256 *acc,
+    float *offsets)
+{
+    __m256i sums[MAX_ROWS];
+    UNROLL
+    for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+    const int8_t *xq = x.q + 256 * block;
+    float d, dmin = 0.0f;
+    int16_t scale[8], min[8];
+    if (type == TYPE_Q6_K) {
+        d = half_to_float(b + 208);
+        const __m256i bias = _mm256_set1_epi8(32);
+        UNROLL
+        for (int g = 0; g < 8; g++) {
+            __m256i scales;
+            const __m256i q = _mm256_sub_epi8(q6_k_values(b, g, &scales), bias);
+            const __m256i magnitude = _mm256_sign_epi8(q, q);
+            UNROLL
+            for (int r = 0; r < rows; r++) {
+                const __m256i xr = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * in + 32 * g));
+                const __m256i dot = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xr, q));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(dot, scales));
+            }
+        }
+    } else {
+        d = half_to_float(b);
+        dmin = half_to_float(b + 2);
+        k_scales(b + 4, scale, min);
+        const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16), *qh = b + 16;
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        UNROLL
+        for (int p = 0; p < 4; p++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            __m256i lo = _mm256_and_si256(packed, nibble);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            if (type == TYPE_Q5_K) {
+                const __m256i high = _mm256_loadu_si256((const __m256i *)qh), one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * p), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * p + 1), one), 4));
+            }
+            const __m256i scale_lo = _mm256_set1_epi16(scale[2 * p]), scale_hi = _mm256_set1_epi16(scale[2 * p + 1]);
+            UNROLL
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + (int64_t)r * in + 64 * p;
+                const __m256i dot_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr));
+                const __m256i dot_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32)));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_madd_epi16(dot_lo, scale_lo),
+                                                                     _mm256_madd_epi16(dot_hi, scale_hi)));
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < rows; r++) {
+        const float x_scale = x.scale[r * (in / 256) + block];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * x_scale), acc[r]);
+        if (type != TYPE_Q6_K) {
+            const int32_t *xs = x.sum + r * (in / 32) + 8 * block;
+            int32_t mins = 0;
+            UNROLL
+            for (int j = 0; j < 8; j++) mins += min[j] * xs[j];
+            offsets[r] -= dmin * x_scale * (float)mins;
+        }
+    }
+}
+
+/* One output row j against ROWS activation rows; TYPE and ROWS are constants once inlined.
+ * Even and odd groups (or blocks) add into separate sums, so that consecutive multiply-adds
+ * do not wait on each other (with one row they would otherwise be the critical path). */
+static inline __attribute__((always_inline)) void int8_row(
+    const int type, const int rows, rows_q8 x, int in, const uint8_t *w_row, float *sums)
+{
+    const int k_type = block_groups(type) > 1, count = k_type ? in / 256 : in / 32;
+    __m256 even[MAX_ROWS], odd[MAX_ROWS];
+    float even_offsets[MAX_ROWS], odd_offsets[MAX_ROWS];
+    UNROLL
+    for (int r = 0; r < rows; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        even_offsets[r] = odd_offsets[r] = 0.0f;
+    }
+    int k = 0;
+    for (; k + 1 < count; k += 2) {
+        if (k_type) {
+            k_block(type, rows, x, in, w_row + (int64_t)k * block_bytes(type), k, even, even_offsets);
+            k_block(type, rows, x, in, w_row + (int64_t)(k + 1) * block_bytes(type), k + 1, odd, odd_offsets);
+        } else {
+            int8_group(type, rows, x, in, w_row, k, even, even_offsets);
+            int8_group(type, rows, x, in, w_row, k + 1, odd, odd_offsets);
+        }
+    }
+    if (k < count) {
+        if (k_type) k_block(type, rows, x, in, w_row + (int64_t)k * block_bytes(type), k, even, even_offsets);
+        else int8_group(type, rows, x, in, w_row, k, even, even_offsets);
+    }
+    UNROLL
+    for (int r = 0; r < rows; r++)
+        sums[r] = hsum8(_mm256_add_ps(even[r], odd[r])) + even_offsets[r] + odd_offsets[r];
+}
+
+#define TILE(TYPE, N)                                                                           \
+    case N: {                                                                                   \
+        _Pragma("omp parallel for schedule(static) if (parallel)")                              \
+        for (int64_t j = 0; j < out; j++) {                                                     \
+            float sums[MAX_ROWS];                                                               \
+            int8_row(TYPE, N, x, in, w + j * row_bytes, sums);                                  \
+            const float offset = bias ? bias[j] : 0.0f;                                         \
+            for (int r = 0; r < N; r++) y[r * y_stride + j] = sums[r] + offset;                 \
+        }                                                                                       \
+        break;                                                                                  \
+    }
+
+#define DEFINE_TYPED(NAME, TYPE)                                                                \
+static void NAME(rows_q8 x, const uint8_t *w, int64_t row_bytes, const float *bias, float *y,   \
+                 int64_t y_stride, int rows, int in, int64_t out)                               \
+{                                                                                               \
+    const int parallel = (int64_t)in * out >= PARALLEL_MIN_WEIGHTS;                             \
+    switch (rows) { TILE(TYPE, 1) TILE(TYPE, 2) TILE(TYPE, 3) TILE(TYPE, 4) }                   \
+}
+
+DEFINE_TYPED(int8_q4_0, TYPE_Q4_0)
+DEFINE_TYPED(int8_q4_1, TYPE_Q4_1)
+DEFINE_TYPED(int8_q8_0, TYPE_Q8_0)
+DEFINE_TYPED(int8_q4_k, TYPE_Q4_K)
+DEFINE_TYPED(int8_q5_k, TYPE_Q5_K)
+DEFINE_TYPED(int8_q6_k, TYPE_Q6_K)
+
+/* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
+ * type's blocks; -3 for rows < 1; -5 when the activations' buffer cannot be allocated. */
+int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                             int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                             int64_t rows, int in, int64_t out)
+{
+    if (!block_bytes(type)) return -1;
+    const int weights = 32 * block_groups(type);
+    if (in <= 0 || in % weights || row_bytes != (int64_t)(in / weights) * block_bytes(type)) return -2;
+    if (rows < 1) return -3;
+    const int span = weights;  /* one activation scale per weight block */
+    const int64_t groups = rows * (in / 32);
+    int8_t *q = malloc((size_t)(rows * in) + (sizeof(float) + sizeof(int32_t)) * (size_t)groups);
+    if (!q) return -5;
+    float *scale = (float *)(q + rows * in);
+    int32_t *sum = (int32_t *)(scale + groups);
+    quantize_rows(x, x_stride, (int)rows, in, span, q, scale, sum);
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        const int tile = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
+        const rows_q8 xt = {q + r0 * in, scale + r0 * (in / span), sum + r0 * (in / 32)};
+        float *yt = y + r0 * y_stride;
+        switch (type) {
+            case TYPE_Q4_0: int8_q4_0(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+            case TYPE_Q4_1: int8_q4_1(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+            case TYPE_Q8_0: int8_q8_0(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+            case TYPE_Q4_K: int8_q4_k(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+            case TYPE_Q5_K: int8_q5_k(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+            default: int8_q6_k(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+        }
+    }
+    free(q);
+    return 0;
+}
+
+#else
+
+int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                             int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                             int64_t rows, int in, int64_t out)
+{
+    return NOT_BUILT;
+}
+
+#endif
