@@ -25,6 +25,8 @@
 
 #define MAX_ROWS 4
 #define PARALLEL_MIN_WEIGHTS 65536
+/* How far ahead of the K-type loop its weights are prefetched, in blocks. */
+#define PREFETCH_BLOCKS 8
 
 /* Row r's activations: int8 values, one scale per span of them (32 for the 32-weight block
  * types, 256 for the K types, whose integer sums then run over a whole block as llama.cpp's
@@ -214,8 +216,13 @@ static inline __attribute__((always_inline)) void int8_row(
         even_offsets[r] = odd_offsets[r] = 0.0f;
     }
     int k = 0;
+    const int block_size = block_bytes(type);
     for (; k + 1 < count; k += 2) {
         if (k_type) {
+            /* The next blocks' lines, ahead of the hardware prefetcher (measured on an 8B
+             * model's 28672 x 4096 gate/up matrix: Q4_K 4.0-4.3 ms instead of 4.5-5.2). */
+            const char *ahead = (const char *)(w_row + (int64_t)(k + PREFETCH_BLOCKS) * block_size);
+            for (int line = 0; line < 2 * block_size; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
             k_block(type, rows, x, in, w_row + (int64_t)k * block_bytes(type), k, even, even_offsets);
             k_block(type, rows, x, in, w_row + (int64_t)(k + 1) * block_bytes(type), k + 1, odd, odd_offsets);
         } else {
