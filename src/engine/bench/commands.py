@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engine.config import QUANTIZED_ACTIVATIONS
+
 
 def _step(namespace: argparse.Namespace) -> int:
     from engine.bench import step
@@ -68,7 +70,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     step.add_argument("--dtypes", nargs="+", default=["auto"],
                       help="one runner per dtype (auto keeps quantized weights on a CPU)")
-    step.add_argument("--quantized-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
+    step.add_argument("--quantized-activations", nargs="+", default=["float32"], choices=QUANTIZED_ACTIVATIONS,
                       help="one runner per activation type, for runners that keep quantized weights")
     step.add_argument("--output-dir", default="bench-results")
     step.set_defaults(handler=_step)
