@@ -55,8 +55,8 @@ def check_quantizable(path: Path, quantization: str) -> None:
 
 
 def quantize_checkpoint(source: Path, out_dir: Path, quantization: str, *, progress: bool) -> None:
-    """Writes ``source`` quantized as ``quantization`` into ``out_dir``."""
-    check_quantizable(source, quantization)
+    """Writes ``source`` (which :func:`check_quantizable` has passed) quantized as
+    ``quantization`` into ``out_dir``."""
     say(progress, f"quantizing {source.name} to {quantization} (one-time) ...")
     started = time.monotonic()
     for item in source.iterdir():

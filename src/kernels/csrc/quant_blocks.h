@@ -116,6 +116,13 @@ static inline int block_groups(int type) {
     return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? 8 : 1;
 }
 
+/* Whether rows of in weights, row_bytes bytes each, are whole blocks of type. */
+static inline int valid_shape(int type, int64_t row_bytes, int in) {
+    const int weights = 32 * block_groups(type);
+    return block_bytes(type) && in > 0 && in % weights == 0
+           && row_bytes == (int64_t)(in / weights) * block_bytes(type);
+}
+
 /* One group's 32 quantized values as bytes (lo: weights 0..15, hi: 16..31) and how they
  * become weights: w = scale_lo / scale_hi * q + offset. The values are signed bytes for
  * Q8_0 and Q6_K (group_is_signed), unsigned for the rest. Both the float32 path (decode_group)

@@ -97,12 +97,6 @@ DEFINE_TYPED(linear_q4_k, TYPE_Q4_K)
 DEFINE_TYPED(linear_q5_k, TYPE_Q5_K)
 DEFINE_TYPED(linear_q6_k, TYPE_Q6_K)
 
-static int valid_shape(int type, int64_t row_bytes, int in) {
-    const int weights = 32 * block_groups(type);
-    return block_bytes(type) && in > 0 && in % weights == 0
-           && row_bytes == (int64_t)(in / weights) * block_bytes(type);
-}
-
 /* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
  * type's blocks; -3 for rows < 1. */
 int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,

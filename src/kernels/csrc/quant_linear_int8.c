@@ -223,15 +223,15 @@ static inline __attribute__((always_inline)) void int8_row(
              * model's 28672 x 4096 gate/up matrix: Q4_K 4.0-4.3 ms instead of 4.5-5.2). */
             const char *ahead = (const char *)(w_row + (int64_t)(k + PREFETCH_BLOCKS) * block_size);
             for (int line = 0; line < 2 * block_size; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-            k_block(type, rows, x, in, w_row + (int64_t)k * block_bytes(type), k, even, even_offsets);
-            k_block(type, rows, x, in, w_row + (int64_t)(k + 1) * block_bytes(type), k + 1, odd, odd_offsets);
+            k_block(type, rows, x, in, w_row + (int64_t)k * block_size, k, even, even_offsets);
+            k_block(type, rows, x, in, w_row + (int64_t)(k + 1) * block_size, k + 1, odd, odd_offsets);
         } else {
             int8_group(type, rows, x, in, w_row, k, even, even_offsets);
             int8_group(type, rows, x, in, w_row, k + 1, odd, odd_offsets);
         }
     }
     if (k < count) {
-        if (k_type) k_block(type, rows, x, in, w_row + (int64_t)k * block_bytes(type), k, even, even_offsets);
+        if (k_type) k_block(type, rows, x, in, w_row + (int64_t)k * block_size, k, even, even_offsets);
         else int8_group(type, rows, x, in, w_row, k, even, even_offsets);
     }
     UNROLL
@@ -274,7 +274,7 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
 {
     if (!block_bytes(type)) return -1;
     const int weights = 32 * block_groups(type);
-    if (in <= 0 || in % weights || row_bytes != (int64_t)(in / weights) * block_bytes(type)) return -2;
+    if (!valid_shape(type, row_bytes, in)) return -2;
     if (rows < 1) return -3;
     const int span = weights;  /* one activation scale per weight block */
     const int64_t groups = rows * (in / 32);
