@@ -8,6 +8,7 @@ blocks serve a test whose reference is the same blocks dequantized).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -95,9 +96,10 @@ def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32") -> None:
+def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapping[str, str] | None = None) -> None:
     """Writes ``model`` and its byte-level BPE tokenizer the way llama.cpp would: norms in F32,
-    every matrix in ``kind`` (F32 or a block type)."""
+    every matrix in ``kind`` (F32 or a block type), or the type ``kinds`` gives its GGUF name
+    without the layer (``attn_k``, ``output``)."""
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_context_length(config.max_position_embeddings)
@@ -129,10 +131,11 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32") -> None:
             gguf_name = f"blk.{parts[1]}.{names[local]}.weight"
         else:
             gguf_name = f"{names[parts[0]]}.weight"
-        if kind == "F32" or array.ndim == 1:
+        tensor_kind = (kinds or {}).get(gguf_name.split(".")[-2], kind)
+        if tensor_kind == "F32" or array.ndim == 1:
             writer.add_tensor(gguf_name, array)
         else:
-            writer.add_tensor(gguf_name, quantize(array, kind), raw_dtype=GGMLQuantizationType[kind])
+            writer.add_tensor(gguf_name, quantize(array, tensor_kind), raw_dtype=GGMLQuantizationType[tensor_kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -39,8 +39,21 @@ def _decode_batch(*, kv_heads, group, head_dim, block_size, dtype, seed=0):
      (4, 1, 32, 8), (1, 6, 48, 4), (2, 2, 256, 64)],
 )
 def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype):
-    batch = _decode_batch(kv_heads=kv_heads, group=group, head_dim=head_dim, block_size=block_size,
-                          dtype=dtype)
+    _check_against_reference(_decode_batch(kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                           block_size=block_size, dtype=dtype), dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128), (4, 1, 32)])
+@pytest.mark.parametrize("decodes", [[(300, 1)], [(15, 1), (99, 1)]])
+def test_few_sequences_split_by_kv_head(decodes, kv_heads, group, head_dim):
+    # Fewer sequences than twice the threads: each (sequence, KV head) is its own unit of work.
+    batch = make_paged_batch(decodes, num_decodes=len(decodes), kv_heads=kv_heads, group=group,
+                             head_dim=head_dim, block_size=16, dtype=torch.float32, seed=5)
+    _check_against_reference(batch, torch.float32)
+
+
+def _check_against_reference(batch, dtype):
     md = batch.metadata
     k_clean, v_clean = batch.clean_caches(torch.float32)
     expected = decode_attention_reference(batch.query.float(), k_clean, v_clean, md.block_tables,

@@ -37,6 +37,7 @@ from kernels.cpu_elementwise import (
     write_kv_cpu,
 )
 from kernels.cpu_linear import small_linear_cpu
+from kernels.decode_stack import DecodeStack
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
 from kernels.native import native_library, use_cache_dir
@@ -61,6 +62,7 @@ _backend = os.environ.get("TRIODE_KERNELS", "auto")
 __all__ = [
     "BACKENDS",
     "AttentionMetadata",
+    "DecodeStack",
     "QuantizedWeight",
     "backend_for",
     "get_backend",

@@ -27,6 +27,7 @@ _T = TypeVar("_T")
 
 __all__ = [
     "check_attention_args",
+    "check_decode_metadata",
     "gather_kv",
     "length_buckets",
     "paged_attention_cpu",
@@ -80,15 +81,26 @@ def paged_attention_cpu(
     num_decodes = metadata.num_decodes
     if not num_decodes or not cpu_decode_supports(query, k_cache):
         return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
-    # The kernel trusts the metadata it reads; the checks run once per step, not per layer.
-    _check_host_metadata(metadata, metadata.block_tables.shape[1] * k_cache.shape[1])
-    _check_block_ids(metadata, k_cache.shape[0])
+    check_decode_metadata(metadata, k_cache)
     out = torch.empty_like(query)
     paged_decode_cpu(query[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
                      metadata.seq_lens[:num_decodes], scale, out[:num_decodes])
     if num_decodes < metadata.num_seqs:
         prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
     return out
+
+
+def check_decode_metadata(metadata: AttentionMetadata, k_cache: torch.Tensor) -> None:
+    """The checks of what the native decode kernel reads and trusts (lengths within each
+    block table, block ids within the cache, int32 rows it can stride over); each runs once
+    per step, not per layer."""
+    tables, seq_lens = metadata.block_tables, metadata.seq_lens
+    if not (tables.dtype == seq_lens.dtype == torch.int32 and tables.dim() == 2
+            and tables.shape[0] >= metadata.num_seqs and tables.stride(1) == 1
+            and seq_lens.shape == (metadata.num_seqs,) and seq_lens.is_contiguous()):
+        raise ValueError("block_tables and seq_lens: int32, a contiguous row and a length per sequence")
+    _check_host_metadata(metadata, tables.shape[1] * k_cache.shape[1])
+    _check_block_ids(metadata, k_cache.shape[0])
 
 
 # A bucket's sequences are padded to its longest; a shorter one starts a new bucket once the

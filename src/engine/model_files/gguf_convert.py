@@ -127,6 +127,8 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
                              path=str(gguf_path)) from e
     raw = config.to_dict()
     raw.pop("quantization_config", None)
+    # Where transformers read it from: the scratch directory, gone once the entry is sealed.
+    raw.pop("_name_or_path", None)
     model_type = raw.get("model_type")
     architecture = _MODEL_TYPES.get(model_type) or ARCHITECTURES.get(model_type)
     if architecture is None:

@@ -1,7 +1,8 @@
 /* Decode attention over the paged KV cache, for CPUs.
  *
  * One query token per sequence attends to the sequence's cached tokens, read in place from
- * its blocks (no gathered copy). A sequence is one unit of work. Its cache is walked in tiles
+ * its blocks (no gathered copy). A sequence is one unit of work (one KV head of it when
+ * there are fewer sequences than twice the threads). Its cache is walked in tiles
  * of up to 16 consecutive rows of one block; for each KV head, the tile's keys and values are
  * loaded once and serve every query head of the head's group, and softmax is computed online,
  * one tile at a time.
@@ -36,6 +37,7 @@
 #include <float.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <omp.h>
 
 #include "bf16.h"
 #include "vec16.h"
@@ -166,13 +168,14 @@ typedef struct {
     static void sequence_##SUFFIX(const State *s, const ELEM *query, const ELEM *k_cache,       \
                                   const ELEM *v_cache, const int32_t *table, int seq_len,       \
                                   ELEM *out, int heads, int kv_heads, int dim, int block_size,  \
-                                  float scale) {                                                \
+                                  float scale, int kv_begin, int kv_end) {                      \
         const int group = heads / kv_heads, vec = dim / LANES;                                  \
+        const int first_head = kv_begin * group, end_head = kv_end * group;                     \
         const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
         void (*specialised)(TILE_ARGS(ELEM)) =                                                  \
             (dim == 64 || dim == 128) && group <= 8 ? SPECIALISED_##SUFFIX[dim == 128][group - 1] \
                                                     : NULL;                                     \
-        for (int h = 0; h < heads; h++) {                                                       \
+        for (int h = first_head; h < end_head; h++) {                                           \
             for (int v = 0; v < vec; v++) {                                                     \
                 s->query[h * vec + v] = LOADV(query + h * dim + v * LANES) * scale;             \
                 s->acc[h * vec + v] = splat(0.0f);                                              \
@@ -190,7 +193,7 @@ typedef struct {
                 next_bytes = tile_rows(next, seq_len, block_size) * row_stride * (int64_t)sizeof(ELEM); \
             }                                                                                   \
             const int64_t share = (next_bytes / kv_heads + 63) & ~(int64_t)63;                   \
-            for (int kv = 0; kv < kv_heads; kv++) {                                             \
+            for (int kv = kv_begin; kv < kv_end; kv++) {                                        \
                 const int64_t from = kv * share;                                                \
                 const int64_t upto = from + share < next_bytes ? from + share : next_bytes;     \
                 if (upto > from) /* nothing past the last tile or the next tile's end */        \
@@ -209,7 +212,7 @@ typedef struct {
                                              s->denominator + h, vec);                          \
             }                                                                                   \
         }                                                                                       \
-        for (int h = 0; h < heads; h++) {                                                       \
+        for (int h = first_head; h < end_head; h++) {                                           \
             const float inverse = 1.0f / s->denominator[h];                                     \
             for (int v = 0; v < vec; v++) {                                                     \
                 const f32x16 result = s->acc[h * vec + v] * inverse;                            \
@@ -229,16 +232,22 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
         block_size > MAX_BLOCK || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads)        \
         return -1;                                                                              \
     const int vectors = heads * (dim / LANES);                                                  \
+    /* Fewer sequences than twice the threads: each KV head of a sequence is a unit of work, \
+     * or one thread would take a whole batch of one. */                                       \
+    const int split = num_seqs < 2 * omp_get_max_threads() ? kv_heads : 1;                      \
+    const int per_unit = kv_heads / split;                                                      \
     _Pragma("omp parallel")                                                                     \
     {                                                                                           \
         f32x16 queries[vectors], accumulators[vectors];                                         \
         float running_max[heads], denominator[heads];                                           \
         const State state = {queries, accumulators, running_max, denominator};                  \
         _Pragma("omp for schedule(dynamic, 1)")                                                 \
-        for (int seq = 0; seq < num_seqs; seq++)                                                \
+        for (int unit = 0; unit < num_seqs * split; unit++) {                                   \
+            const int seq = unit / split, kv_begin = unit % split * per_unit;                   \
             SEQUENCE(&state, query + seq * q_stride, k_cache, v_cache,                          \
                      tables + seq * table_stride, seq_lens[seq], out + seq * out_stride, heads, \
-                     kv_heads, dim, block_size, scale);                                         \
+                     kv_heads, dim, block_size, scale, kv_begin, kv_begin + per_unit);          \
+        }                                                                                       \
     }                                                                                           \
     return 0;                                                                                   \
 }

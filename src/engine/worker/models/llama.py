@@ -31,6 +31,7 @@ import kernels
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition, TensorParallelGroup
+from engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
 from engine.worker.models.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -201,6 +202,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.max_positions = max_positions
         self.tied_head_packed: torch.Tensor | None = None
+        # Pure-decode steps of a quantized CPU model run every layer in one C call
+        # (models.cpu_decode); False runs the modules (the tests compare the two).
+        self.decode_stack_enabled = True
+        self._decode_stack: tuple[object, kernels.DecodeStack | None] | None = None  # (caches, stack)
+        self._decode_stack_supported: bool | None = None
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
 
     def pack_linear_weights(self) -> None:
@@ -243,11 +249,26 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flattened step batch."""
         hidden = self.embed_tokens(input_ids) if self.parallel is None else self._embed_shard(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rope_cache)
+        stack = self._decode_stack_for(kv_caches)
+        if stack is not None and stack.takes(hidden.shape[0], metadata, kv_caches):
+            hidden, residual = stack.run(hidden, positions, metadata)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rope_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _decode_stack_for(self, kv_caches: list[KVCache]) -> kernels.DecodeStack | None:
+        if not self.decode_stack_enabled or kernels.get_backend() != "auto":
+            return None
+        if self._decode_stack_supported is None:
+            self._decode_stack_supported = decode_stack_supported(self)
+        if not self._decode_stack_supported:
+            return None
+        if self._decode_stack is None or self._decode_stack[0] is not kv_caches:
+            self._decode_stack = (kv_caches, build_decode_stack(self, kv_caches))
+        return self._decode_stack[1]
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Vocabulary-parallel: rows of ids outside this rank's range are zero, the sum over the
