@@ -110,6 +110,7 @@ def test_default_model_matches_hf(default_model_path, default_model_prompts):
 
 
 @pytest.mark.default_model
+@pytest.mark.slow  # 45 s on 2 cores; bfloat16 on a CPU is the rarer choice (make test-all runs it)
 def test_default_model_in_bfloat16_is_close_to_hf(default_model_path, default_model_prompts):
     """Both in bfloat16, where two correct implementations round differently: vLLM's rule,
     with logprobs within 0.3 before the first differing token (measured: at most 0.13).
