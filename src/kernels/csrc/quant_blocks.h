@@ -99,6 +99,11 @@ static inline __attribute__((always_inline)) void scaled(
         w[v] = vf_fma(wide[v], vf_splat(v < NV / 2 ? scale_lo : scale_hi), vf_splat(offset));
 }
 
+/* Every block type decoded here, as X(type, name suffix): the one list that the typed loops
+ * of quant_linear.c and quant_linear_int8.c, and their dispatch switches, are made from. */
+#define FOR_EACH_QUANT_TYPE(X) \
+    X(TYPE_Q4_0, q4_0) X(TYPE_Q4_1, q4_1) X(TYPE_Q8_0, q8_0) X(TYPE_Q4_K, q4_k) X(TYPE_Q5_K, q5_k) X(TYPE_Q6_K, q6_k)
+
 /* Bytes per block and 32-weight groups per block, by type; 0 for a type not decoded here. */
 static inline int block_bytes(int type) {
     switch (type) {

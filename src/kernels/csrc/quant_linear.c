@@ -90,12 +90,11 @@ static void NAME(const float *x, int64_t x_stride, const uint8_t *w, int64_t row
     }                                                                                           \
 }
 
-DEFINE_TYPED(linear_q4_0, TYPE_Q4_0)
-DEFINE_TYPED(linear_q4_1, TYPE_Q4_1)
-DEFINE_TYPED(linear_q8_0, TYPE_Q8_0)
-DEFINE_TYPED(linear_q4_k, TYPE_Q4_K)
-DEFINE_TYPED(linear_q5_k, TYPE_Q5_K)
-DEFINE_TYPED(linear_q6_k, TYPE_Q6_K)
+#define DEFINE_LINEAR(TYPE, SUFFIX) DEFINE_TYPED(linear_##SUFFIX, TYPE)
+FOR_EACH_QUANT_TYPE(DEFINE_LINEAR)
+
+#define LINEAR_CASE(TYPE, SUFFIX) \
+    case TYPE: linear_##SUFFIX(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
 
 /* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
  * type's blocks; -3 for rows < 1. */
@@ -110,14 +109,7 @@ int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_
         const int tile = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
         const float *xt = x + r0 * x_stride;
         float *yt = y + r0 * y_stride;
-        switch (type) {
-            case TYPE_Q4_0: linear_q4_0(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q4_1: linear_q4_1(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q8_0: linear_q8_0(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q4_K: linear_q4_k(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q5_K: linear_q5_k(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            default: linear_q6_k(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-        }
+        switch (type) { FOR_EACH_QUANT_TYPE(LINEAR_CASE) }
     }
     return 0;
 }
@@ -137,7 +129,7 @@ static inline __attribute__((always_inline)) void dequantize_row(
         }
 }
 
-#define DEQUANTIZE_CASE(TYPE)                                                                   \
+#define DEQUANTIZE_CASE(TYPE, SUFFIX)                                                           \
     case TYPE:                                                                                  \
         _Pragma("omp parallel for schedule(static) if (parallel)")                              \
         for (int64_t i = 0; i < count; i++)                                                     \
@@ -153,14 +145,7 @@ int triode_quant_dequantize(int type, const uint8_t *w, int64_t row_bytes, const
     if (!block_bytes(type)) return -1;
     if (!valid_shape(type, row_bytes, in)) return -2;
     const int parallel = (int64_t)in * count >= PARALLEL_MIN_WEIGHTS;
-    switch (type) {
-        DEQUANTIZE_CASE(TYPE_Q4_0)
-        DEQUANTIZE_CASE(TYPE_Q4_1)
-        DEQUANTIZE_CASE(TYPE_Q8_0)
-        DEQUANTIZE_CASE(TYPE_Q4_K)
-        DEQUANTIZE_CASE(TYPE_Q5_K)
-        DEQUANTIZE_CASE(TYPE_Q6_K)
-    }
+    switch (type) { FOR_EACH_QUANT_TYPE(DEQUANTIZE_CASE) }
     return 0;
 }
 

@@ -280,12 +280,11 @@ static void NAME(rows_q8 x, const uint8_t *w, int64_t row_bytes, const float *bi
     switch (rows) { TILE(TYPE, 1) TILE(TYPE, 2) TILE(TYPE, 3) TILE(TYPE, 4) }                   \
 }
 
-DEFINE_TYPED(int8_q4_0, TYPE_Q4_0)
-DEFINE_TYPED(int8_q4_1, TYPE_Q4_1)
-DEFINE_TYPED(int8_q8_0, TYPE_Q8_0)
-DEFINE_TYPED(int8_q4_k, TYPE_Q4_K)
-DEFINE_TYPED(int8_q5_k, TYPE_Q5_K)
-DEFINE_TYPED(int8_q6_k, TYPE_Q6_K)
+#define DEFINE_INT8(TYPE, SUFFIX) DEFINE_TYPED(int8_##SUFFIX, TYPE)
+FOR_EACH_QUANT_TYPE(DEFINE_INT8)
+
+#define INT8_CASE(TYPE, SUFFIX) \
+    case TYPE: int8_##SUFFIX(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
 
 /* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
  * type's blocks; -3 for rows < 1; -5 when the activations' buffer cannot be allocated. */
@@ -309,14 +308,7 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
         const int tile = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
         const rows_q8 xt = {q + r0 * in, scale + r0 * (in / span), sum + r0 * (in / 32), sum16 + r0 * (in / 16)};
         float *yt = y + r0 * y_stride;
-        switch (type) {
-            case TYPE_Q4_0: int8_q4_0(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q4_1: int8_q4_1(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q8_0: int8_q8_0(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q4_K: int8_q4_k(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            case TYPE_Q5_K: int8_q5_k(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-            default: int8_q6_k(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
-        }
+        switch (type) { FOR_EACH_QUANT_TYPE(INT8_CASE) }
     }
     free(q);
     return 0;
