@@ -2,7 +2,8 @@
 ``kernels.DecodeStack``) against the model's own modules, on real runners of tiny quantized
 models: the same tokens and bit for bit the same logprobs, with float32 and int8 activations,
 for a batch of one (attention split by KV head) and a batch of several, for matrices of one
-block type and for q / k / v in three, and with attention biases (Qwen2). Models and steps
+block type and for q / k / v in three, for teams of one to three threads, and with attention
+biases (Qwen2). Models and steps
 it does not compute exactly as the modules do run the modules; bad step metadata fails with
 a ValueError naming what is wrong, before anything is written.
 """
@@ -89,6 +90,22 @@ def test_stack_gives_the_modules_results_bit_for_bit(gguf_entry, tiny_tokenizer,
     assert stack_calls == [batch] * (MAX_TOKENS - 1), "every decode step, no prefill step"
     assert _generate(runner, prompts, stack=False) == with_stack
     assert len(stack_calls) == MAX_TOKENS - 1
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_team_size_gives_the_same_results(gguf_entry, tiny_tokenizer, stack_calls, threads):
+    # The stack's team splits each matrix into one share per thread and lets a thread that is
+    # done take chunks of the others' shares: three threads on two cores make them steal.
+    runner = _runner(gguf_entry, "int8")
+    prompts = [tiny_tokenizer.encode(text) for text in TINY_MODEL_TEXTS[:3]]
+    expected = _generate(runner, prompts, stack=False)
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert _generate(runner, prompts, stack=True) == expected
+    finally:
+        torch.set_num_threads(default)
+    assert stack_calls
 
 
 def test_attention_biases_ride_along(qwen2_int8_entry, tiny_tokenizer, stack_calls):

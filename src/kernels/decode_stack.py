@@ -25,7 +25,7 @@ from kernels.paged_attention import check_decode_metadata
 from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
 
 MAX_PARTS = 3  # as in the C source
-_OPS = {1: "linear", 2: "rms_norm", 3: "rotary", 4: "write_kv", 5: "decode attention", 6: "silu_and_mul"}
+_OPS = {1: "linear", 3: "rotary", 4: "write_kv", 5: "decode attention"}  # as in the C source
 _OUT_OF_MEMORY = -5
 
 __all__ = ["DecodeLayerWeights", "DecodeStack", "decode_stack_available"]

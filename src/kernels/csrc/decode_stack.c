@@ -13,34 +13,30 @@
  *   hidden = attn @ Wo; normed = rms_norm(hidden + residual)
  *   hidden = silu_and_mul(normed @ Wgate_up) @ Wdown
  * The caller applies the final norm.
+ *
+ * One OpenMP team runs the whole step (team.h). Each op is cut into chunks (a row of a norm,
+ * up to 256 KiB of a matrix's weights, a unit of the attention) that the threads claim, and
+ * consecutive ops are separated by a barrier that spins, then yields. With a parallel region
+ * per kernel call, as the Python path has, a step paid up to two thread wake-ups an op, tens
+ * of microseconds each on these VMs: measured in one process on the 8B-shaped Q4_K_M step
+ * (int8 activations, GOMP_SPINCOUNT=2000 as in the worker), a median of 312 ms against 338
+ * (same-process alternation; this machine's noise is larger than the gain between runs).
+ * The serial forms of the kernels open no OpenMP construct (quant_blocks.h's RUN_SHARES): at
+ * thousands of calls a step, one empty `if (0)` region each cost more than the team saved.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
+
+#include "exports.h"
+#include "team.h"
 
 #define MAX_PARTS 3  /* q, k and v kept as three block types */
 #define OUT_OF_MEMORY -5
-
-int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,
-                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                        int64_t rows, int in, int64_t out);
-int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const uint8_t *w,
-                             int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                             int64_t rows, int in, int64_t out);
-int triode_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
-                        const float *weight, float *out, float *residual_out, int64_t rows, int hidden,
-                        float eps);
-int triode_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int d);
-int triode_rotary_f32(const int64_t *positions, int64_t tokens, float *query, int64_t query_stride,
-                      int query_heads, float *key, int64_t key_stride, int key_heads, const float *cos_sin,
-                      int64_t max_positions, int dim);
-int triode_write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                        float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens,
-                        int64_t num_slots, int row);
-int triode_paged_decode_f32(const float *query, int64_t q_stride, const float *k_cache, const float *v_cache,
-                            const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                            float *out, int64_t out_stride, int num_seqs, int heads, int kv_heads,
-                            int dim, int block_size, float scale);
+#define CHUNK_BYTES (256 << 10) /* of weights, per claimed chunk of a matrix */
+#define MIN_CHUNKS_PER_THREAD 4
+#define OPS_PER_LAYER 8
 
 /* One quantized part of a matrix: `out` consecutive output features. */
 typedef struct {
@@ -69,30 +65,197 @@ typedef struct {
     const float *cos_sin;
 } decode_model;
 
-/* The op a failure came from (*failed_op), for the caller's message. */
-enum { OP_LINEAR = 1, OP_NORM, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_ACTIVATION };
+/* The op a failure came from (*failed_op), for the caller's message (kernels.decode_stack). */
+enum { OP_LINEAR = 1, OP_ROTARY = 3, OP_WRITE_KV = 4, OP_ATTENTION = 5 };
 
-static int linear(const decode_model *m, const quant_matrix *w, const float *x, int in, float *y,
-                  int64_t rows)
+/* What the team shares for a step. */
+typedef struct {
+    const decode_model *m;
+    const decode_layer *layers;
+    int64_t rows;
+    float *hidden, *residual, *normed, *qkv, *attention, *gate_up, *activation;
+    const int64_t *positions, *slots;
+    const int32_t *tables, *seq_lens;
+    int64_t table_stride;
+    int attention_split;
+    counter *claims;     /* counters_per_op for each op of each layer, from 0 */
+    int counters_per_op; /* one per thread */
+    team_barrier barrier;
+} step_state;
+
+/* A thread's own: the current matrix's input quantized for each block type of its parts
+ * (q8_type[i] < 0: not yet), since the activations' scales follow the weights' blocks. */
+typedef struct {
+    void *q8[MAX_PARTS];
+    int q8_type[MAX_PARTS];
+    int me, threads;
+} thread_state;
+
+static void new_input(thread_state *own) {
+    for (int i = 0; i < MAX_PARTS; i++) own->q8_type[i] = -1;
+}
+
+/* The thread's buffer holding x quantized for `type`, quantized on first use. */
+static void *quantized_input(const step_state *st, thread_state *own, int type, const float *x, int in) {
+    int i = 0;
+    while (i < MAX_PARTS - 1 && own->q8_type[i] != type && own->q8_type[i] >= 0) i++;
+    if (own->q8_type[i] != type) {
+        triode_q8_quantize(type, x, in, st->rows, in, own->q8[i]);
+        own->q8_type[i] = type;
+    }
+    return own->q8[i];
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* y[:, first:last] = x @ w[first:last]^T for a matrix kept as parts side by side. */
+static void linear_columns(const step_state *st, thread_state *own, const quant_matrix *w, const float *x,
+                           int in, float *y, int64_t y_stride, int64_t first, int64_t last)
 {
-    int64_t width = 0, column = 0;
-    for (int p = 0; p < w->count; p++) width += w->parts[p].out;
-    for (int p = 0; p < w->count; p++) {
+    int64_t base = 0;
+    for (int p = 0; p < w->count && first < last; base += w->parts[p].out, p++) {
         const quant_part *part = &w->parts[p];
-        const int status = (m->int8_activations ? triode_quant_linear_int8 : triode_quant_linear)(
-            part->type, x, in, part->data, part->row_bytes, part->bias, y + column, width, rows, in,
-            part->out);
-        if (status) return status;
-        column += part->out;
+        const int64_t from = first > base ? first : base, to = min64(last, base + part->out);
+        if (from >= to) continue;
+        const uint8_t *rows = part->data + (from - base) * part->row_bytes;
+        const float *bias = part->bias ? part->bias + (from - base) : NULL;
+        if (!st->m->int8_activations) {
+            triode_quant_linear_serial(part->type, x, in, rows, part->row_bytes, bias, y + from, y_stride,
+                                       st->rows, in, to - from);
+            continue;
+        }
+        triode_quant_linear_q8(part->type, quantized_input(st, own, part->type, x, in), st->rows, in, rows,
+                               part->row_bytes, bias, y + from, y_stride, to - from);
+    }
+}
+
+static int64_t matrix_width(const quant_matrix *w) {
+    int64_t width = 0;
+    for (int p = 0; p < w->count; p++) width += w->parts[p].out;
+    return width;
+}
+
+/* Columns per claimed chunk, a multiple of `align`: CHUNK_BYTES of the matrix's first part,
+ * or less where that would leave a thread fewer than MIN_CHUNKS_PER_THREAD of them (the small
+ * models' matrices are a few hundred kilobytes). */
+static int64_t chunk_columns(const quant_matrix *w, int64_t width, int threads, int64_t align) {
+    const int64_t by_bytes = CHUNK_BYTES / w->parts[0].row_bytes;
+    const int64_t by_count = width / ((int64_t)threads * MIN_CHUNKS_PER_THREAD);
+    const int64_t columns = by_bytes < by_count ? by_bytes : by_count;
+    return columns > align ? (columns + align - 1) / align * align : align;
+}
+
+static void team_linear(const step_state *st, thread_state *own, counter *counters, const quant_matrix *w,
+                        const float *x, int in, float *y)
+{
+    const int64_t width = matrix_width(w), columns = chunk_columns(w, width, own->threads, 16);
+    share_claim shares = {counters, (width + columns - 1) / columns, 0};
+    new_input(own);
+    for (int64_t c; (c = claim_share(&shares, own->me, own->threads)) >= 0;)
+        linear_columns(st, own, w, x, in, y, width, c * columns, min64((c + 1) * columns, width));
+}
+
+/* activation = silu(gate) * up; a claim is the same columns of gate and of up. Chunks start
+ * at multiples of 32 columns, where triode_silu_mul_f32 would be in step with them. */
+static void team_gate_up(const step_state *st, thread_state *own, counter *counters,
+                         const quant_matrix *gate_up)
+{
+    const int64_t inter = st->m->intermediate, columns = chunk_columns(gate_up, inter, own->threads, 32);
+    share_claim shares = {counters, (inter + columns - 1) / columns, 0};
+    new_input(own);
+    for (int64_t c; (c = claim_share(&shares, own->me, own->threads)) >= 0;) {
+        const int64_t first = c * columns, last = min64(first + columns, inter);
+        linear_columns(st, own, gate_up, st->normed, st->m->hidden, st->gate_up, 2 * inter, first, last);
+        linear_columns(st, own, gate_up, st->normed, st->m->hidden, st->gate_up, 2 * inter, inter + first,
+                       inter + last);
+        triode_silu_mul_columns_f32(st->gate_up + first, st->gate_up + inter + first, 2 * inter,
+                                    st->activation + first, inter, st->rows, (int)(last - first));
+    }
+}
+
+/* normed = rms_norm(hidden + residual) (residual updated; layer 0: of hidden alone), a row a claim. */
+static void team_norm(const step_state *st, counter *rows, const float *weight, int first_layer) {
+    const int hidden = st->m->hidden;
+    for (int64_t r; (r = claim(rows)) < st->rows;) {
+        float *residual = first_layer ? NULL : st->residual + r * hidden;
+        triode_rms_norm_f32(st->hidden + r * hidden, hidden, residual, hidden, weight, st->normed + r * hidden,
+                            residual, 1, hidden, st->m->eps);
+    }
+}
+
+/* Rotary on a row's q and k, then its k and v into the cache, a row a claim. */
+static void team_rotary(const step_state *st, counter *rows, const decode_layer *layer) {
+    const decode_model *m = st->m;
+    const int q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim, width = q_size + 2 * kv_size;
+    for (int64_t r; (r = claim(rows)) < st->rows;) {
+        float *row = st->qkv + r * width;
+        triode_rotary_f32(st->positions + r, 1, row, width, m->heads, row + q_size, width, m->kv_heads,
+                          m->cos_sin, m->max_positions, m->head_dim);
+        triode_write_kv_f32(row + q_size, width, row + q_size + kv_size, width, layer->k_cache, layer->v_cache,
+                            st->slots + r, 1, m->num_slots, kv_size);
+    }
+}
+
+static void team_attention(const step_state *st, counter *units, const decode_layer *layer) {
+    const decode_model *m = st->m;
+    const int q_size = m->heads * m->head_dim, width = q_size + 2 * m->kv_heads * m->head_dim;
+    for (int64_t u; (u = claim(units)) < st->rows * st->attention_split;)
+        triode_paged_decode_f32_units(st->qkv, width, layer->k_cache, layer->v_cache, st->tables, st->table_stride,
+                                      st->seq_lens, st->attention, q_size, m->heads, m->kv_heads, m->head_dim,
+                                      m->block_size, m->scale, st->attention_split, (int)u, 1);
+}
+
+static void run_layers(step_state *st, thread_state *own, int threads) {
+    const decode_model *m = st->m;
+    for (int l = 0; l < m->layers; l++) {
+        const decode_layer *layer = &st->layers[l];
+        counter *op = st->claims + (int64_t)l * OPS_PER_LAYER * st->counters_per_op;
+        const int next = st->counters_per_op;
+        team_norm(st, op, layer->input_norm, l == 0);
+        team_wait(&st->barrier, threads);
+        team_linear(st, own, op += next, &layer->qkv, st->normed, m->hidden, st->qkv);
+        team_wait(&st->barrier, threads);
+        team_rotary(st, op += next, layer);
+        team_wait(&st->barrier, threads);
+        team_attention(st, op += next, layer);
+        team_wait(&st->barrier, threads);
+        team_linear(st, own, op += next, &layer->o, st->attention, m->heads * m->head_dim, st->hidden);
+        team_wait(&st->barrier, threads);
+        team_norm(st, op += next, layer->post_attention_norm, 0);
+        team_wait(&st->barrier, threads);
+        team_gate_up(st, own, op += next, &layer->gate_up);
+        team_wait(&st->barrier, threads);
+        team_linear(st, own, op += next, &layer->down, st->activation, m->intermediate, st->hidden);
+        team_wait(&st->barrier, threads);
+    }
+}
+
+/* Every check a kernel would make, before the team starts (a failure inside it could not stop
+ * the other threads). Returns 0 or the failing kernel's status, the op in *failed_op. */
+static int check_step(const decode_model *m, const decode_layer *layers, int64_t rows, const int64_t *positions,
+                      const int64_t *slots, int *failed_op)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        if (positions[r] < 0 || positions[r] >= m->max_positions) return *failed_op = OP_ROTARY, -1;
+        if (slots[r] < 0 || slots[r] >= m->num_slots) return *failed_op = OP_WRITE_KV, -1;
+    }
+    const int q_size = m->heads * m->head_dim;
+    int status = triode_paged_decode_f32_units(NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, 0, m->heads, m->kv_heads,
+                                               m->head_dim, m->block_size, m->scale, 1, 0, 0);
+    if (status) return *failed_op = OP_ATTENTION, status;
+    for (int l = 0; l < m->layers; l++) {
+        const quant_matrix *matrices[] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        const int inputs[] = {m->hidden, q_size, m->hidden, m->intermediate};
+        for (int i = 0; i < 4; i++)
+            for (int p = 0; p < matrices[i]->count; p++) {
+                const quant_part *part = &matrices[i]->parts[p];
+                status = triode_quant_linear_serial(part->type, NULL, 0, part->data, part->row_bytes, NULL, NULL,
+                                                    0, rows, inputs[i], 0);
+                if (status) return *failed_op = OP_LINEAR, status;
+            }
     }
     return 0;
 }
-
-#define TRY(call, op)                                                                           \
-    if ((status = (call))) {                                                                    \
-        *failed_op = (op);                                                                      \
-        goto done;                                                                              \
-    }
 
 /* hidden [rows, hidden] in and out; residual [rows, hidden] out (hidden + residual is the
  * final norm's input). Returns 0, or the failed op's status with the op in *failed_op
@@ -103,37 +266,47 @@ int triode_decode_stack(const decode_model *m, const decode_layer *layers, float
                         int *failed_op)
 {
     *failed_op = 0;
+    int status = check_step(m, layers, rows, positions, slots, failed_op);
+    if (status) return status;
     const int q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
-    const int qkv_width = q_size + 2 * kv_size;
+    const int qkv_width = q_size + 2 * kv_size, max_threads = omp_get_max_threads();
+    const int widest_input = m->intermediate > m->hidden ? (m->intermediate > q_size ? m->intermediate : q_size)
+                                                         : (m->hidden > q_size ? m->hidden : q_size);
     const size_t floats = (size_t)rows * ((size_t)m->hidden + qkv_width + q_size + 3 * (size_t)m->intermediate);
+    const size_t q8_bytes = m->int8_activations ? ((size_t)triode_q8_bytes(rows, widest_input) + 63) / 64 * 64 : 0;
+    const size_t counters = (size_t)m->layers * OPS_PER_LAYER * (size_t)max_threads;
     float *normed = malloc(floats * sizeof(float));
-    if (!normed) return OUT_OF_MEMORY;
-    float *qkv = normed + rows * m->hidden, *attention = qkv + rows * qkv_width;
-    float *gate_up = attention + rows * q_size, *activation = gate_up + rows * 2 * m->intermediate;
-    int status = 0;
+    counter *claims = aligned_alloc(sizeof(counter), counters * sizeof(counter));
+    char *q8 = q8_bytes ? malloc(q8_bytes * MAX_PARTS * (size_t)max_threads) : NULL;
+    if (!normed || !claims || (q8_bytes && !q8)) {
+        status = OUT_OF_MEMORY;
+        goto done;
+    }
+    step_state st = {
+        .m = m, .layers = layers, .rows = rows, .hidden = hidden, .residual = residual, .normed = normed,
+        .positions = positions, .slots = slots, .tables = tables, .seq_lens = seq_lens,
+        .table_stride = table_stride, .claims = claims, .counters_per_op = max_threads,
+    };
+    for (size_t i = 0; i < counters; i++) atomic_init(&claims[i].value, 0);
+    st.qkv = normed + rows * m->hidden;
+    st.attention = st.qkv + rows * qkv_width;
+    st.gate_up = st.attention + rows * q_size;
+    st.activation = st.gate_up + rows * 2 * m->intermediate;
+    atomic_init(&st.barrier.arrived, 0);
+    atomic_init(&st.barrier.generation, 0);
     memcpy(residual, hidden, sizeof(float) * rows * m->hidden);
-    for (int l = 0; l < m->layers; l++) {
-        const decode_layer *layer = &layers[l];
-        TRY(triode_rms_norm_f32(hidden, m->hidden, l ? residual : NULL, m->hidden, layer->input_norm,
-                                normed, l ? residual : NULL, rows, m->hidden, m->eps), OP_NORM);
-        TRY(linear(m, &layer->qkv, normed, m->hidden, qkv, rows), OP_LINEAR);
-        TRY(triode_rotary_f32(positions, rows, qkv, qkv_width, m->heads, qkv + q_size, qkv_width,
-                              m->kv_heads, m->cos_sin, m->max_positions, m->head_dim), OP_ROTARY);
-        TRY(triode_write_kv_f32(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width,
-                                layer->k_cache, layer->v_cache, slots, rows, m->num_slots, kv_size),
-            OP_WRITE_KV);
-        TRY(triode_paged_decode_f32(qkv, qkv_width, layer->k_cache, layer->v_cache, tables, table_stride,
-                                    seq_lens, attention, q_size, (int)rows, m->heads, m->kv_heads,
-                                    m->head_dim, m->block_size, m->scale), OP_ATTENTION);
-        TRY(linear(m, &layer->o, attention, q_size, hidden, rows), OP_LINEAR);
-        TRY(triode_rms_norm_f32(hidden, m->hidden, residual, m->hidden, layer->post_attention_norm,
-                                normed, residual, rows, m->hidden, m->eps), OP_NORM);
-        TRY(linear(m, &layer->gate_up, normed, m->hidden, gate_up, rows), OP_LINEAR);
-        TRY(triode_silu_mul_f32(gate_up, 2 * m->intermediate, activation, rows, m->intermediate),
-            OP_ACTIVATION);
-        TRY(linear(m, &layer->down, activation, m->intermediate, hidden, rows), OP_LINEAR);
+    #pragma omp parallel num_threads(max_threads)
+    {
+        const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+        #pragma omp single
+        st.attention_split = (int)rows < 2 * threads ? m->kv_heads : 1;
+        thread_state own = {.me = me, .threads = threads};
+        for (int i = 0; i < MAX_PARTS; i++) own.q8[i] = q8 ? q8 + q8_bytes * (MAX_PARTS * me + i) : NULL;
+        run_layers(&st, &own, threads);
     }
 done:
+    free(q8);
+    free(claims);
     free(normed);
     return status;
 }

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exports.h"
 
 /* Below this many elements a call runs on the calling thread: waking the OpenMP team costs
  * more than the work (a decode step of a few sequences). */
@@ -59,17 +60,18 @@ int NAME(const ELEM *x, int64_t x_stride, const ELEM *residual, int64_t residual
 
 /* out [rows, d] = round(silu(gate)) * up, x [rows, 2d] holding gate then up. */
 #define DEFINE_SILU_MUL(NAME, ELEM, LOAD, STORE)                                                 \
+static inline void NAME##_span(const ELEM *gate, const ELEM *up, ELEM *product, int n)          \
+{                                                                                               \
+    for (int i = 0; i < n; i++) {                                                               \
+        const float g = LOAD(gate[i]);                                                          \
+        product[i] = STORE(LOAD(STORE(g / (1.0f + expf(-g)))) * LOAD(up[i]));                   \
+    }                                                                                           \
+}                                                                                               \
 int NAME(const ELEM *x, int64_t x_stride, ELEM *out, int64_t rows, int d)                       \
 {                                                                                               \
     _Pragma("omp parallel for if (rows * d >= PARALLEL_MIN_ELEMENTS)")                          \
-    for (int64_t r = 0; r < rows; r++) {                                                        \
-        const ELEM *gate = x + r * x_stride, *up = gate + d;                                    \
-        ELEM *product = out + r * d;                                                            \
-        for (int i = 0; i < d; i++) {                                                           \
-            const float g = LOAD(gate[i]);                                                      \
-            product[i] = STORE(LOAD(STORE(g / (1.0f + expf(-g)))) * LOAD(up[i]));               \
-        }                                                                                       \
-    }                                                                                           \
+    for (int64_t r = 0; r < rows; r++)                                                          \
+        NAME##_span(x + r * x_stride, x + r * x_stride + d, out + r * d, d);                    \
     return 0;                                                                                   \
 }
 
@@ -129,3 +131,15 @@ DEFINE_ROTARY(triode_rotary_f32, float, LOAD_F32, STORE_F32)
 DEFINE_ROTARY(triode_rotary_bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_WRITE_KV(triode_write_kv_f32, float)
 DEFINE_WRITE_KV(triode_write_kv_bf16, uint16_t)
+
+/* n columns of silu_mul on the calling thread, gate and up given apart (rows x_stride apart,
+ * products out_stride apart): a share of the op for a caller that runs its own team
+ * (decode_stack.c). The same loop as triode_silu_mul_f32's, so the same results where the
+ * share starts at a multiple of 8 columns. */
+int triode_silu_mul_columns_f32(const float *gate, const float *up, int64_t x_stride, float *out,
+                                int64_t out_stride, int64_t rows, int n)
+{
+    for (int64_t r = 0; r < rows; r++)
+        triode_silu_mul_f32_span(gate + r * x_stride, up + r * x_stride, out + r * out_stride, n);
+    return 0;
+}

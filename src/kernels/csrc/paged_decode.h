@@ -221,34 +221,69 @@ typedef struct {
         }                                                                                       \
     }
 
-/* Returns 0, or -1 for a shape beyond the limits above. */
+static inline int unsupported_shape(int heads, int kv_heads, int dim, int block_size) {
+    return dim < LANES || dim > MAX_DIM || dim % LANES || block_size < 1 || block_size > MAX_BLOCK
+           || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads;
+}
+
+/* Fewer sequences than twice the threads: each KV head of a sequence is a unit of work, or
+ * one thread would take a whole batch of one. Returns how many parts a sequence is cut into. */
+static inline int units_per_sequence(int num_seqs, int kv_heads, int threads) {
+    return num_seqs < 2 * threads ? kv_heads : 1;
+}
+
+/* NAME: returns 0, or -1 for a shape beyond the limits above. NAME##_units: units
+ * [first, first + count) of the split (units_per_sequence) on the calling thread, for a
+ * caller that runs its own team (decode_stack.c); count = 0 checks the shape. */
 #define DEFINE_ENTRY(NAME, SEQUENCE, ELEM)                                                      \
+static inline void NAME##_unit(const State *state, int unit, int split, const ELEM *query,      \
+                               int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,      \
+                               const int32_t *tables, int64_t table_stride,                     \
+                               const int32_t *seq_lens, ELEM *out, int64_t out_stride,          \
+                               int heads, int kv_heads, int dim, int block_size, float scale)   \
+{                                                                                               \
+    const int seq = unit / split, per_unit = kv_heads / split, kv_begin = unit % split * per_unit; \
+    SEQUENCE(state, query + seq * q_stride, k_cache, v_cache, tables + seq * table_stride,      \
+             seq_lens[seq], out + seq * out_stride, heads, kv_heads, dim, block_size, scale,    \
+             kv_begin, kv_begin + per_unit);                                                    \
+}                                                                                               \
 int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,         \
          const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out,       \
          int64_t out_stride, int num_seqs, int heads, int kv_heads, int dim, int block_size,    \
          float scale)                                                                           \
 {                                                                                               \
-    if (dim < LANES || dim > MAX_DIM || dim % LANES || block_size < 1 ||                        \
-        block_size > MAX_BLOCK || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads)        \
-        return -1;                                                                              \
+    if (unsupported_shape(heads, kv_heads, dim, block_size)) return -1;                         \
     const int vectors = heads * (dim / LANES);                                                  \
-    /* Fewer sequences than twice the threads: each KV head of a sequence is a unit of work, \
-     * or one thread would take a whole batch of one. */                                       \
-    const int split = num_seqs < 2 * omp_get_max_threads() ? kv_heads : 1;                      \
-    const int per_unit = kv_heads / split;                                                      \
+    const int split = units_per_sequence(num_seqs, kv_heads, omp_get_max_threads());            \
     _Pragma("omp parallel")                                                                     \
     {                                                                                           \
         f32x16 queries[vectors], accumulators[vectors];                                         \
         float running_max[heads], denominator[heads];                                           \
         const State state = {queries, accumulators, running_max, denominator};                  \
         _Pragma("omp for schedule(dynamic, 1)")                                                 \
-        for (int unit = 0; unit < num_seqs * split; unit++) {                                   \
-            const int seq = unit / split, kv_begin = unit % split * per_unit;                   \
-            SEQUENCE(&state, query + seq * q_stride, k_cache, v_cache,                          \
-                     tables + seq * table_stride, seq_lens[seq], out + seq * out_stride, heads, \
-                     kv_heads, dim, block_size, scale, kv_begin, kv_begin + per_unit);          \
-        }                                                                                       \
+        for (int unit = 0; unit < num_seqs * split; unit++)                                     \
+            NAME##_unit(&state, unit, split, query, q_stride, k_cache, v_cache, tables,         \
+                        table_stride, seq_lens, out, out_stride, heads, kv_heads, dim,          \
+                        block_size, scale);                                                     \
     }                                                                                           \
+    return 0;                                                                                   \
+}                                                                                               \
+int NAME##_units(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache, \
+                 const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out, \
+                 int64_t out_stride, int heads, int kv_heads, int dim, int block_size,          \
+                 float scale, int split, int first, int count)                                  \
+{                                                                                               \
+    if (unsupported_shape(heads, kv_heads, dim, block_size) || split < 1 || kv_heads % split)   \
+        return -1;                                                                              \
+    if (!count) return 0;                                                                       \
+    const int vectors = heads * (dim / LANES);                                                  \
+    f32x16 queries[vectors], accumulators[vectors];                                             \
+    float running_max[heads], denominator[heads];                                               \
+    const State state = {queries, accumulators, running_max, denominator};                      \
+    for (int unit = first; unit < first + count; unit++)                                        \
+        NAME##_unit(&state, unit, split, query, q_stride, k_cache, v_cache, tables,             \
+                    table_stride, seq_lens, out, out_stride, heads, kv_heads, dim, block_size,  \
+                    scale);                                                                     \
     return 0;                                                                                   \
 }
 

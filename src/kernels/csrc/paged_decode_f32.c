@@ -1,4 +1,5 @@
 /* Decode attention over the paged KV cache for float32 caches (see paged_decode.h). */
+#include "exports.h"
 #include "paged_decode.h"
 
 #define STORE_F32(x) (x)

@@ -13,8 +13,27 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #define UNROLL _Pragma("GCC unroll 16")
+
+/* Runs tile(first, last) over [0, out): split into one contiguous share per thread of a new
+ * team, or on the calling thread alone. The loops are instantiated once either way; the
+ * serial case opens no OpenMP construct at all (a caller with a team of its own,
+ * decode_stack.c, calls it thousands of times a step). */
+#define RUN_SHARES(parallel, out, tile, ...)                                                    \
+    do {                                                                                        \
+        if (!(parallel)) {                                                                      \
+            tile(__VA_ARGS__, 0, (out));                                                        \
+            break;                                                                              \
+        }                                                                                       \
+        _Pragma("omp parallel")                                                                 \
+        {                                                                                       \
+            const int64_t share = ((out) + omp_get_num_threads() - 1) / omp_get_num_threads(); \
+            const int64_t first = share * omp_get_thread_num();                                 \
+            if (first < (out)) tile(__VA_ARGS__, first, first + share < (out) ? first + share : (out)); \
+        }                                                                                       \
+    } while (0)
 
 enum {
     TYPE_Q4_0 = 2,

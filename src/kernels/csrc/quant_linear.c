@@ -17,6 +17,8 @@
  */
 #include <stdint.h>
 
+#include "exports.h"
+
 /* Returned by every entry point of a build for a CPU without AVX2: the kernels need it. */
 #define NOT_BUILT -4
 
@@ -67,26 +69,34 @@ static inline __attribute__((always_inline)) void quant_row(
     }
 }
 
-#define TILE(TYPE, N)                                                                           \
-    case N: {                                                                                   \
-        _Pragma("omp parallel for schedule(static) if (parallel)")                              \
-        for (int64_t j = 0; j < out; j++) {                                                     \
-            float sums[MAX_ROWS];                                                               \
-            quant_row(TYPE, N, x, x_stride, w + j * row_bytes, in, sums);                       \
-            const float offset = bias ? bias[j] : 0.0f;                                         \
-            for (int r = 0; r < N; r++) y[r * y_stride + j] = sums[r] + offset;                 \
-        }                                                                                       \
-        break;                                                                                  \
-    }
+/* Output features [first, last) against a tile of N rows. */
+#define DEFINE_TILE(NAME, TYPE, N)                                                              \
+static void NAME##_##N(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,   \
+                       const float *bias, float *y, int64_t y_stride, int in, int64_t first,    \
+                       int64_t last)                                                            \
+{                                                                                               \
+    for (int64_t j = first; j < last; j++) {                                                    \
+        float sums[MAX_ROWS];                                                                   \
+        quant_row(TYPE, N, x, x_stride, w + j * row_bytes, in, sums);                           \
+        const float offset = bias ? bias[j] : 0.0f;                                             \
+        for (int r = 0; r < N; r++) y[r * y_stride + j] = sums[r] + offset;                     \
+    }                                                                                           \
+}
+
+#define TILE_CASE(NAME, N)                                                                      \
+    case N: RUN_SHARES(parallel, out, NAME##_##N, x, x_stride, w, row_bytes, bias, y, y_stride, in); break;
 
 #define DEFINE_TYPED(NAME, TYPE)                                                                \
+DEFINE_TILE(NAME, TYPE, 1) DEFINE_TILE(NAME, TYPE, 2) DEFINE_TILE(NAME, TYPE, 3)                \
+DEFINE_TILE(NAME, TYPE, 4) DEFINE_TILE(NAME, TYPE, 5) DEFINE_TILE(NAME, TYPE, 6)                \
+DEFINE_TILE(NAME, TYPE, 7) DEFINE_TILE(NAME, TYPE, 8)                                           \
 static void NAME(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,        \
-                 const float *bias, float *y, int64_t y_stride, int rows, int in, int64_t out)  \
+                 const float *bias, float *y, int64_t y_stride, int rows, int in, int64_t out,  \
+                 int parallel)                                                                  \
 {                                                                                               \
-    const int parallel = (int64_t)in * out >= PARALLEL_MIN_WEIGHTS;                             \
     switch (rows) {                                                                             \
-        TILE(TYPE, 1) TILE(TYPE, 2) TILE(TYPE, 3) TILE(TYPE, 4)                                 \
-        TILE(TYPE, 5) TILE(TYPE, 6) TILE(TYPE, 7) TILE(TYPE, 8)                                 \
+        TILE_CASE(NAME, 1) TILE_CASE(NAME, 2) TILE_CASE(NAME, 3) TILE_CASE(NAME, 4)             \
+        TILE_CASE(NAME, 5) TILE_CASE(NAME, 6) TILE_CASE(NAME, 7) TILE_CASE(NAME, 8)             \
     }                                                                                           \
 }
 
@@ -94,13 +104,11 @@ static void NAME(const float *x, int64_t x_stride, const uint8_t *w, int64_t row
 FOR_EACH_QUANT_TYPE(DEFINE_LINEAR)
 
 #define LINEAR_CASE(TYPE, SUFFIX) \
-    case TYPE: linear_##SUFFIX(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+    case TYPE: linear_##SUFFIX(xt, x_stride, w, row_bytes, bias, yt, y_stride, tile, in, out, parallel); break;
 
-/* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
- * type's blocks; -3 for rows < 1. */
-int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,
-                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                        int64_t rows, int in, int64_t out)
+static int quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                        const float *bias, float *y, int64_t y_stride, int64_t rows, int in, int64_t out,
+                        int parallel)
 {
     if (!block_bytes(type)) return -1;
     if (!valid_shape(type, row_bytes, in)) return -2;
@@ -112,6 +120,25 @@ int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_
         switch (type) { FOR_EACH_QUANT_TYPE(LINEAR_CASE) }
     }
     return 0;
+}
+
+/* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
+ * type's blocks; -3 for rows < 1. */
+int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                        int64_t rows, int in, int64_t out)
+{
+    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out,
+                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS);
+}
+
+/* The same on the calling thread only: a share of the output features for a caller that
+ * runs its own team (decode_stack.c). out = 0 checks the type and shape. */
+int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                               int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                               int64_t rows, int in, int64_t out)
+{
+    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out, 0);
 }
 
 static inline __attribute__((always_inline)) void dequantize_row(
@@ -154,6 +181,13 @@ int triode_quant_dequantize(int type, const uint8_t *w, int64_t row_bytes, const
 int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,
                         int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                         int64_t rows, int in, int64_t out)
+{
+    return NOT_BUILT;
+}
+
+int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                               int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                               int64_t rows, int in, int64_t out)
 {
     return NOT_BUILT;
 }

@@ -2,7 +2,8 @@
  * in, as llama.cpp computes it: the measured faster option next to quant_linear.c's float32
  * path (kernels.quant_linear picks one).
  *
- * Each 32 activations of a row become int8 values x_q with one float scale (max |x| / 127).
+ * Each 32 activations of a row become int8 values x_q with one float scale (max |x| / 127;
+ * q8_activations.c).
  * A group of 32 weights stays in its bytes (quant_blocks.h's group_of): one multiply-add
  * instruction (maddubs) takes 32 byte pairs, where the float32 path widens every weight to a
  * float first. With w = scale * q + offset, a group's share of a dot product is
@@ -21,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exports.h"
+
 #define NOT_BUILT -4
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -28,66 +31,16 @@
 
 #define MAX_ROWS 4
 #define PARALLEL_MIN_WEIGHTS 65536
-/* How far ahead of the K-type loop its weights are prefetched, in blocks. */
-#define PREFETCH_BLOCKS 8
+/* How far ahead of the K-type loop its weights are prefetched, in blocks: 16 streamed an 8B
+ * model's Q4_K and Q6_K matrices from memory 3-7% faster than 8 (24-64: no better). */
+#define PREFETCH_BLOCKS 16
 
-/* Row r's activations: int8 values, one scale per span of them (32 for the 32-weight block
- * types, 256 for the K types, whose integer sums then run over a whole block as llama.cpp's
- * Q8_K does), and the integer sum of every 32. */
-typedef struct {
-    const int8_t *q;
-    const float *scale;
-    const int32_t *sum;
-    const int16_t *sum16;  /* the integer sum of every 16 (Q6_K's scales are per 16) */
-} rows_q8;
+#include "q8_activations.h"
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline int32_t hsum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
-}
-
-static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, int span, int8_t *q, float *scale,
-                          int32_t *sum, int16_t *sum16)
-{
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    for (int r = 0; r < rows; r++)
-        for (int s = 0; s < in / span; s++) {
-            const float *src = x + r * x_stride + s * span;
-            __m256 peak = _mm256_setzero_ps();
-            for (int i = 0; i < span; i += 8)
-                peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            const float amax = _mm_cvtss_f32(m);
-            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            scale[(int64_t)r * (in / span) + s] = amax / 127.0f;
-            for (int g = 0; g < span / 32; g++) {
-                __m256i i32[4];
-                for (int i = 0; i < 4; i++)
-                    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(
-                        _mm256_mul_ps(_mm256_loadu_ps(src + 32 * g + 8 * i), inverse),
-                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order. */
-                const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-                const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
-                                                               _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-                const int64_t k = (int64_t)s * (span / 32) + g;
-                _mm256_storeu_si256((__m256i *)(q + (int64_t)r * in + 32 * k), i8);
-                const int32_t first = hsum8i(_mm256_add_epi32(i32[0], i32[1]));
-                const int32_t second = hsum8i(_mm256_add_epi32(i32[2], i32[3]));
-                sum[(int64_t)r * (in / 32) + k] = first + second;
-                sum16[(int64_t)r * (in / 16) + 2 * k] = (int16_t)first;
-                sum16[(int64_t)r * (in / 16) + 2 * k + 1] = (int16_t)second;
-            }
-        }
 }
 
 /* Group k of a 32-weight block type's row against every row of the tile, into acc and
@@ -260,31 +213,47 @@ static inline __attribute__((always_inline)) void int8_row(
         sums[r] = hsum8(_mm256_add_ps(even[r], odd[r])) + even_offsets[r] + odd_offsets[r];
 }
 
-#define TILE(TYPE, N)                                                                           \
-    case N: {                                                                                   \
-        _Pragma("omp parallel for schedule(static) if (parallel)")                              \
-        for (int64_t j = 0; j < out; j++) {                                                     \
-            float sums[MAX_ROWS];                                                               \
-            int8_row(TYPE, N, x, in, w + j * row_bytes, sums);                                  \
-            const float offset = bias ? bias[j] : 0.0f;                                         \
-            for (int r = 0; r < N; r++) y[r * y_stride + j] = sums[r] + offset;                 \
-        }                                                                                       \
-        break;                                                                                  \
-    }
+/* Output features [first, last) against a tile of N rows. */
+#define DEFINE_TILE(NAME, TYPE, N)                                                              \
+static void NAME##_##N(rows_q8 x, const uint8_t *w, int64_t row_bytes, const float *bias,       \
+                       float *y, int64_t y_stride, int in, int64_t first, int64_t last)         \
+{                                                                                               \
+    for (int64_t j = first; j < last; j++) {                                                    \
+        float sums[MAX_ROWS];                                                                   \
+        int8_row(TYPE, N, x, in, w + j * row_bytes, sums);                                      \
+        const float offset = bias ? bias[j] : 0.0f;                                             \
+        for (int r = 0; r < N; r++) y[r * y_stride + j] = sums[r] + offset;                     \
+    }                                                                                           \
+}
+
+#define TILE_CASE(NAME, N)                                                                      \
+    case N: RUN_SHARES(parallel, out, NAME##_##N, x, w, row_bytes, bias, y, y_stride, in); break;
 
 #define DEFINE_TYPED(NAME, TYPE)                                                                \
+DEFINE_TILE(NAME, TYPE, 1) DEFINE_TILE(NAME, TYPE, 2) DEFINE_TILE(NAME, TYPE, 3)                \
+DEFINE_TILE(NAME, TYPE, 4)                                                                      \
 static void NAME(rows_q8 x, const uint8_t *w, int64_t row_bytes, const float *bias, float *y,   \
-                 int64_t y_stride, int rows, int in, int64_t out)                               \
+                 int64_t y_stride, int rows, int in, int64_t out, int parallel)                 \
 {                                                                                               \
-    const int parallel = (int64_t)in * out >= PARALLEL_MIN_WEIGHTS;                             \
-    switch (rows) { TILE(TYPE, 1) TILE(TYPE, 2) TILE(TYPE, 3) TILE(TYPE, 4) }                   \
+    switch (rows) { TILE_CASE(NAME, 1) TILE_CASE(NAME, 2) TILE_CASE(NAME, 3) TILE_CASE(NAME, 4) } \
 }
 
 #define DEFINE_INT8(TYPE, SUFFIX) DEFINE_TYPED(int8_##SUFFIX, TYPE)
 FOR_EACH_QUANT_TYPE(DEFINE_INT8)
 
 #define INT8_CASE(TYPE, SUFFIX) \
-    case TYPE: int8_##SUFFIX(xt, w, row_bytes, bias, yt, y_stride, tile, in, out); break;
+    case TYPE: int8_##SUFFIX(xt, w, row_bytes, bias, yt, y_stride, tile, in, out, parallel); break;
+
+static void q8_linear(int type, void *buffer, int64_t rows, int in, const uint8_t *w, int64_t row_bytes,
+                      const float *bias, float *y, int64_t y_stride, int64_t out, int parallel)
+{
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        const int tile = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
+        const rows_q8 xt = q8_rows(buffer, rows, in, q8_span(type), r0);
+        float *yt = y + r0 * y_stride;
+        switch (type) { FOR_EACH_QUANT_TYPE(INT8_CASE) }
+    }
+}
 
 /* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
  * type's blocks; -3 for rows < 1; -5 when the activations' buffer cannot be allocated. */
@@ -293,24 +262,27 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
                              int64_t rows, int in, int64_t out)
 {
     if (!block_bytes(type)) return -1;
-    const int weights = 32 * block_groups(type);
     if (!valid_shape(type, row_bytes, in)) return -2;
     if (rows < 1) return -3;
-    const int span = weights;  /* one activation scale per weight block */
-    const int64_t groups = rows * (in / 32);
-    int8_t *q = malloc((size_t)(rows * in) + (sizeof(float) + sizeof(int32_t) + 2 * sizeof(int16_t)) * (size_t)groups);
-    if (!q) return -5;
-    float *scale = (float *)(q + rows * in);
-    int32_t *sum = (int32_t *)(scale + groups);
-    int16_t *sum16 = (int16_t *)(sum + groups);
-    quantize_rows(x, x_stride, (int)rows, in, span, q, scale, sum, sum16);
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-        const int tile = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
-        const rows_q8 xt = {q + r0 * in, scale + r0 * (in / span), sum + r0 * (in / 32), sum16 + r0 * (in / 16)};
-        float *yt = y + r0 * y_stride;
-        switch (type) { FOR_EACH_QUANT_TYPE(INT8_CASE) }
-    }
-    free(q);
+    void *buffer = malloc((size_t)q8_bytes(rows, in));
+    if (!buffer) return -5;
+    triode_q8_quantize(type, x, x_stride, rows, in, buffer);
+    q8_linear(type, buffer, rows, in, w, row_bytes, bias, y, y_stride, out,
+              (int64_t)in * out >= PARALLEL_MIN_WEIGHTS);
+    free(buffer);
+    return 0;
+}
+
+/* y = x @ w^T from x quantized by triode_q8_quantize (q8_activations.c) for weights of this
+ * type, on the calling thread: a share of the output features for a caller that runs its own
+ * team (decode_stack.c). out = 0 checks the type and shape. */
+int triode_quant_linear_q8(int type, void *buffer, int64_t rows, int in, const uint8_t *w,
+                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t out)
+{
+    if (!block_bytes(type)) return -1;
+    if (!valid_shape(type, row_bytes, in)) return -2;
+    if (rows < 1) return -3;
+    q8_linear(type, buffer, rows, in, w, row_bytes, bias, y, y_stride, out, 0);
     return 0;
 }
 
@@ -319,6 +291,12 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
 int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const uint8_t *w,
                              int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                              int64_t rows, int in, int64_t out)
+{
+    return NOT_BUILT;
+}
+
+int triode_quant_linear_q8(int type, void *buffer, int64_t rows, int in, const uint8_t *w,
+                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t out)
 {
     return NOT_BUILT;
 }

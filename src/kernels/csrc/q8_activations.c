@@ -1,0 +1,83 @@
+/* Activations quantized to int8 for the int8 path (q8_activations.h has the layout): each
+ * span of a row (32 activations, or 256 for the K types, one span per weight block) gets one
+ * scale, max |x| / 127, and the integer sums of every 32 and every 16 are kept for the
+ * weights' offsets and Q6_K's correction. Compiled with -O3 -march=native -ffast-math.
+ */
+#include <stdint.h>
+
+#include "exports.h"
+
+#define NOT_BUILT -4
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "q8_activations.h"
+
+static int check_q8(int type, int64_t rows, int in) {
+    if (!block_bytes(type)) return -1;
+    if (in < 1 || in % q8_span(type)) return -2;
+    return rows < 1 ? -3 : 0;
+}
+
+static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, int span, int8_t *q, float *scale,
+                          int32_t *sum, int16_t *sum16)
+{
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    for (int r = 0; r < rows; r++)
+        for (int s = 0; s < in / span; s++) {
+            const float *src = x + r * x_stride + s * span;
+            __m256 peak = _mm256_setzero_ps();
+            for (int i = 0; i < span; i += 8)
+                peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float amax = _mm_cvtss_f32(m);
+            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            scale[(int64_t)r * (in / span) + s] = amax / 127.0f;
+            for (int g = 0; g < span / 32; g++) {
+                __m256i i32[4];
+                for (int i = 0; i < 4; i++)
+                    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(
+                        _mm256_mul_ps(_mm256_loadu_ps(src + 32 * g + 8 * i), inverse),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order. */
+                const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+                const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                               _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                const int64_t k = (int64_t)s * (span / 32) + g;
+                _mm256_storeu_si256((__m256i *)(q + (int64_t)r * in + 32 * k), i8);
+                const int32_t first = hsum8i(_mm256_add_epi32(i32[0], i32[1]));
+                const int32_t second = hsum8i(_mm256_add_epi32(i32[2], i32[3]));
+                sum[(int64_t)r * (in / 32) + k] = first + second;
+                sum16[(int64_t)r * (in / 16) + 2 * k] = (int16_t)first;
+                sum16[(int64_t)r * (in / 16) + 2 * k + 1] = (int16_t)second;
+            }
+        }
+}
+
+/* x [rows, in] quantized for weights of `type` into a buffer of triode_q8_bytes: 0, or -1 for
+ * a type not decoded, -2 for in not a whole number of spans, -3 for rows < 1. A caller that
+ * runs its own team (decode_stack.c) quantizes a matrix's input once this way, then takes
+ * its share of the outputs with triode_quant_linear_q8. */
+int64_t triode_q8_bytes(int64_t rows, int in) { return q8_bytes(rows, in); }
+
+int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
+{
+    const int status = check_q8(type, rows, in);
+    if (status) return status;
+    const rows_q8 q = q8_rows(buffer, rows, in, q8_span(type), 0);
+    quantize_rows(x, x_stride, (int)rows, in, q8_span(type), (int8_t *)q.q, (float *)q.scale,
+                  (int32_t *)q.sum, (int16_t *)q.sum16);
+    return 0;
+}
+
+#else
+
+int64_t triode_q8_bytes(int64_t rows, int in) { return 0; }
+
+int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
+{
+    return NOT_BUILT;
+}
+
+#endif

@@ -1,0 +1,45 @@
+/* The activations of the int8 path (quant_linear_int8.c): rows of float32 quantized to int8,
+ * as llama.cpp's Q8_0 / Q8_K, in one buffer laid out by q8_rows. Included where AVX2 is built. */
+#ifndef TRIODE_Q8_ACTIVATIONS_H
+#define TRIODE_Q8_ACTIVATIONS_H
+
+#include <stdint.h>
+
+#include "exports.h"
+#include "quant_blocks.h"
+
+/* Row r's activations: int8 values, one scale per span of them (32 for the 32-weight block
+ * types, 256 for the K types, whose integer sums then run over a whole block as llama.cpp's
+ * Q8_K does), and the integer sum of every 32. */
+typedef struct {
+    const int8_t *q;
+    const float *scale;
+    const int32_t *sum;
+    const int16_t *sum16;  /* the integer sum of every 16 (Q6_K's scales are per 16) */
+} rows_q8;
+
+static inline int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* One activation scale per weight block. */
+static inline int q8_span(int type) { return 32 * block_groups(type); }
+
+/* The quantized activations of `rows` rows of `in`, laid out in one buffer of q8_bytes. */
+static inline int64_t q8_bytes(int64_t rows, int in) {
+    const int64_t groups = rows * (in / 32);
+    return rows * in + (int64_t)(sizeof(float) + sizeof(int32_t) + 2 * sizeof(int16_t)) * groups;
+}
+
+static inline rows_q8 q8_rows(void *buffer, int64_t rows, int in, int span, int64_t first_row) {
+    int8_t *q = buffer;
+    float *scale = (float *)(q + rows * in);
+    int32_t *sum = (int32_t *)(scale + rows * (in / 32));
+    int16_t *sum16 = (int16_t *)(sum + rows * (in / 32));
+    return (rows_q8){q + first_row * in, scale + first_row * (in / span), sum + first_row * (in / 32),
+                     sum16 + first_row * (in / 16)};
+}
+
+#endif
