@@ -1,4 +1,4 @@
-"""Scenario tests: every file in scenarios/ played through the same runner as
+"""Scenario tests: the files in scenarios/ played through the same runner as
 `triode scenario run`, against real `triode serve` processes on the default model."""
 
 from __future__ import annotations
@@ -21,14 +21,35 @@ SCENARIOS = Path(__file__).parent.parent / "scenarios"
 
 # Clients that leave a stream early (the disconnect faults, and every stream after [DONE])
 # leave httpx2's chained byte iterators unexhausted; trio warns when it finalizes them.
-@pytest.mark.scenarios
-@pytest.mark.filterwarnings(r"ignore:Async generator '(httpx2|httpcore2)\.[\w.]+' was garbage collected")
-async def test_every_scenario_holds():
+# Every fault kind at least once, and preemption under a crash: the files `make test` plays
+# (about half the time of all fourteen). The rest are marked slow: make test-all and make
+# test-scenarios play every file.
+QUICK = ("worker-hang-watchdog", "worker-exception", "slow-readers", "malformed-burst", "restart-storm",
+         "crash-with-disconnects", "preemption-during-crash", "sigterm-during-restart")
+_ASYNC_GENERATOR_WARNING = r"ignore:Async generator '(httpx2|httpcore2)\.[\w.]+' was garbage collected"
+
+
+async def _assert_scenarios_hold(only=None):
     # One runner for all files, as `triode scenario run scenarios/` plays them: scenarios with
     # the same reference arguments share one undisturbed reference server.
-    verdicts = await run_all(SCENARIOS, model=None)
+    verdicts = await run_all(SCENARIOS, model=None, only=only)
     failures = [f"{v.name}: {failure}" for v in verdicts for failure in v.failures]
     assert not failures, "\n".join(failures)
+    return verdicts
+
+
+@pytest.mark.scenarios
+@pytest.mark.filterwarnings(_ASYNC_GENERATOR_WARNING)
+async def test_a_scenario_of_every_fault_kind_holds():
+    verdicts = await _assert_scenarios_hold(QUICK)
+    assert sorted(v.name for v in verdicts) == sorted(QUICK)
+
+
+@pytest.mark.slow
+@pytest.mark.scenarios
+@pytest.mark.filterwarnings(_ASYNC_GENERATOR_WARNING)
+async def test_every_scenario_holds():
+    verdicts = await _assert_scenarios_hold()
     assert len(verdicts) == len(list(SCENARIOS.glob("*.toml")))
 
 
@@ -39,6 +60,9 @@ def test_there_are_enough_scenarios_covering_every_fault():
     assert kinds >= {"sigkill_worker", "sigterm_server", "disconnect", "slow_reader", "malformed",
                      "worker_crash", "worker_hang", "worker_raise"}
     assert any(s.expect.min_preemptions for s in scenarios)
+    quick = [s for s in scenarios if s.name in QUICK]
+    assert {fault.kind for s in quick for fault in s.faults} == kinds
+    assert any(s.expect.min_preemptions for s in quick)
 
 
 def test_malformed_scenario_files_are_rejected_with_the_field(tmp_path):

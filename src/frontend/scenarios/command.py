@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import attrs
@@ -26,8 +27,9 @@ def _row(verdict: Verdict) -> list[str]:
             num(verdict.load_seconds), num(verdict.wall_seconds)]
 
 
-async def run_all(target: Path, *, model: str | None) -> list[Verdict]:
-    scenarios = load_scenarios(target)
+async def run_all(target: Path, *, model: str | None, only: Collection[str] | None = None) -> list[Verdict]:
+    """Plays the scenario files at ``target`` (those named in ``only``, if given) in order."""
+    scenarios = [s for s in load_scenarios(target) if only is None or s.name in only]
     runner = ScenarioRunner(model=model)
     widths = [max(len(c), 12) for c in _COLUMNS]
     widths[0] = max(widths[0], *(len(s.name) for s in scenarios))
