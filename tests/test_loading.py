@@ -4,7 +4,8 @@
 Local Hugging Face directories (single-file and sharded), load errors that name the file,
 GGUF conversion into the cache (a tiny GGUF written here), cache integrity (atomic entries,
 manifest, rebuild of broken entries, one builder under concurrency), and hub ids failing fast
-without a network. The default-model cases download and convert SmolLM2 once per cache dir.
+without a network, and that building a model does not import torch._dynamo. The
+default-model cases download and convert SmolLM2 once per cache dir.
 """
 
 from __future__ import annotations
@@ -484,3 +485,24 @@ def test_broken_default_entry_is_rebuilt(shared_cache_dir, tmp_path):
     check_default_entry(entry)
     expected = json.loads((shared / MARKER_FILE).read_text())["files"]
     assert json.loads((entry / MARKER_FILE).read_text())["files"] == expected
+
+
+# --- what building a model costs in memory ------------------------------------------------
+
+
+def test_building_a_model_imports_neither_dynamo_nor_triton(single_dir):
+    # torch._dynamo (and triton through it) is about 150 MB in every worker; it comes in
+    # when a tensor on the meta device is initialized through torch's refs (normal_).
+    directory, _ = single_dir
+    probe = textwrap.dedent(f"""
+        import sys
+        from engine.config import EngineArgs
+        from engine.worker.runner import ModelRunner
+        runner = ModelRunner(EngineArgs(model={str(directory)!r}, kv_cache_memory="8MiB",
+                                        max_model_len=64), {str(directory)!r})
+        print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(SRC)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

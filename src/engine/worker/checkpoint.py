@@ -29,6 +29,7 @@ from engine.model_files.layout import (
     checkpoint_files,
     open_safetensors,
 )
+from engine.worker.host_memory import weight_tensor
 from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class _TensorReader:
         if end - begin != math.prod(shape) * element:
             raise ModelLoadError("its data size does not match its shape")
         if spec is None:
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = weight_tensor(shape, dtype)
             self._read_into(tensor, begin)
             return tensor
         dim, start, stop = spec
@@ -183,7 +184,7 @@ class _TensorReader:
             raise ModelLoadError(f"slice [{start}:{stop}] of dim {dim} is outside shape {shape}")
         if math.prod(shape[:dim]) == 1:
             # Leading dims of size 1: the slice is one contiguous range of the data.
-            tensor = torch.empty([*shape[:dim], stop - start, *shape[dim + 1:]], dtype=dtype)
+            tensor = weight_tensor([*shape[:dim], stop - start, *shape[dim + 1:]], dtype)
             self._read_into(tensor, begin + start * math.prod(shape[dim + 1:]) * element)
             return tensor
         # Strided: read the whole (then transient) tensor and keep the slice.

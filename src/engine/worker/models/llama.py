@@ -31,6 +31,7 @@ import kernels
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition, TensorParallelGroup
+from engine.worker.host_memory import weight_tensor
 from engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
 from engine.worker.models.rope import cos_sin_cache
 
@@ -61,7 +62,9 @@ class Linear(QuantizedParts, nn.Linear):
         if self.parts is None:
             self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
         elif len(self.parts) > 1 and len({part.kind for part in self.parts}) == 1:
-            rows = torch.cat([part.data for part in self.parts])
+            first = self.parts[0].data
+            rows = weight_tensor([sum(part.data.shape[0] for part in self.parts), first.shape[1]], first.dtype)
+            torch.cat([part.data for part in self.parts], out=rows)
             self.parts = [kernels.QuantizedWeight(self.parts[0].kind, rows, self.in_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +83,11 @@ class Linear(QuantizedParts, nn.Linear):
 
 class Embedding(QuantizedParts, nn.Embedding):
     """nn.Embedding; with a quantized table, the rows looked up are dequantized."""
+
+    def reset_parameters(self) -> None:
+        # The table always comes from the checkpoint; and normal_ on the meta device goes
+        # through torch's refs, which import torch._dynamo (about 150 MB in every worker).
+        pass
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parts is not None:
