@@ -40,8 +40,13 @@ def test_greedy_matches_hf(tiny_model, prompts):
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64, "rope_theta": 500000.0,
         },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+        {
+            "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16,
+            "beta_slow": 2, "mscale": 0.9, "mscale_all_dim": 0.7, "truncate": False, "rope_theta": 50000.0,
+        },
     ],
-    ids=["linear", "llama3"],
+    ids=["linear", "llama3", "yarn", "yarn-mscale"],
 )
 def test_rope_scaling_matches_hf(tiny_model_factory, prompts, rope):
     path = tiny_model_factory("llama", rope_parameters=rope)

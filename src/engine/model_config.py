@@ -14,7 +14,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The fields each rope type reads (engine/worker/models/rope.py); any other fails at load.
+ROPE_FIELDS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                       "original_max_position_embeddings", "truncate"}),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
 
 
 @attrs.frozen(kw_only=True)
@@ -100,4 +108,20 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
             f"rope type {rope_type!r} is not supported; triode supports {', '.join(SUPPORTED_ROPE_TYPES)}",
             path=source,
         )
+    partial = scaling.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial!r} is not supported (rotary over "
+                                    "the whole head only)", path=source)
+    if unknown := sorted(set(scaling) - ROPE_FIELDS[rope_type]):
+        fields = ", ".join(f"{name}={scaling[name]!r}" for name in unknown)
+        raise UnsupportedModelError(f"rope type {rope_type!r}: {fields} not supported (triode reads "
+                                    f"{', '.join(sorted(ROPE_FIELDS[rope_type])) or 'no fields'})",
+                                    path=source)
+    if rope_type == "yarn":
+        # As transformers does: a config-level original length (Phi-3's place) wins, then the
+        # rope's own, then max_position_embeddings; without a factor, their ratio.
+        original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or raw.get("max_position_embeddings", 2048)
+        if scaling.get("factor") is None:
+            scaling["factor"] = raw.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}

@@ -1,5 +1,6 @@
-"""Rotary-embedding frequencies for the rope types the supported configs use, computed the way
-Hugging Face computes them (same float32 operations), so positions rotate identically."""
+"""Rotary-embedding frequencies for the rope types the supported configs use (default, linear,
+llama3, yarn), computed the way Hugging Face computes them (same float32 operations), so
+positions rotate identically."""
 
 from __future__ import annotations
 
@@ -9,14 +10,51 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """The rotation frequencies and the factor cos and sin are scaled by (1 but for yarn)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    return _llama3(inv_freq, scaling)
+        return inv_freq / scaling["factor"], 1.0
+    if scaling["rope_type"] == "yarn":
+        return _yarn(head_dim, theta, scaling)
+    return _llama3(inv_freq, scaling), 1.0
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    # YaRN: dimensions that turn fewer than beta_slow times over the original context are
+    # interpolated (slowed by `factor`), those turning more than beta_fast times kept, a linear
+    # ramp between; cos and sin grow by 0.1 ln(factor) + 1 (or the configured ratio).
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+
+    def dimension_turning(times: float) -> float:
+        return head_dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(scaling.get("beta_fast") or 32), dimension_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    kept = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+    return inv_freq, float(attention)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -43,9 +81,13 @@ def cos_sin_cache(
     max_positions: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of the frequencies, then sin."""
-    inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+    """[max_positions, head_dim] float32: cos of the frequencies, then sin (both scaled by the
+    rope type's attention factor, as Hugging Face scales them)."""
+    inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
     positions = torch.arange(max_positions, dtype=torch.float, device=device)
-    freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    freqs = positions[:, None] * inv_freq.to(device)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    return torch.cat((cos, sin), dim=-1)
 
