@@ -25,12 +25,13 @@ from kernels.paged_attention import check_decode_metadata
 from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
 
 MAX_PARTS = 3  # as in the C source
-_OPS = {1: "linear", 3: "rotary", 4: "write_kv", 5: "decode attention"}  # as in the C source
+_OPS = {1: "linear", 3: "rotary", 4: "write_kv", 5: "decode attention"}  # as in csrc/decode_stack.h
 _OUT_OF_MEMORY = -5
 
 __all__ = ["DecodeLayerWeights", "DecodeStack", "decode_stack_available"]
 
 
+# The structures below mirror csrc/decode_stack.h field for field.
 class _Part(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("out", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
                 ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]

@@ -5,7 +5,7 @@
  * dispatch and argument checks, a fifth of the step. Here the same kernels run in the same
  * order on the same buffers (quant_linear*.c, elementwise.c, paged_decode.h), so the result
  * is bit for bit the Python path's; only the dispatch is gone. kernels.decode_stack checks
- * the step's metadata once and describes the layers (decode_model / decode_layer below).
+ * the step's metadata once and describes the layers (decode_stack.h).
  *
  * Per layer, hidden [rows, hidden] in and out, residual [rows, hidden] carried:
  *   normed = rms_norm(hidden + residual) (layer 0: residual = hidden)
@@ -16,57 +16,25 @@
  *
  * One OpenMP team runs the whole step (team.h). Each op is cut into chunks (a row of a norm,
  * up to 256 KiB of a matrix's weights, a unit of the attention) that the threads claim, and
- * consecutive ops are separated by a barrier that spins, then yields. With a parallel region
+ * consecutive ops are separated by a barrier that spins, then yields: with a parallel region
  * per kernel call, as the Python path has, a step paid up to two thread wake-ups an op, tens
- * of microseconds each on these VMs: measured in one process on the 8B-shaped Q4_K_M step
- * (int8 activations, GOMP_SPINCOUNT=2000 as in the worker), a median of 312 ms against 338
- * (same-process alternation; this machine's noise is larger than the gain between runs).
- * The serial forms of the kernels open no OpenMP construct (quant_blocks.h's RUN_SHARES): at
- * thousands of calls a step, one empty `if (0)` region each cost more than the team saved.
+ * of microseconds each on these VMs (docs/benchmarks.md has the measurements). The serial
+ * forms of the kernels open no OpenMP construct (quant_blocks.h's RUN_SHARES): at thousands
+ * of calls a step, one empty `if (0)` region each cost more than the team saved.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
+#include "decode_stack.h"
 #include "exports.h"
 #include "team.h"
 
-#define MAX_PARTS 3  /* q, k and v kept as three block types */
 #define OUT_OF_MEMORY -5
 #define CHUNK_BYTES (256 << 10) /* of weights, per claimed chunk of a matrix */
 #define MIN_CHUNKS_PER_THREAD 4
 #define OPS_PER_LAYER 8
-
-/* One quantized part of a matrix: `out` consecutive output features. */
-typedef struct {
-    int32_t type;
-    int64_t out;
-    int64_t row_bytes;
-    const uint8_t *data;
-    const float *bias; /* its share of the bias, or NULL */
-} quant_part;
-
-typedef struct {
-    quant_part parts[MAX_PARTS];
-    int32_t count;
-} quant_matrix;
-
-typedef struct {
-    const float *input_norm, *post_attention_norm;
-    quant_matrix qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
-} decode_layer;
-
-typedef struct {
-    int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, int8_activations;
-    float eps, scale;
-    int64_t num_slots, max_positions;
-    const float *cos_sin;
-} decode_model;
-
-/* The op a failure came from (*failed_op), for the caller's message (kernels.decode_stack). */
-enum { OP_LINEAR = 1, OP_ROTARY = 3, OP_WRITE_KV = 4, OP_ATTENTION = 5 };
 
 /* What the team shares for a step. */
 typedef struct {
@@ -107,6 +75,7 @@ static void *quantized_input(const step_state *st, thread_state *own, int type, 
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int max_int(int a, int b) { return a > b ? a : b; }
 
 /* y[:, first:last] = x @ w[first:last]^T for a matrix kept as parts side by side. */
 static void linear_columns(const step_state *st, thread_state *own, const quant_matrix *w, const float *x,
@@ -270,8 +239,7 @@ int triode_decode_stack(const decode_model *m, const decode_layer *layers, float
     if (status) return status;
     const int q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
     const int qkv_width = q_size + 2 * kv_size, max_threads = omp_get_max_threads();
-    const int widest_input = m->intermediate > m->hidden ? (m->intermediate > q_size ? m->intermediate : q_size)
-                                                         : (m->hidden > q_size ? m->hidden : q_size);
+    const int widest_input = max_int(max_int(m->hidden, q_size), m->intermediate);
     const size_t floats = (size_t)rows * ((size_t)m->hidden + qkv_width + q_size + 3 * (size_t)m->intermediate);
     const size_t q8_bytes = m->int8_activations ? ((size_t)triode_q8_bytes(rows, widest_input) + 63) / 64 * 64 : 0;
     const size_t counters = (size_t)m->layers * OPS_PER_LAYER * (size_t)max_threads;
@@ -299,7 +267,7 @@ int triode_decode_stack(const decode_model *m, const decode_layer *layers, float
     {
         const int threads = omp_get_num_threads(), me = omp_get_thread_num();
         #pragma omp single
-        st.attention_split = (int)rows < 2 * threads ? m->kv_heads : 1;
+        st.attention_split = attention_units_per_sequence((int)rows, m->kv_heads, threads);
         thread_state own = {.me = me, .threads = threads};
         for (int i = 0; i < MAX_PARTS; i++) own.q8[i] = q8 ? q8 + q8_bytes * (MAX_PARTS * me + i) : NULL;
         run_layers(&st, &own, threads);

@@ -29,4 +29,10 @@ int triode_paged_decode_f32_units(const float *query, int64_t q_stride, const fl
                                   int kv_heads, int dim, int block_size, float scale, int split, int first,
                                   int count);
 
+/* How many units decode attention cuts a sequence into: each KV head its own while there are
+ * fewer sequences than twice the threads (or one thread would take a whole batch of one). */
+static inline int attention_units_per_sequence(int num_seqs, int kv_heads, int threads) {
+    return num_seqs < 2 * threads ? kv_heads : 1;
+}
+
 #endif

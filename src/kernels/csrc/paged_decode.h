@@ -40,6 +40,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "exports.h"
 #include "vec16.h"
 
 #define MAX_HEADS 64
@@ -226,14 +227,8 @@ static inline int unsupported_shape(int heads, int kv_heads, int dim, int block_
            || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads;
 }
 
-/* Fewer sequences than twice the threads: each KV head of a sequence is a unit of work, or
- * one thread would take a whole batch of one. Returns how many parts a sequence is cut into. */
-static inline int units_per_sequence(int num_seqs, int kv_heads, int threads) {
-    return num_seqs < 2 * threads ? kv_heads : 1;
-}
-
 /* NAME: returns 0, or -1 for a shape beyond the limits above. NAME##_units: units
- * [first, first + count) of the split (units_per_sequence) on the calling thread, for a
+ * [first, first + count) of the split (attention_units_per_sequence) on the calling thread, for a
  * caller that runs its own team (decode_stack.c); count = 0 checks the shape. */
 #define DEFINE_ENTRY(NAME, SEQUENCE, ELEM)                                                      \
 static inline void NAME##_unit(const State *state, int unit, int split, const ELEM *query,      \
@@ -254,7 +249,7 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
 {                                                                                               \
     if (unsupported_shape(heads, kv_heads, dim, block_size)) return -1;                         \
     const int vectors = heads * (dim / LANES);                                                  \
-    const int split = units_per_sequence(num_seqs, kv_heads, omp_get_max_threads());            \
+    const int split = attention_units_per_sequence(num_seqs, kv_heads, omp_get_max_threads()); \
     _Pragma("omp parallel")                                                                     \
     {                                                                                           \
         f32x16 queries[vectors], accumulators[vectors];                                         \

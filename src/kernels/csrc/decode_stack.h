@@ -1,0 +1,41 @@
+/* The decode step's description, as kernels.decode_stack fills it (its ctypes structures
+ * mirror these field for field): the model's shape and, per layer, the weights, norms and
+ * cache the step reads. decode_stack.c runs it. */
+#ifndef TRIODE_DECODE_STACK_H
+#define TRIODE_DECODE_STACK_H
+
+#include <stdint.h>
+
+#define MAX_PARTS 3  /* q, k and v kept as three block types */
+
+/* One quantized part of a matrix: `out` consecutive output features. */
+typedef struct {
+    int32_t type;
+    int64_t out;
+    int64_t row_bytes;
+    const uint8_t *data;
+    const float *bias; /* its share of the bias, or NULL */
+} quant_part;
+
+typedef struct {
+    quant_part parts[MAX_PARTS];
+    int32_t count;
+} quant_matrix;
+
+typedef struct {
+    const float *input_norm, *post_attention_norm;
+    quant_matrix qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} decode_layer;
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, int8_activations;
+    float eps, scale;
+    int64_t num_slots, max_positions;
+    const float *cos_sin;
+} decode_model;
+
+/* The op a failure came from (*failed_op), for the caller's message (kernels.decode_stack). */
+enum { OP_LINEAR = 1, OP_ROTARY = 3, OP_WRITE_KV = 4, OP_ATTENTION = 5 };
+
+#endif
