@@ -57,16 +57,16 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
 
 
-def make_driver(path: Path, *, dtype: str = "auto", device: str = "auto") -> Driver:
-    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=512, dtype=dtype,
+def make_driver(path: Path, *, dtype: str = "auto", device: str = "auto", max_model_len: int = 512) -> Driver:
+    args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=max_model_len, dtype=dtype,
                       device=device)
     return Driver(ModelRunner(args, path))
 
 
 def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", device: str = "auto",
-                **driver_options):
-    return make_driver(path, dtype=dtype, device=device).generate(prompts, greedy_params(max_tokens),
-                                                                  **driver_options)
+                max_model_len: int = 512, **driver_options):
+    driver = make_driver(path, dtype=dtype, device=device, max_model_len=max_model_len)
+    return driver.generate(prompts, greedy_params(max_tokens), **driver_options)
 
 
 def _tops(logprobs: TokenLogprobs, hf_row: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -53,6 +53,27 @@ def test_rope_scaling_matches_hf(tiny_model_factory, prompts, rope):
     assert_matches_hf(ours_greedy(path, prompts, MAX_TOKENS), hf_greedy(path, prompts, MAX_TOKENS))
 
 
+DYNAMIC = {"max_position_embeddings": 20, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0,
+                                                             "rope_theta": 10000.0}}
+
+
+def test_dynamic_rope_matches_hf_past_the_pretraining_length(tiny_model_factory, prompts):
+    # Exact against transformers for prompts shorter than the pretraining length (20); the
+    # generation runs past it, where the base grows with every token.
+    path = tiny_model_factory("llama", **DYNAMIC)
+    short = [prompt for prompt in prompts if len(prompt) < 20]
+    assert len(short) >= 3
+    assert_matches_hf(ours_greedy(path, short, MAX_TOKENS, max_model_len=80), hf_greedy(path, short, MAX_TOKENS))
+
+
+def test_dynamic_rope_chunked_prefill_past_the_pretraining_length_equals_one_shot(tiny_model_factory, prompts):
+    path = tiny_model_factory("llama", **DYNAMIC)
+    long_prompt = [prompt for prompt in prompts if len(prompt) > 40]
+    one_shot = ours_greedy(path, long_prompt, 16, max_model_len=80)
+    assert [tokens for tokens, _ in ours_greedy(path, long_prompt, 16, max_model_len=80, chunk_size=11)] == [
+        tokens for tokens, _ in one_shot]
+
+
 def test_tied_embeddings_match_hf(tiny_model_factory, prompts):
     path = tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4)
     assert_matches_hf(ours_greedy(path, prompts, 8), hf_greedy(path, prompts, 8))

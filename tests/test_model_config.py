@@ -57,3 +57,21 @@ def test_partial_rotary_is_refused(where):
         ModelConfig.from_hf(llama_config(**fields))
     whole = {"partial_rotary_factor": 1.0, "rope_theta": 1e4}
     assert ModelConfig.from_hf(llama_config(**whole)).rope_scaling is None
+
+
+@pytest.mark.parametrize(("scaling", "positions"), [
+    (None, 4096),
+    ({"rope_type": "linear", "factor": 2.0}, 8192),
+    ({"rope_type": "dynamic", "factor": 4.0}, 16384),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, 8192),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}, 4096),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 1024}, 4096),
+])
+def test_the_context_a_rope_scaling_allows_is_derived_as_vllm_does_at_least_max_positions(scaling, positions):
+    assert ModelConfig.from_hf(llama_config(rope_scaling=scaling)).max_positions == positions
+
+
+def test_dynamic_rope_grows_from_max_position_embeddings():
+    config = ModelConfig.from_hf(llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert config.rope_scaling == {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096}

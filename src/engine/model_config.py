@@ -19,6 +19,7 @@ ROPE_FIELDS = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "dynamic": frozenset({"factor"}),
     "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                        "original_max_position_embeddings", "truncate"}),
 }
@@ -45,6 +46,19 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context the model's rope is defined for, derived as vLLM derives it (a
+        linear, dynamic or yarn scaling stretches its pretraining length by its factor), but
+        never below max_position_embeddings."""
+        scaling = self.rope_scaling or {}
+        stretched = self.max_position_embeddings
+        if scaling.get("rope_type") in ("linear", "dynamic"):
+            stretched = int(self.max_position_embeddings * scaling["factor"])
+        elif scaling.get("rope_type") == "yarn":
+            stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return max(stretched, self.max_position_embeddings)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -117,6 +131,10 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         raise UnsupportedModelError(f"rope type {rope_type!r}: {fields} not supported (triode reads "
                                     f"{', '.join(sorted(ROPE_FIELDS[rope_type])) or 'no fields'})",
                                     path=source)
+    if rope_type == "dynamic":
+        # Dynamic NTK grows the base once a sequence passes the pretraining length, which
+        # transformers takes from max_position_embeddings.
+        scaling["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
     if rope_type == "yarn":
         # As transformers does: a config-level original length (Phi-3's place) wins, then the
         # rope's own, then max_position_embeddings; without a factor, their ratio.

@@ -70,7 +70,7 @@ def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
-    limit = config.max_position_embeddings
+    limit = config.max_positions
     if config.sliding_window is not None:
         # Attention here is full-context; past the window it would diverge from the model.
         limit = min(limit, config.sliding_window)

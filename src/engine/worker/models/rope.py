@@ -1,5 +1,5 @@
 """Rotary-embedding frequencies for the rope types the supported configs use (default, linear,
-llama3, yarn), computed the way Hugging Face computes them (same float32 operations), so
+llama3, yarn, dynamic), computed the way Hugging Face computes them (same float32 operations), so
 positions rotate identically."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
-    """The rotation frequencies and the factor cos and sin are scaled by (1 but for yarn)."""
+    """The rotation frequencies and the factor cos and sin are scaled by (1 but for yarn); a
+    dynamic rope's frequencies depend on the position (cos_sin_cache)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
@@ -20,7 +21,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         return inv_freq / scaling["factor"], 1.0
     if scaling["rope_type"] == "yarn":
         return _yarn(head_dim, theta, scaling)
-    return _llama3(inv_freq, scaling), 1.0
+    if scaling["rope_type"] == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    raise ValueError(f"rope type {scaling['rope_type']!r} has no position-independent frequencies")
 
 
 def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -53,6 +56,25 @@ def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.T
     return inv_freq, float(attention)
 
 
+def _dynamic_ntk(head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> torch.Tensor:
+    # Dynamic NTK: past the pretraining length L, a token at position p rotates with the base
+    # grown for a sequence of p + 1, as transformers computes it when tokens come one at a
+    # time (float32 tensors, in its order). Its one-shot prefill of a prompt longer than L
+    # instead rotates every prompt token for the prompt's whole length, which depends on how
+    # the prompt is cut: a function of the position alone keeps chunked prefill and prefix
+    # reuse exact, and agrees with transformers for prompts shorter than L.
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+    growth = head_dim / (head_dim - 2)
+    base = theta * ((factor * original / original) - (factor - 1)) ** growth
+    inv_freq = (1.0 / (base**exponents)).repeat(max_positions, 1)
+    if max_positions > original:
+        sequence = torch.arange(original, max_positions, dtype=torch.int64) + 1
+        grown = theta * ((factor * sequence / original) - (factor - 1)) ** growth
+        inv_freq[original:] = 1.0 / (grown[:, None] ** exponents[None, :])
+    return inv_freq
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -83,9 +105,14 @@ def cos_sin_cache(
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of the frequencies, then sin (both scaled by the
     rope type's attention factor, as Hugging Face scales them)."""
-    inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
-    positions = torch.arange(max_positions, dtype=torch.float, device=device)
-    freqs = positions[:, None] * inv_freq.to(device)[None, :]
+    positions = torch.arange(max_positions, dtype=torch.float)
+    attention = 1.0
+    if scaling is not None and scaling["rope_type"] == "dynamic":
+        freqs = positions[:, None] * _dynamic_ntk(head_dim, theta, scaling, max_positions)
+    else:
+        inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
+        freqs = positions[:, None] * inv_freq[None, :]
+    freqs = freqs.to(device)
     cos, sin = freqs.cos(), freqs.sin()
     if attention != 1.0:
         cos, sin = cos * attention, sin * attention
