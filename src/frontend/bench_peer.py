@@ -9,11 +9,11 @@ see the same chats; llama.cpp has no ``ignore_eos``, so its requests carry a log
 -100 on every end-of-generation token of the file instead, and each side's mean output
 length is reported so that a reader can check they produced the same work.
 
-Next to the sweep it measures this machine's memory read bandwidth (before and after triode's sweep,
-the higher kept) and the bytes of weights
-a decode step reads, so that the batch-one time between tokens can be held to the limit the
-memory sets (weight bytes / bandwidth), and the resident memory of the triode server's
-processes once they have answered (PSS, so pages two processes share count once).
+Next to the sweep it measures this machine's memory read bandwidth (before and after
+triode's sweep, the higher kept) and the bytes of weights a decode step reads, so that the
+batch-one time between tokens can be held to the limit the memory sets (weight bytes /
+bandwidth), and the resident memory of the triode server's processes once they have answered
+(PSS, so pages two processes share count once).
 """
 
 from __future__ import annotations

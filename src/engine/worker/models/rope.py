@@ -13,20 +13,25 @@ import torch
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """The rotation frequencies and the factor cos and sin are scaled by (1 but for yarn); a
     dynamic rope's frequencies depend on the position (cos_sin_cache)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    pos_freqs = theta ** _exponents(head_dim)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return _yarn(head_dim, theta, pos_freqs, scaling)
+    inv_freq = 1.0 / pos_freqs
     if scaling is None:
         return inv_freq, 1.0
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"], 1.0
-    if scaling["rope_type"] == "yarn":
-        return _yarn(head_dim, theta, scaling)
     if scaling["rope_type"] == "llama3":
         return _llama3(inv_freq, scaling), 1.0
     raise ValueError(f"rope type {scaling['rope_type']!r} has no position-independent frequencies")
 
 
-def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+def _exponents(head_dim: int) -> torch.Tensor:
+    """2i / head_dim for each pair of dimensions, in float32 as transformers makes them."""
+    return torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+
+
+def _yarn(head_dim: int, theta: float, pos_freqs: torch.Tensor, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
     # YaRN: dimensions that turn fewer than beta_slow times over the original context are
     # interpolated (slowed by `factor`), those turning more than beta_fast times kept, a linear
     # ramp between; cos and sin grow by 0.1 ln(factor) + 1 (or the configured ratio).
@@ -50,7 +55,6 @@ def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.T
     if low == high:
         high += 0.001
     ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
     kept = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
     return inv_freq, float(attention)
@@ -64,7 +68,7 @@ def _dynamic_ntk(head_dim: int, theta: float, scaling: dict[str, Any], max_posit
     # the prompt is cut: a function of the position alone keeps chunked prefill and prefix
     # reuse exact, and agrees with transformers for prompts shorter than L.
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+    exponents = _exponents(head_dim)
     growth = head_dim / (head_dim - 2)
     base = theta * ((factor * original / original) - (factor - 1)) ** growth
     inv_freq = (1.0 / (base**exponents)).repeat(max_positions, 1)
