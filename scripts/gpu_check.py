@@ -193,8 +193,10 @@ def time_sdpa(torch, F, bench, q, k, v, scale, *, causal):
 
 
 def check_paged(ctx: Context, bench, name: str, seqs, num_decodes: int, *, heads=32, kv_heads=8,
-                head_dim=128, block_size=16, dtype=None, timed=True, sdpa=False, seed=1) -> Row:
-    """The whole paged attention (decode + prefill kernels) on a batch of (prefix, chunk)."""
+                head_dim=128, block_size=16, dtype=None, timed=True, sdpa=False, seed=1, window=None,
+                softcap=None) -> Row:
+    """The whole paged attention (decode + prefill kernels) on a batch of (prefix, chunk), with
+    a sliding window and a soft cap on the scores when given."""
     torch = ctx.torch
     import torch.nn.functional as F
 
@@ -207,15 +209,16 @@ def check_paged(ctx: Context, bench, name: str, seqs, num_decodes: int, *, heads
                              head_dim=head_dim, block_size=block_size, dtype=dtype,
                              device=ctx.device, seed=seed)
     md = batch.metadata
+    rules = {"window": window, "softcap": softcap}
     out = poisoned(torch, batch.query)
-    paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, md, batch.scale, out=out)
+    paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, md, batch.scale, out=out, **rules)
     k32, v32 = batch.clean_caches(torch.float32)
     gold = paged_attention_reference(batch.query.float(), batch.key.float(), batch.value.float(),
-                                     k32, v32, md, batch.scale)
+                                     k32, v32, md, batch.scale, **rules)
     del k32, v32
     k_clean, v_clean = batch.clean_caches()
     reference = paged_attention_reference(batch.query, batch.key, batch.value, k_clean, v_clean,
-                                          md, batch.scale)
+                                          md, batch.scale, **rules)
     judge(ctx, row, out, gold, reference)
     del gold
     # causal flops: each query row attends to prefix + its position + 1 keys
@@ -392,6 +395,10 @@ def plan(ctx: Context, bench) -> list[tuple[str, Callable[[], Row]]]:
             c, bench, *variant_decode, timed=False, seed=10 + i, **v)))
         cases.append((f"variant {i} mixed", lambda v=variant, i=i: check_paged(
             c, bench, "mixed", variant_mixed, mixed_decodes, timed=False, seed=20 + i, **v)))
+    # a window shorter than every context but one, and a soft cap that bites (Gemma's rules)
+    cases.append(("paged window+softcap", lambda: check_paged(
+        c, bench, "mixed, window 24, softcap 2", variant_mixed, mixed_decodes, timed=False, seed=30,
+        window=24, softcap=2.0, **small)))
     for tokens in write_sizes:
         cases.append((f"write_kv {tokens}", lambda t=tokens: check_write_kv(c, bench, t, **(
             {} if ctx.gpu else dict(kv_heads=2)))))

@@ -1,5 +1,6 @@
 """Unit tests: the paged KV block manager (engine.core.kv_blocks): reference counts, the free
-queue, prefix-cache hashing, hits and least-recently-used eviction."""
+queue, prefix-cache hashing, hits and least-recently-used eviction, and the blocks released
+behind a sliding window."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def compute(bm: BlockManager, req: Request, num_tokens: int | None = None) -> li
 def check_consistent(bm: BlockManager, live: list[Request]) -> None:
     refs = [0] * bm.num_blocks
     for req in live:
-        for block in req.block_ids:
+        for block in req.held_block_ids:
             refs[block] += 1
     assert refs == bm.ref_counts
     assert set(bm.free_queue) == {b for b, n in enumerate(refs) if n == 0}
@@ -200,3 +201,38 @@ def test_random_admissions_share_only_identical_prefixes(
     for req in live:
         bm.free(req)
     assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts)
+
+
+def test_blocks_behind_the_window_are_released_as_a_sequence_advances():
+    bm = BlockManager(8, 4, sliding_window=6)
+    a = request(list(range(10)))
+    compute(bm, a)  # the next query (position 10) sees 5..10: block 0 (0..3) is dead
+    first = a.block_ids[0]
+    bm.release_outside_window(a)
+    assert a.num_released_blocks == 1 and bm.ref_counts[first] == 0
+    assert next(reversed(bm.free_queue)) == first  # cached: kept for a hit, evicted last
+    check_consistent(bm, [a])
+    bm.release_outside_window(a)  # nothing new behind the window: nothing released twice
+    check_consistent(bm, [a])
+    a.append_output_token(10)
+    assert bm.allocate_slots(a, 1) == []  # position 10 lies in block 2, already held
+    a.num_computed_tokens = 11
+    bm.release_outside_window(a)  # position 11 sees 6..11: block 1 (4..7) still needed
+    assert a.num_released_blocks == 1
+    # A second sequence with the same first block hits it although a released it.
+    b = request([0, 1, 2, 3, 99, 98], "b")
+    assert bm.get_computed_blocks(b) == ([first], 4)
+    compute(bm, b)
+    assert b.block_ids[0] == first and bm.ref_counts[first] == 1
+    check_consistent(bm, [a, b])
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8 and a.num_released_blocks == 0
+    check_consistent(bm, [])
+
+
+def test_a_window_bounds_the_blocks_a_sequence_holds():
+    assert BlockManager(100, 4).blocks_in_use_at_most(1000, 8) == 250
+    # 5 earlier keys, a chunk of 8: 13 positions over at most 5 blocks
+    assert BlockManager(100, 4, sliding_window=6).blocks_in_use_at_most(1000, 8) == 5
+    assert BlockManager(100, 4, sliding_window=6).blocks_in_use_at_most(7, 8) == 2

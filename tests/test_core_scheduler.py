@@ -34,8 +34,14 @@ class _WorkerSeq:
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int, seed: int = 0, vocab: int = 6):
+    """Checks every plan against the KV it wrote. With a sliding ``window`` (every layer's), a
+    chunk reads only the positions its queries see, and a sequence owns only the blocks from
+    its first visible position on: those before may have been handed to another."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0, vocab: int = 6,
+                 window: int | None = None):
         self.block_size = block_size
+        self.window = window
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: dict[str, _WorkerSeq] = {}
         self.rng = random.Random(seed)
@@ -63,8 +69,9 @@ class FakeWorker:
             self.seqs[chunk.seq_id].table.extend(chunk.new_block_ids)
         owners: dict[int, set[str]] = {}
         for seq_id, seq in self.seqs.items():
-            assert len(set(seq.table)) == len(seq.table), f"{seq_id} repeats a block"
-            for block in seq.table:
+            live = seq.table[self._first_visible(seq.next_position or 0) // bs:]
+            assert len(set(live)) == len(live), f"{seq_id} repeats a block"
+            for block in live:
                 owners.setdefault(block, set()).add(seq_id)
         # Reads first: all computed positions must hold this sequence's own tokens.
         for chunk in plan.chunks:
@@ -79,7 +86,7 @@ class FakeWorker:
             assert list(chunk.token_ids) == seq.tokens[start : start + n]
             assert start + n <= len(seq.table) * bs, "not enough blocks for the chunk"
             assert chunk.sample == (start + n == len(seq.tokens))
-            for p in range(start):
+            for p in range(self._first_visible(start), start):
                 assert self.kv[seq.table[p // bs]][p % bs] == (seq.tokens[p], p), (chunk, p)
         # Then writes, only into blocks this sequence alone holds.
         sampled = []
@@ -97,15 +104,19 @@ class FakeWorker:
                 sampled.append(SampledToken(seq_id=chunk.seq_id, token_id=token))
         return StepResult(step_id=plan.step_id, sampled=tuple(sampled))
 
+    def _first_visible(self, position: int) -> int:
+        """The first key a query at ``position`` sees."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
 
 def check_invariants(scheduler: Scheduler) -> None:
     bm = scheduler.block_manager
     refs = [0] * bm.num_blocks
     for request in scheduler.requests.values():
-        assert len(set(request.block_ids)) == len(request.block_ids)
+        assert len(set(request.held_block_ids)) == len(request.held_block_ids)
         if request.status != RequestStatus.RUNNING:
             assert request.block_ids == []
-        for block in request.block_ids:
+        for block in request.held_block_ids:
             refs[block] += 1
     assert refs == bm.ref_counts, "reference counts do not match the block tables"
     assert set(bm.free_queue) == {b for b in range(bm.num_blocks) if refs[b] == 0}
@@ -138,9 +149,10 @@ def make_scheduler(
     budget: int = 64,
     threshold: int | None = None,
     policy: str = "fcfs",
+    sliding_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
-        BlockManager(num_blocks, block_size, prefix_caching),
+        BlockManager(num_blocks, block_size, prefix_caching, sliding_window=sliding_window),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
@@ -228,16 +240,17 @@ _ops = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     prefix_caching=st.booleans(),
     seed=st.integers(0, 2**16),
+    window=st.one_of(st.none(), st.integers(1, 6)),
 )
 def test_random_workloads_keep_invariants_and_finish(
-    ops, extra_blocks, block_size, max_num_seqs, budget, threshold, policy, prefix_caching, seed
+    ops, extra_blocks, block_size, max_num_seqs, budget, threshold, policy, prefix_caching, seed, window
 ):
     num_blocks = -(-8 // block_size) + extra_blocks  # some requests will not fit
     scheduler = make_scheduler(
         num_blocks, block_size, prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
-        budget=budget, threshold=threshold, policy=policy,
+        budget=budget, threshold=threshold, policy=policy, sliding_window=window,
     )
-    worker = FakeWorker(num_blocks, block_size, seed)
+    worker = FakeWorker(num_blocks, block_size, seed, window=window)
     rng = random.Random(seed)
     bases = [[rng.randrange(1, 4) for _ in range(8)] for _ in range(3)]
     accepted: list[Request] = []
@@ -260,6 +273,8 @@ def test_random_workloads_keep_invariants_and_finish(
             )
             for request in requests:
                 needed = -(-(request.max_num_tokens - 1) // block_size)
+                if window is not None:
+                    needed = min(needed, -(-(window - 1 + budget) // block_size) + 1)
                 if needed > num_blocks:
                     with pytest.raises(InvalidRequestError):
                         scheduler.add_request(request)
@@ -292,7 +307,7 @@ def test_random_workloads_keep_invariants_and_finish(
             if op[2]:
                 target = scheduler.requests[target].parent_id  # the user's id: every sibling
             free_before = scheduler.block_manager.num_free_blocks
-            held = sum(len(r.block_ids) for r in scheduler.abort([target]))
+            held = sum(len(r.held_block_ids) for r in scheduler.abort([target]))
             assert scheduler.block_manager.num_free_blocks >= free_before + (held > 0)
             check_invariants(scheduler)
         elif op[0] == "finish" and live:

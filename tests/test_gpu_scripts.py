@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import ARCHITECTURES
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.contract
 
@@ -30,15 +32,16 @@ def test_gpu_check_dry_run_passes_every_case():
     result = run_script("gpu_check.py", "--dry-run-cpu")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FAIL" not in result.stdout
-    assert "14/14 cases ok" in result.stdout
+    assert "15/15 cases ok" in result.stdout
 
 
 def test_gpu_model_check_on_cpu_passes_every_check():
     result = run_script("gpu_model_check.py", "--device", "cpu")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ok = [line for line in result.stdout.splitlines() if line.strip().startswith("ok")]
-    assert len(ok) == 5, result.stdout
-    assert "5/5 checks ok" in result.stdout
+    checks = len(ARCHITECTURES) + 1  # the runner on every tiny architecture, then the engine
+    assert len(ok) == checks, result.stdout
+    assert f"{checks}/{checks} checks ok" in result.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -74,6 +74,47 @@ def test_dynamic_rope_chunked_prefill_past_the_pretraining_length_equals_one_sho
         tokens for tokens, _ in one_shot]
 
 
+# Windows smaller than a block (16), a block, and (the tiny Mistral's own, in
+# test_greedy_matches_hf) larger; every layer windowed (Mistral v0.1) and one layer of two
+# (Qwen2's max_window_layers). Prompts of up to 64 tokens and 32 more generated, so every
+# window cuts.
+SLIDING = {
+    "mistral-5": ("mistral", {"sliding_window": 5}),
+    "mistral-16": ("mistral", {"sliding_window": 16}),
+    "qwen2-layer-1-of-2": ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SLIDING))
+def test_sliding_window_matches_hf(tiny_model_factory, prompts, case):
+    architecture, overrides = SLIDING[case]
+    path = tiny_model_factory(architecture, **overrides)
+    assert_matches_hf(ours_greedy(path, prompts, MAX_TOKENS), hf_greedy(path, prompts, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("case", ["mistral-5", "qwen2-layer-1-of-2"])
+def test_sliding_window_chunked_and_reused_prefill_equal_one_shot(tiny_model_factory, prompts, case):
+    architecture, overrides = SLIDING[case]
+    path = tiny_model_factory(architecture, **overrides)
+    one_shot = [tokens for tokens, _ in ours_greedy(path, prompts, 16)]
+    assert [tokens for tokens, _ in ours_greedy(path, prompts, 16, chunk_size=7)] == one_shot
+    driver = make_driver(path)
+    (donor, _), = driver.generate([prompts[2]], greedy_params(16), name="donor")
+    (reused, _), = driver.generate([prompts[2]], greedy_params(16), name="seq", prefix_of={"seq-0": ("donor-0", 32)})
+    assert reused == donor == one_shot[2]
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_chunked_and_reused_prefill_equal_one_shot(tiny_model_factory, prompts, architecture):
+    path = tiny_model_factory(architecture)
+    one_shot = [tokens for tokens, _ in ours_greedy(path, prompts, 16)]
+    assert [tokens for tokens, _ in ours_greedy(path, prompts, 16, chunk_size=7)] == one_shot
+    driver = make_driver(path)
+    (donor, _), = driver.generate([prompts[2]], greedy_params(16), name="donor")
+    (reused, _), = driver.generate([prompts[2]], greedy_params(16), name="seq", prefix_of={"seq-0": ("donor-0", 32)})
+    assert reused == donor == one_shot[2]
+
+
 def test_tied_embeddings_match_hf(tiny_model_factory, prompts):
     path = tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4)
     assert_matches_hf(ours_greedy(path, prompts, 8), hf_greedy(path, prompts, 8))

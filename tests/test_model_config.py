@@ -75,3 +75,63 @@ def test_the_context_a_rope_scaling_allows_is_derived_as_vllm_does_at_least_max_
 def test_dynamic_rope_grows_from_max_position_embeddings():
     config = ModelConfig.from_hf(llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert config.rope_scaling == {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096}
+
+
+def gemma3_config(**fields):
+    return {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4,
+            "num_key_value_heads": 1, **fields}
+
+
+def test_gemma3_v4_and_v5_ropes_read_the_same_and_keep_the_scaled_length():
+    v4 = ModelConfig.from_hf(gemma3_config(rope_theta=1e6, rope_local_base_freq=1e4,
+                                           rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    v5 = ModelConfig.from_hf(gemma3_config(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    for config in (v4, v5):
+        assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == (
+            1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+        # transformers' defaults: five sliding layers of every six, 4096-token windows, (1 + w)
+        # norms, q/k norms, the scale from query_pre_attn_scalar, no soft caps, tied embeddings
+        assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+        assert config.sliding_window == 4096 and config.kv_window is None
+        assert config.gemma_norms and config.qk_norm and config.tie_word_embeddings
+        assert config.attention_scale == 256**-0.5 and config.head_dim == 256
+        assert config.hidden_act == "gelu_pytorch_tanh" and config.embedding_multiplier == 8.0
+        assert config.attn_logit_softcapping is None and config.final_logit_softcapping is None
+        assert config.max_positions == 131072  # already the scaled length, as vLLM reads it
+
+
+def test_gemma2_defaults_follow_transformers():
+    config = ModelConfig.from_hf({**gemma3_config(num_hidden_layers=4), "architectures": ["Gemma2ForCausalLM"]})
+    assert config.layer_types == ("sliding_attention", "full_attention") * 2
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.local_rope_theta is None and not config.qk_norm and config.tie_word_embeddings
+    assert config.layer_window(0) == 4096 and config.layer_window(1) is None
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"hidden_activation": "relu"}, "hidden_act='relu' is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+    ({"layer_types": ["sliding_attention"] * 6}, "layer_types=.* expected 7 of full_attention, sliding_attention"),
+    ({"sliding_window": 0}, "sliding_window=0 is not a positive number"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "the sliding layers' rope must be a default one"),
+])
+def test_what_gemma_configs_ask_beyond_triode_is_named(fields, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf(gemma3_config(**fields))
+
+
+def test_which_layers_slide():
+    # Mistral windows every layer; Qwen2 the layers from max_window_layers on, only with
+    # use_sliding_window; Llama never.
+    mistral = ModelConfig.from_hf(llama_config(architectures=["MistralForCausalLM"], sliding_window=32))
+    assert mistral.layer_types == ("sliding_attention",) * 2 and mistral.kv_window == 32
+    qwen = ModelConfig.from_hf(llama_config(architectures=["Qwen2ForCausalLM"], sliding_window=32,
+                                            use_sliding_window=True, max_window_layers=1))
+    assert qwen.layer_types == ("full_attention", "sliding_attention") and qwen.kv_window is None
+    assert ModelConfig.from_hf(llama_config(architectures=["Qwen2ForCausalLM"], sliding_window=32)).sliding_window is None
+    assert ModelConfig.from_hf(llama_config(sliding_window=32)).layer_window(0) is None

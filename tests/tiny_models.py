@@ -7,6 +7,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -36,9 +40,23 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 2}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"num_key_value_heads": 1}),
+    # a window every layer of 24 tokens (a block and a half), which the longest prompt crosses
+    "mistral": (MistralConfig, MistralForCausalLM, {"num_key_value_heads": 1, "sliding_window": 24}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"num_key_value_heads": 2}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"num_key_value_heads": 2, "head_dim": 32}),
+    # windows of 12 tokens (less than a block) on every other layer / two layers of three, so
+    # the prompts of up to 64 tokens cross them; soft caps low enough to bite at these scales
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
+        "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "tie_word_embeddings": True,
+    }),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 3, "query_pre_attn_scalar": 24,
+        "sliding_window": 12, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+        "tie_word_embeddings": True,
+    }),
 }
 
 

@@ -13,7 +13,24 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# What transformers' config classes default to where a Gemma config.json is silent.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    },
+    "Gemma3ForCausalLM": {
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+        "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6,
+    },
+}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The fields each rope type reads (engine/worker/models/rope.py); any other fails at load.
 ROPE_FIELDS = {
     "default": frozenset(),
@@ -24,6 +41,8 @@ ROPE_FIELDS = {
                        "original_max_position_embeddings", "truncate"}),
 }
 SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @attrs.frozen(kw_only=True)
@@ -46,6 +65,36 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    # per layer, one of LAYER_TYPES: a "sliding_attention" layer sees the last sliding_window keys
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    hidden_act: str = "silu"  # the MLP's gate activation, one of ACTIVATIONS
+    # Gemma: norms scale by (1 + weight); pre- and post-feedforward norms around the MLP (and
+    # the attention output normed before the residual); embeddings scaled by sqrt(hidden)
+    gemma_norms: bool = False
+    embedding_multiplier: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale: its -0.5 power (else head_dim's)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # the rope of the sliding layers where it differs from the others' (Gemma 3's local base)
+    local_rope_theta: float | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer has one (Mistral v0.1): KV older than it is never read
+        again and its blocks can be freed. None when any layer sees the whole context."""
+        if self.layer_types and all(kind == "sliding_attention" for kind in self.layer_types):
+            return self.sliding_window
+        return None
 
     @property
     def max_positions(self) -> int:
@@ -54,7 +103,9 @@ class ModelConfig:
         never below max_position_embeddings."""
         scaling = self.rope_scaling or {}
         stretched = self.max_position_embeddings
-        if scaling.get("rope_type") in ("linear", "dynamic"):
+        if self.architecture == "Gemma3ForCausalLM":
+            pass  # its max_position_embeddings is the scaled length already (vLLM's exception too)
+        elif scaling.get("rope_type") in ("linear", "dynamic"):
             stretched = int(self.max_position_embeddings * scaling["factor"])
         elif scaling.get("rope_type") == "yarn":
             stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
@@ -75,14 +126,21 @@ class ModelConfig:
                 f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)}",
                 path=source,
             )
+        raw = {**_DEFAULTS.get(architecture, {}), **raw}
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
-        theta, scaling = _rope(raw, source)
+        theta, scaling, local_theta = _ropes(raw, architecture, source)
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act={activation!r} is not supported (triode runs "
+                                        f"{', '.join(ACTIVATIONS)})", path=source)
+        if raw.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention=True is not supported (causal "
+                                        "attention only)", path=source)
+        gemma = architecture in GEMMA
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
-        sliding = raw.get("sliding_window")
-        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
-            sliding = None
+        sliding, layer_types = _attention_layers(raw, architecture, source)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -100,9 +158,68 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding,
+            layer_types=layer_types,
+            hidden_act=activation,
+            gemma_norms=gemma,
+            embedding_multiplier=hidden**0.5 if gemma else None,
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if gemma else None,
+            # transformers' Gemma 3 attention never applies the attention cap its config carries
+            attn_logit_softcapping=(raw.get("attn_logit_softcapping")
+                                    if architecture == "Gemma2ForCausalLM" else None),
+            final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
+            local_rope_theta=local_theta,
         )
+
+
+def _attention_layers(raw: dict[str, Any], architecture: str, source: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, each layer's attention type) as transformers reads them: Mistral
+    windows every layer; Qwen2/3 only with use_sliding_window, the layers from
+    max_window_layers on unless layer_types says otherwise; Llama has no window."""
+    num_layers = raw["num_hidden_layers"]
+    window = raw.get("sliding_window")
+    if architecture == "LlamaForCausalLM" or (architecture in _QWEN and not raw.get("use_sliding_window")):
+        window = None
+    if window is None:
+        return None, ("full_attention",) * num_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"sliding_window={window!r} is not a positive number of tokens", path=source)
+    types = raw.get("layer_types") if architecture in _QWEN + GEMMA else None
+    if types is None and architecture in _QWEN:
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if types is None and architecture in GEMMA:
+        # every other layer (Gemma 2), or five of every six (Gemma 3), the last of each group global
+        pattern = 2 if architecture == "Gemma2ForCausalLM" else raw["sliding_window_pattern"]
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if types is None:
+        types = ["sliding_attention"] * num_layers
+    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(f"layer_types={types!r}: expected {num_layers} of "
+                                    f"{', '.join(LAYER_TYPES)}", path=source)
+    return window, tuple(types)
+
+
+def _ropes(raw: dict[str, Any], architecture: str, source: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(theta, scaling) of the rope, and the base of the sliding layers' own default rope
+    (Gemma 3; None elsewhere). Gemma 3 in transformers v5 keeps one rope per layer type in
+    ``rope_parameters``; v4 has ``rope_local_base_freq``, its scaling applying to the global
+    layers only."""
+    if architecture != "Gemma3ForCausalLM":
+        return (*_rope(raw, source), None)
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+        theta, scaling = _rope({**raw, "rope_parameters": params["full_attention"]}, source)
+        local_theta, local_scaling = _rope({**raw, "rope_parameters": None, "rope_scaling": local,
+                                            "rope_theta": local.pop("rope_theta", 10_000.0)}, source)
+        if local_scaling is not None:
+            raise UnsupportedModelError(f"rope_parameters.sliding_attention={params['sliding_attention']!r}: "
+                                        "the sliding layers' rope must be a default one", path=source)
+        return theta, scaling, local_theta
+    theta, scaling = _rope(raw, source)
+    return theta, scaling, float(raw["rope_local_base_freq"])
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

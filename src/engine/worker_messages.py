@@ -95,6 +95,7 @@ class WorkerInfo:
     rank: int = 0
     tensor_parallel_size: int = 1
     kv_heads: int = 0  # KV heads this rank holds (all of them at size 1)
+    kv_window: int | None = None  # the sliding window when every layer of the model has one
     # VmHWM (peak resident set) of the worker process: before the load (imports only), once
     # the weights were loaded, and after the KV cache was allocated too.
     baseline_rss_bytes: int | None = None

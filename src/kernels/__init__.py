@@ -54,7 +54,7 @@ from kernels.quant_linear import (
 )
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
-from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
+from kernels.silu_mul import gelu_tanh_and_mul, silu_and_mul_reference, silu_and_mul_triton
 
 BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("TRIODE_KERNELS", "auto")
@@ -65,6 +65,7 @@ __all__ = [
     "DecodeStack",
     "QuantizedWeight",
     "backend_for",
+    "gelu_tanh_and_mul",
     "get_backend",
     "linear",
     "pack_linear_weight",
@@ -131,14 +132,18 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, *,
+                    window: int | None = None, softcap: float | None = None):
     """Attention of query [tokens, heads, dim] over the paged cache; returns [tokens, heads, dim].
-    The step's key/value must already be in the cache (the Triton path reads only the cache)."""
+    The step's key/value must already be in the cache (the Triton path reads only the cache).
+    ``window``: a sliding window (each query sees the last ``window`` keys up to itself);
+    ``softcap``: scaled scores s become softcap * tanh(s / softcap)."""
+    rules = {"window": window, "softcap": softcap}
     if _use_triton(query):
-        return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
+        return paged_attention_triton(query, k_cache, v_cache, metadata, scale, **rules)
     if _backend == "auto" and query.device.type == "cpu":
-        return paged_attention_cpu(query, key, value, k_cache, v_cache, metadata, scale)
-    return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
+        return paged_attention_cpu(query, key, value, k_cache, v_cache, metadata, scale, **rules)
+    return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, **rules)
 
 
 def linear(x, weight, bias=None, packed=None):

@@ -50,3 +50,12 @@ def check_launch_device(name: str, tensor: torch.Tensor) -> None:
         return
     hint = " (set TRITON_INTERPRET=1 to run the kernels on CPU)" if kind == "cpu" else ""
     raise ValueError(f"{name}: Triton kernels need CUDA tensors, got device {tensor.device}{hint}")
+
+
+def check_score_rules(window: object, softcap: object) -> None:
+    """A sliding window is a positive int (the keys a query sees, itself included) or None; a
+    soft cap a positive float or None."""
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    if softcap is not None and (not isinstance(softcap, int | float) or not softcap > 0):
+        raise ValueError(f"softcap: expected a positive number or None, got {softcap!r}")

@@ -26,7 +26,7 @@ __all__ = ["cpu_decode_available", "cpu_decode_supports", "paged_decode_cpu"]
 def _entry(dtype: torch.dtype):
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return bind(_ENTRY_POINTS[dtype], pointer, i64, pointer, pointer, pointer, i64, pointer, pointer,
-                i64, i32, i32, i32, i32, i32, ctypes.c_float)
+                i64, i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float)
 
 
 def cpu_decode_available() -> bool:
@@ -63,10 +63,14 @@ def paged_decode_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Writes into ``out`` [seqs, heads, dim] the attention of query [seqs, heads, dim] (one
-    token per sequence) over each sequence's ``seq_lens[i]`` cached tokens. The caller checks
-    the metadata (block ids within the cache, lengths within each table): the kernel trusts it."""
+    token per sequence) over each sequence's ``seq_lens[i]`` cached tokens (its last ``window``
+    of them with a sliding window; scores soft-capped at ``softcap``). The caller checks the
+    metadata (block ids within the cache, lengths within each table): the kernel trusts it."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
@@ -82,7 +86,7 @@ def paged_decode_cpu(
     status = _entry(query.dtype)(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-        out.stride(0), num_seqs, num_heads, kv_heads, head_dim, block_size, scale,
+        out.stride(0), num_seqs, num_heads, kv_heads, head_dim, block_size, scale, window or 0, softcap or 0.0,
     )
     if status:
         raise ValueError(f"paged_decode_cpu: unsupported shape (heads {num_heads}, kv heads {kv_heads}, "

@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from kernels._jit import cdiv, next_power_of_2
-from kernels.checks import check_kv_cache, check_launch_device, check_tensor
-from kernels.decode_triton import LOG2E, decode_partition_kernel, decode_reduce_kernel
+from kernels.checks import check_kv_cache, check_launch_device, check_score_rules, check_tensor
+from kernels.decode_triton import LOG2E, NO_WINDOW, decode_partition_kernel, decode_reduce_kernel
+from kernels.masked_attention import attention
 
 __all__ = [
     "check_tiling",
@@ -39,9 +39,13 @@ def decode_attention_reference(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [seqs, heads, dim], one token per sequence, attends to its ``seq_lens[i]`` cached
-    tokens. Returns [seqs, heads, dim].
+    tokens (the last ``window`` of them with a sliding window; scores soft-capped at ``softcap``).
+    Returns [seqs, heads, dim].
 
     The CPU hot path: every sequence's blocks are gathered once (padded to the longest), and
     one fused scaled_dot_product_attention call covers the batch. The query heads that share a
@@ -56,11 +60,14 @@ def decode_attention_reference(
     values = v_cache.index_select(0, table).view(shape).transpose(1, 2)
     lengths = seq_lens[:num_seqs]
     mask = None
-    if int(lengths.min()) < length:
+    if int(lengths.min()) < length or (window is not None and max_seq_len > window):
         positions = torch.arange(length, device=query.device)
-        mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+        mask = positions[None, :] < lengths[:, None]
+        if window is not None:
+            mask &= positions[None, :] >= lengths[:, None] - window
+        mask = mask[:, None, None, :]
     q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = attention(q, keys, values, mask=mask, scale=scale, softcap=softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -97,6 +104,8 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`decode_attention_reference` (rows ``0..len(query)`` of
     ``block_tables``/``seq_lens``; ``max_seq_len`` >= every ``seq_lens[i]``, a host int).
@@ -126,8 +135,9 @@ def decode_attention_triton(
     else:
         check_tensor("out", out, shape=query.shape, dtype=query.dtype, device=device)
     check_tiling(block_n, partition_size)
+    check_score_rules(window, softcap)
     return launch_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
-                         partition_size, block_n)
+                         partition_size, block_n, window=window, softcap=softcap)
 
 
 def check_tiling(block_n: int | None, partition_size: int | None) -> None:
@@ -149,6 +159,9 @@ def launch_decode(
     out: torch.Tensor,
     partition_size: int | None,
     block_n: int | None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The launch without the argument checks (the caller has made them)."""
     num_seqs, num_heads, head_dim = query.shape
@@ -175,10 +188,10 @@ def launch_decode(
         out, part_out, part_max, part_sum, query, k_cache, v_cache, block_tables, seq_lens,
         scale_log2e, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        partition_size, num_partitions, max_seq_len,
+        partition_size, num_partitions, max_seq_len, window or NO_WINDOW, (softcap or 1.0) * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4,
+        SOFTCAP=softcap is not None, num_warps=4,
     )
     if split:
         decode_reduce_kernel[(num_seqs, num_heads)](

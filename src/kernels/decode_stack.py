@@ -44,7 +44,7 @@ class _Matrix(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
                 ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32)]
 
 
 class _Model(ctypes.Structure):
@@ -69,7 +69,8 @@ def decode_stack_available() -> bool:
 @attrs.frozen
 class DecodeLayerWeights:
     """One layer's weights: its norms (float32 [hidden]) and its four matrices as quantized
-    parts stacked along the output features, each with its share of the bias (or None)."""
+    parts stacked along the output features, each with its share of the bias (or None); the
+    layer's sliding window (None: it attends to the whole context)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -77,6 +78,7 @@ class DecodeLayerWeights:
     o: Sequence[tuple[QuantizedWeight, torch.Tensor | None]]
     gate_up: Sequence[tuple[QuantizedWeight, torch.Tensor | None]]
     down: Sequence[tuple[QuantizedWeight, torch.Tensor | None]]
+    window: int | None = None
 
 
 def _matrix(parts: Sequence[tuple[QuantizedWeight, torch.Tensor | None]], in_features: int, keep: list) -> _Matrix:
@@ -128,6 +130,7 @@ class DecodeStack:
             slot.gate_up = _matrix(weights.gate_up, hidden, self._keep)
             slot.down = _matrix(weights.down, intermediate_size, self._keep)
             slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
+            slot.window = weights.window or 0
         self._model = _Model(
             layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
             intermediate=intermediate_size, block_size=block_size, eps=eps, scale=scale,

@@ -18,9 +18,11 @@ from kernels._jit import lazy_jit
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["LOG2E", "decode_partition_kernel", "decode_reduce_kernel"]
+__all__ = ["LOG2E", "NO_WINDOW", "decode_partition_kernel", "decode_reduce_kernel"]
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the window argument of a layer that sees its whole context
+
 
 
 @lazy_jit
@@ -46,6 +48,8 @@ def decode_partition_kernel(
     partition_size,
     num_partitions,
     max_context,
+    window,
+    softcap_log2e,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -54,6 +58,7 @@ def decode_partition_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -65,6 +70,9 @@ def decode_partition_kernel(
         if start >= seq_len:
             return  # the reduction reads only the partitions a sequence has
     end = tl.minimum(start + partition_size, seq_len)
+    # keys before the window (NO_WINDOW: none) are skipped; a partition wholly before it writes
+    # an empty result
+    start = tl.maximum(start, seq_len - window)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -88,6 +96,10 @@ def decode_partition_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        if SOFTCAP:
+            # softcap * tanh(s / softcap) in the base-2 domain; tanh(y) = 2 / (1 + e^-2y) - 1
+            # saturates to +-1 where e^-2y overflows
+            scores = (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap_log2e)) - 1.0) * softcap_log2e
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from kernels.checks import check_kv_cache, check_launch_device, check_tensor
+from kernels.checks import check_kv_cache, check_launch_device, check_score_rules, check_tensor
 from kernels.cpu_attention import cpu_decode_supports, paged_decode_cpu
 from kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
 from kernels.metadata import AttentionMetadata
@@ -44,9 +44,16 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [tokens, heads, dim]; key/value [tokens, kv_heads, dim] are this step's (already
-    written to the cache). Returns [tokens, heads, dim]."""
+    written to the cache). Returns [tokens, heads, dim]. With a sliding ``window`` a query sees
+    the last ``window`` keys up to itself; ``softcap`` caps each scaled score s at softcap *
+    tanh(s / softcap)."""
+    check_score_rules(window, softcap)
+    rules = {"window": window, "softcap": softcap}
     out = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
@@ -54,16 +61,16 @@ def paged_attention_reference(
             if rows is None:
                 out[:num_decodes] = decode_attention_reference(
                     query[:num_decodes], k_cache, v_cache, metadata.block_tables,
-                    metadata.seq_lens, longest, scale,
+                    metadata.seq_lens, longest, scale, **rules,
                 )
                 continue
             out.index_copy_(0, rows, decode_attention_reference(
                 query.index_select(0, rows), k_cache, v_cache,
                 metadata.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows),
-                longest, scale,
+                longest, scale, **rules,
             ))
     if num_decodes < metadata.num_seqs:
-        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
+        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out, **rules)
     return out
 
 
@@ -75,18 +82,23 @@ def paged_attention_cpu(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """As :func:`paged_attention_reference`, with the decodes read from the cache in place by
     the native CPU kernel when it is built and fits these tensors."""
+    rules = {"window": window, "softcap": softcap}
     num_decodes = metadata.num_decodes
     if not num_decodes or not cpu_decode_supports(query, k_cache):
-        return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale)
+        return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, **rules)
+    check_score_rules(window, softcap)
     check_decode_metadata(metadata, k_cache)
     out = torch.empty_like(query)
     paged_decode_cpu(query[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
-                     metadata.seq_lens[:num_decodes], scale, out[:num_decodes])
+                     metadata.seq_lens[:num_decodes], scale, out[:num_decodes], **rules)
     if num_decodes < metadata.num_seqs:
-        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out)
+        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out, **rules)
     return out
 
 
@@ -225,11 +237,14 @@ def paged_attention_triton(
     block_n: int | None = None,
     block_m: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same result as :func:`paged_attention_reference` (reads every key from the cache, so
     the step's keys must have been written first). ``partition_size``/``block_n``/``block_m``
     override the tiling; ``out`` (optional, [tokens, heads, dim]) receives the result."""
     check_attention_args(query, k_cache, v_cache, metadata)
+    check_score_rules(window, softcap)
     check_launch_device("query", query)
     if partition_size is not None or block_n is not None or block_m is not None:
         check_tiling(block_n, partition_size)
@@ -246,11 +261,12 @@ def paged_attention_triton(
         launch_decode(
             query[:num_decodes], k_cache, v_cache, metadata.block_tables,
             metadata.seq_lens[:num_decodes], max_decode_len, scale, out[:num_decodes],
-            partition_size, block_n,
+            partition_size, block_n, window=window, softcap=softcap,
         )
     if num_decodes < num_seqs:
         launch_prefill(
             query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, scale, num_decodes, num_seqs, max_chunk, out, block_m, block_n,
+            window=window, softcap=softcap,
         )
     return out

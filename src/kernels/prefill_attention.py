@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from kernels._jit import cdiv, lazy_jit, next_power_of_2
-from kernels.checks import check_kv_cache, check_launch_device, check_tensor
+from kernels.checks import check_kv_cache, check_launch_device, check_score_rules, check_tensor
+from kernels.decode_triton import NO_WINDOW
+from kernels.masked_attention import attention, visible_keys
 from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -39,16 +40,18 @@ def _chunk_reference(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """query [q_len, heads, dim] is the tail of key/value [kv_len, kv_heads, dim]."""
     q_len, kv_len = query.shape[0], key.shape[0]
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    if q_len == kv_len:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if q_len == kv_len and (window is None or window >= kv_len):
+        out = attention(q, k, v, causal=True, scale=scale, softcap=softcap, enable_gqa=True)
     else:
         rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-        mask = torch.arange(kv_len, device=query.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        mask = visible_keys(rows, torch.arange(kv_len, device=query.device)[None, :], window)
+        out = attention(q, k, v, mask=mask, scale=scale, softcap=softcap, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -61,10 +64,14 @@ def prefill_attention_reference(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Fills ``out``'s rows of the prefill sequences (those after ``metadata.num_decodes``),
     one scaled_dot_product_attention per sequence; a chunk without a cached prefix uses the
-    step's own key/value, with a prefix its keys are gathered from the cache."""
+    step's own key/value, with a prefix its keys are gathered from the cache. ``window`` and
+    ``softcap`` as in :func:`kernels.masked_attention.attention`."""
     starts = metadata.query_start_loc_host
     for seq in range(metadata.num_decodes, metadata.num_seqs):
         start, end, seq_len = starts[seq], starts[seq + 1], metadata.seq_lens_host[seq]
@@ -74,7 +81,7 @@ def prefill_attention_reference(
         else:
             table = metadata.block_tables[seq]
             k, v = gather_kv(k_cache, table, seq_len), gather_kv(v_cache, table, seq_len)
-        out[start:end] = _chunk_reference(query[start:end], k, v, scale)
+        out[start:end] = _chunk_reference(query[start:end], k, v, scale, window, softcap)
     return out
 
 
@@ -91,6 +98,8 @@ def _prefill_kernel(
     seq_offset,
     num_tokens,
     max_context,
+    window,
+    softcap_log2e,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -106,6 +115,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = (tl.program_id(1) + seq_offset).to(tl.int64)
@@ -134,8 +144,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     causal_limit = prefix + offs_m  # the last key each row may see
     hi = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
+    lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)  # the block's first row's window
     table = block_tables_ptr + seq * stride_bt
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         tokens = n0 + offs_n
         n_mask = tokens < hi
         blocks = tl.load(table + tokens // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -143,11 +154,16 @@ def _prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        visible = (tokens[None, :] <= causal_limit[:, None]) & n_mask[None, :]
+        if SOFTCAP:  # as in decode_triton
+            scores = (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap_log2e)) - 1.0) * softcap_log2e
+        visible = ((tokens[None, :] <= causal_limit[:, None]) & (tokens[None, :] > causal_limit[:, None] - window)
+                   & n_mask[None, :])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        # a row whose window starts past this tile has seen no key yet: nothing to rescale
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -180,6 +196,8 @@ def prefill_attention_triton(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of sequences ``first_seq..num_seqs`` (rows ``query_start_loc[s]:
     query_start_loc[s+1]`` of ``query``, ``seq_lens[s]`` tokens in the cache, the chunk being
@@ -211,8 +229,10 @@ def prefill_attention_triton(
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
+    check_score_rules(window, softcap)
     return launch_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          first_seq, num_seqs, max_query_len, out, block_m, block_n)
+                          first_seq, num_seqs, max_query_len, out, block_m, block_n,
+                          window=window, softcap=softcap)
 
 
 def launch_prefill(
@@ -229,6 +249,9 @@ def launch_prefill(
     out: torch.Tensor,
     block_m: int | None,
     block_n: int | None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The launch without the argument checks (the caller has made them)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -241,11 +264,12 @@ def launch_prefill(
     _prefill_kernel[(cdiv(max_query_len, block_m), num_prefills, num_heads)](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         float(scale) * LOG2E, first_seq, num_tokens, block_tables.shape[1] * block_size,
+        window or NO_WINDOW, (softcap or 1.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
         num_warps=4 if block_m * block_n <= 4096 else 8,
     )
     return out

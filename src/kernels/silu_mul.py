@@ -1,4 +1,5 @@
-"""SiLU-and-multiply: ``silu(gate) * up`` for the MLP's fused gate/up projection output.
+"""SiLU-and-multiply: ``silu(gate) * up`` for the MLP's fused gate/up projection output; and
+its GELU twin (Gemma's tanh-approximated GELU), which runs as torch's own op on every device.
 
 The Triton kernel rounds where torch does (silu's result is cast to the input dtype before the
 multiply), so it matches the reference bit for bit up to float32 transcendental differences.
@@ -17,7 +18,7 @@ from kernels.checks import check_launch_device, check_tensor
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["silu_and_mul_reference", "silu_and_mul_triton"]
+__all__ = ["gelu_tanh_and_mul", "silu_and_mul_reference", "silu_and_mul_triton"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -26,6 +27,13 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """x [tokens, 2 * d] holds gate then up; returns silu(gate) * up, [tokens, d]."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, 2 * d] holds gate then up; returns gelu_tanh(gate) * up, [tokens, d], as
+    transformers' gelu_pytorch_tanh computes it."""
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
 @lazy_jit

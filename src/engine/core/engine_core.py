@@ -42,7 +42,7 @@ class EngineCore:
         cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: Sequence[int]
     ) -> EngineCore:
         """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
-        return cls(Scheduler.from_engine_args(args, num_blocks=worker.num_blocks),
+        return cls(Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window),
                    max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids)
 
     # ---- requests in and out -------------------------------------------------------------

@@ -10,6 +10,10 @@ at KV that exists, and no worker has to order writes and reads of one block with
 Free blocks wait in one queue, evicted from the front: blocks that hold nothing reusable go to
 the front, freed cached blocks go to the back (least recently used first) and keep their hash
 until the block is handed out again, so a finished conversation's prefix can still be hit.
+
+When every layer of the model has a sliding window, a running sequence's blocks that lie wholly
+before the window of its next query are freed as it advances (``release_outside_window``); their
+ids stay in its block table, where the attention kernels never read them again.
 """
 
 from __future__ import annotations
@@ -28,10 +32,28 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
 
 
+def blocks_in_use_at_most(num_tokens: int, block_size: int, *, sliding_window: int | None, max_chunk: int) -> int:
+    """The most blocks a sequence of ``num_tokens`` positions holds at once, computing up to
+    ``max_chunk`` tokens a step: all of them, or with a sliding window on every layer the
+    window and a chunk (and a block on either side of their edges)."""
+    whole = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, -(-(sliding_window - 1 + max_chunk) // block_size) + 1)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+        sliding_window: int | None = None,
+    ):
+        """``sliding_window``: the model's window when every layer has one (a query at position
+        i reads keys i - window < j <= i), else None."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window ({sliding_window}) must be >= 1 or None")
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -129,17 +151,37 @@ class BlockManager:
                 self.cached[block_hash] = block_id
         request.num_cached_blocks = num_full
 
+    def blocks_in_use_at_most(self, num_tokens: int, max_chunk: int) -> int:
+        """See :func:`blocks_in_use_at_most`."""
+        return blocks_in_use_at_most(num_tokens, self.block_size, sliding_window=self.sliding_window,
+                                     max_chunk=max_chunk)
+
+    def release_outside_window(self, request: Request) -> None:
+        """With a sliding window on every layer: frees the request's leading blocks that its
+        next query (at position num_computed_tokens) and every later one can no longer see."""
+        if self.sliding_window is None:
+            return
+        first_visible = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        dead = min(first_visible // self.block_size, len(request.block_ids))
+        for block_id in request.block_ids[request.num_released_blocks:dead]:
+            self._release(block_id)
+        request.num_released_blocks = max(request.num_released_blocks, dead)
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_counts[block_id] == 0:
+            self.free_queue[block_id] = None
+            if self.block_hash[block_id] is None:
+                self.free_queue.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+
     def free(self, request: Request) -> None:
         """Drops the request's references (finish, abort, preemption). Tail blocks are queued
         before head blocks, so a shared prefix outlives the tail of one conversation."""
-        for block_id in reversed(request.block_ids):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                self.free_queue[block_id] = None
-                if self.block_hash[block_id] is None:
-                    self.free_queue.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        for block_id in reversed(request.held_block_ids):
+            self._release(block_id)
         request.block_ids = []
+        request.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block: after a worker restart the KV they named is gone."""

@@ -101,6 +101,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (including prefix hits)
         self.block_ids: list[int] = []  # the block table
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_released_blocks = 0  # leading blocks freed as outside every layer's window
         self.num_cached_tokens = 0  # prefix-cache hit of the first admission (usage stats)
         # Hashes of the full blocks of all_token_ids, extended lazily by the block manager;
         # they depend on tokens only, so they survive preemption.
@@ -176,12 +177,19 @@ class Request:
         self.num_prompt_logprobs_sent = max(self.num_prompt_logprobs_sent, start + len(entries))
         return tuple(entries[skip:])
 
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this sequence holds a reference to: its block table but the leading ones
+        released behind a sliding window (whose ids may since hold another position's KV)."""
+        return self.block_ids[self.num_released_blocks:]
+
     def reset_for_recompute(self) -> None:
         """Forgets the KV cache (preemption or worker restart). The caller frees the blocks."""
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_cached_blocks = 0
+        self.num_released_blocks = 0
         self.known_to_worker = False
         self.num_blocks_sent = 0
 

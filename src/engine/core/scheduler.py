@@ -75,9 +75,11 @@ class Scheduler:
         self._finished_seq_ids: list[str] = []  # the worker must forget these
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, *, num_blocks: int) -> Scheduler:
+    def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None) -> Scheduler:
+        """``kv_window``: the model's sliding window when every layer has one (its blocks
+        behind the window are freed as sequences advance)."""
         return cls(
-            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
+            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=kv_window),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -111,7 +113,7 @@ class Scheduler:
         cache even alone: admitting it would deadlock the scheduler."""
         bm = self.block_manager
         # The last sampled token is never fed, so at most max_num_tokens - 1 positions hold KV.
-        if bm.blocks_for(request.max_num_tokens - 1) > bm.num_blocks:
+        if bm.blocks_in_use_at_most(request.max_num_tokens - 1, self.max_num_batched_tokens) > bm.num_blocks:
             capacity = bm.num_blocks * bm.block_size
             field = "prompt" if request.num_prompt_tokens > capacity else "max_tokens"
             raise InvalidRequestError(
@@ -318,6 +320,7 @@ class Scheduler:
                 continue  # finished or aborted after the plan was made
             request.num_computed_tokens += step.num_tokens
             self.block_manager.cache_computed_blocks(request)
+            self.block_manager.release_outside_window(request)
             plp = request.unsent_prompt_logprobs(step.start, prompt_logprobs.get(seq_id, ()))
             new_token_ids: tuple[int, ...] = ()
             logprobs: tuple[TokenLogprobs | None, ...] = ()

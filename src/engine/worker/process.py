@@ -93,6 +93,7 @@ def load(
         rank=rank,
         tensor_parallel_size=rendezvous.world_size if rendezvous is not None else 1,
         kv_heads=_runner.kv_caches[0][0].shape[2],
+        kv_window=_runner.config.kv_window,
         baseline_rss_bytes=baseline,
         weights_peak_rss_bytes=_runner.weights_peak_rss_bytes,
         peak_rss_bytes=peak_resident_bytes(),

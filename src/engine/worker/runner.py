@@ -18,6 +18,7 @@ import torch
 
 import kernels
 from engine.config import EngineArgs
+from engine.core.kv_blocks import blocks_in_use_at_most
 from engine.errors import InvalidRequestError, KVCacheTooSmallError, ModelLoadError
 from engine.model_config import ModelConfig
 from engine.model_files.layout import load_hf_config
@@ -71,9 +72,6 @@ def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     limit = config.max_positions
-    if config.sliding_window is not None:
-        # Attention here is full-context; past the window it would diverge from the model.
-        limit = min(limit, config.sliding_window)
     if requested is None:
         return limit
     if requested > limit:
@@ -117,6 +115,7 @@ class ModelRunner:
         self.config = ModelConfig.from_hf(load_hf_config(path), source=str(path / "config.json"))
         self.max_model_len = resolve_max_model_len(self.config, args.max_model_len)
         self.block_size = args.block_size
+        self.max_num_batched_tokens = args.max_num_batched_tokens
         self.rank = rank
         self.parallel: TensorParallelGroup | None = None
         kv_heads = self.config.num_kv_heads
@@ -161,11 +160,15 @@ class ModelRunner:
         per_token = 2 * self.config.num_layers * kv_heads * self.config.head_dim
         per_block = self.block_size * per_token * element
         num_blocks = budget_bytes // per_block
-        if num_blocks * self.block_size < self.max_model_len:
+        # One sequence of max_model_len must fit; with a window on every layer, only the part
+        # of it the scheduler keeps at once (its blocks behind the window are freed).
+        needed = blocks_in_use_at_most(self.max_model_len, self.block_size, sliding_window=self.config.kv_window,
+                                       max_chunk=self.max_num_batched_tokens)
+        if num_blocks < needed:
             raise KVCacheTooSmallError(
                 f"a KV-cache budget of {budget_bytes} bytes holds {num_blocks * self.block_size} tokens, "
-                f"fewer than max_model_len={self.max_model_len} "
-                f"(raise kv_cache_memory or lower max_model_len)"
+                f"fewer than the {needed * self.block_size} one sequence of max_model_len={self.max_model_len} "
+                f"may hold at once (raise kv_cache_memory or lower max_model_len)"
             )
         return num_blocks
 

@@ -171,7 +171,8 @@ static void team_attention(const step_state *st, counter *units, const decode_la
     for (int64_t u; (u = claim(units)) < st->rows * st->attention_split;)
         triode_paged_decode_f32_units(st->qkv, width, layer->k_cache, layer->v_cache, st->tables, st->table_stride,
                                       st->seq_lens, st->attention, q_size, m->heads, m->kv_heads, m->head_dim,
-                                      m->block_size, m->scale, st->attention_split, (int)u, 1);
+                                      m->block_size, m->scale, layer->window, 0.0f, st->attention_split,
+                                      (int)u, 1);
 }
 
 static void run_layers(step_state *st, thread_state *own, int threads) {
@@ -210,7 +211,7 @@ static int check_step(const decode_model *m, const decode_layer *layers, int64_t
     }
     const int q_size = m->heads * m->head_dim;
     int status = triode_paged_decode_f32_units(NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, 0, m->heads, m->kv_heads,
-                                               m->head_dim, m->block_size, m->scale, 1, 0, 0);
+                                               m->head_dim, m->block_size, m->scale, 0, 0.0f, 1, 0, 0);
     if (status) return *failed_op = OP_ATTENTION, status;
     for (int l = 0; l < m->layers; l++) {
         const quant_matrix *matrices[] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};

@@ -26,6 +26,7 @@ typedef struct {
     const float *input_norm, *post_attention_norm;
     quant_matrix qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    int32_t window; /* the keys a query sees, itself included; 0: all */
 } decode_layer;
 
 typedef struct {

@@ -26,8 +26,8 @@ int triode_write_kv_f32(const float *key, int64_t key_stride, const float *value
 int triode_paged_decode_f32_units(const float *query, int64_t q_stride, const float *k_cache,
                                   const float *v_cache, const int32_t *tables, int64_t table_stride,
                                   const int32_t *seq_lens, float *out, int64_t out_stride, int heads,
-                                  int kv_heads, int dim, int block_size, float scale, int split, int first,
-                                  int count);
+                                  int kv_heads, int dim, int block_size, float scale, int window,
+                                  float softcap, int split, int first, int count);
 
 /* How many units decode attention cuts a sequence into: each KV head its own while there are
  * fewer sequences than twice the threads (or one thread would take a whole batch of one). */

@@ -25,6 +25,8 @@
  *   out        [seqs, heads, dim], token stride out_stride
  * dim is a multiple of 16.
  *
+ * With a sliding window (window > 0) only a sequence's last `window` tokens are read; with
+ * softcap > 0 each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
  * Rows of a block past the sequence's length are never loaded (they may hold anything).
  * Instantiated once per element type (paged_decode_f32.c, paged_decode_bf16.c): the
  * specialised tiles took 11 s to compile in one unit; two units build side by side.
@@ -104,7 +106,9 @@ typedef struct {
             }                                                                                   \
             half[t / 2] = pair_rows(even, odd);                                                 \
         }                                                                                       \
-        const f32x16 scores = select(valid, finish_rows(half), splat(-FLT_MAX));                \
+        f32x16 raw = finish_rows(half);                                                         \
+        if (softcap > 0.0f) raw = soft_cap(raw, softcap);                                       \
+        const f32x16 scores = select(valid, raw, splat(-FLT_MAX));                              \
         const float previous = running_max[h], tile_max = lane_max(scores);                     \
         const float new_max = tile_max > previous ? tile_max : previous;                        \
         rescale[h] = new_max > previous ? exp_nonpositive(splat(previous - new_max))[0] : 1.0f; \
@@ -139,7 +143,7 @@ typedef struct {
 #define TILE_ARGS(ELEM)                                                                         \
     const ELEM *restrict keys, const ELEM *restrict values, int64_t row_stride, int count,      \
     const f32x16 *restrict query, f32x16 *restrict accumulators, float *restrict running_max,   \
-    float *restrict denominator
+    float *restrict denominator, float softcap
 
 #define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
     static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) { TILE_BODY(ELEM, LOADV, GROUP, VEC) }
@@ -169,7 +173,8 @@ typedef struct {
     static void sequence_##SUFFIX(const State *s, const ELEM *query, const ELEM *k_cache,       \
                                   const ELEM *v_cache, const int32_t *table, int seq_len,       \
                                   ELEM *out, int heads, int kv_heads, int dim, int block_size,  \
-                                  float scale, int kv_begin, int kv_end) {                      \
+                                  float scale, int window, float softcap, int kv_begin,         \
+                                  int kv_end) {                                                 \
         const int group = heads / kv_heads, vec = dim / LANES;                                  \
         const int first_head = kv_begin * group, end_head = kv_end * group;                     \
         const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
@@ -184,7 +189,8 @@ typedef struct {
             s->running_max[h] = -FLT_MAX;                                                       \
             s->denominator[h] = 0.0f;                                                           \
         }                                                                                       \
-        for (int start = 0, count; start < seq_len; start += count) {                           \
+        const int first_key = window > 0 && seq_len > window ? seq_len - window : 0;            \
+        for (int start = first_key, count; start < seq_len; start += count) {                   \
             count = tile_rows(start, seq_len, block_size);                                      \
             const int64_t row = row_offset(table, start, block_size, row_stride);               \
             int64_t next_row = 0, next_bytes = 0;                                               \
@@ -204,13 +210,14 @@ typedef struct {
                 const int first = kv * group;                                                   \
                 if (specialised) {                                                              \
                     specialised(keys, values, row_stride, count, s->query + first * vec,        \
-                                s->acc + first * vec, s->running_max + first, s->denominator + first); \
+                                s->acc + first * vec, s->running_max + first, s->denominator + first, \
+                                softcap);                                                       \
                     continue;                                                                   \
                 }                                                                               \
                 for (int h = first; h < first + group; h++)                                     \
                     tile_##SUFFIX##_one_head(keys, values, row_stride, count, s->query + h * vec, \
                                              s->acc + h * vec, s->running_max + h,              \
-                                             s->denominator + h, vec);                          \
+                                             s->denominator + h, softcap, vec);                 \
             }                                                                                   \
         }                                                                                       \
         for (int h = first_head; h < end_head; h++) {                                           \
@@ -235,17 +242,18 @@ static inline void NAME##_unit(const State *state, int unit, int split, const EL
                                int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,      \
                                const int32_t *tables, int64_t table_stride,                     \
                                const int32_t *seq_lens, ELEM *out, int64_t out_stride,          \
-                               int heads, int kv_heads, int dim, int block_size, float scale)   \
+                               int heads, int kv_heads, int dim, int block_size, float scale,   \
+                               int window, float softcap)                                       \
 {                                                                                               \
     const int seq = unit / split, per_unit = kv_heads / split, kv_begin = unit % split * per_unit; \
     SEQUENCE(state, query + seq * q_stride, k_cache, v_cache, tables + seq * table_stride,      \
              seq_lens[seq], out + seq * out_stride, heads, kv_heads, dim, block_size, scale,    \
-             kv_begin, kv_begin + per_unit);                                                    \
+             window, softcap, kv_begin, kv_begin + per_unit);                                   \
 }                                                                                               \
 int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,         \
          const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out,       \
          int64_t out_stride, int num_seqs, int heads, int kv_heads, int dim, int block_size,    \
-         float scale)                                                                           \
+         float scale, int window, float softcap)                                                \
 {                                                                                               \
     if (unsupported_shape(heads, kv_heads, dim, block_size)) return -1;                         \
     const int vectors = heads * (dim / LANES);                                                  \
@@ -259,14 +267,14 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
         for (int unit = 0; unit < num_seqs * split; unit++)                                     \
             NAME##_unit(&state, unit, split, query, q_stride, k_cache, v_cache, tables,         \
                         table_stride, seq_lens, out, out_stride, heads, kv_heads, dim,          \
-                        block_size, scale);                                                     \
+                        block_size, scale, window, softcap);                                    \
     }                                                                                           \
     return 0;                                                                                   \
 }                                                                                               \
 int NAME##_units(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache, \
                  const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out, \
                  int64_t out_stride, int heads, int kv_heads, int dim, int block_size,          \
-                 float scale, int split, int first, int count)                                  \
+                 float scale, int window, float softcap, int split, int first, int count)       \
 {                                                                                               \
     if (unsupported_shape(heads, kv_heads, dim, block_size) || split < 1 || kv_heads % split)   \
         return -1;                                                                              \
@@ -278,7 +286,7 @@ int NAME##_units(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const
     for (int unit = first; unit < first + count; unit++)                                        \
         NAME##_unit(&state, unit, split, query, q_stride, k_cache, v_cache, tables,             \
                     table_stride, seq_lens, out, out_stride, heads, kv_heads, dim, block_size,  \
-                    scale);                                                                     \
+                    scale, window, softcap);                                                    \
     return 0;                                                                                   \
 }
 

@@ -62,6 +62,16 @@ static inline f32x16 exp_nonpositive(f32x16 x) {
     return (f32x16)((u32x16)p + ((u32x16)n << 23));
 }
 
+/* cap * tanh(x / cap), Gemma 2's soft cap on attention scores; tanh|y| = (1 - e) / (1 + e) with
+ * e = e^(-2|y|), an argument exp_nonpositive takes. */
+static inline f32x16 soft_cap(f32x16 x, float cap) {
+    const f32x16 y = x * (1.0f / cap);
+    const i32x16 negative = y < 0.0f;
+    const f32x16 e = exp_nonpositive(select(negative, y, -y) * 2.0f);
+    const f32x16 t = (1.0f - e) / (1.0f + e);
+    return select(negative, -t, t) * cap;
+}
+
 static inline float lane_max(f32x16 v) {
     v = max_of(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
     v = max_of(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));

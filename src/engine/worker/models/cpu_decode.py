@@ -1,6 +1,6 @@
 """The Llama family's decoder layers as one C call per decode step (``kernels.DecodeStack``),
 when the model is one that call computes exactly as the modules do: on a CPU, float32, one
-rank, no per-head q/k norm, and every layer's four matrices held as quantized blocks (a GGUF
+rank, Llama's layer (no per-head q/k norm, SiLU, no soft cap, one rope), and every layer's four matrices held as quantized blocks (a GGUF
 or ``--quantization`` model). Any other model, and any step the stack does not take, runs
 the modules."""
 
@@ -36,7 +36,7 @@ def _layer_weights(layer) -> DecodeLayerWeights | None:
     return DecodeLayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-        qkv=qkv, o=o, gate_up=gate_up, down=down,
+        qkv=qkv, o=o, gate_up=gate_up, down=down, window=attention.window,
     )
 
 
@@ -47,6 +47,10 @@ def decode_stack_supported(model) -> bool:
     return (
         model.parallel is None
         and not config.qk_norm
+        and not config.gemma_norms
+        and config.hidden_act == "silu"
+        and config.attn_logit_softcapping is None
+        and config.local_rope_theta is None
         and norm.device.type == "cpu"
         and norm.dtype == torch.float32
         and config.head_dim % HEAD_DIM_MULTIPLE == 0

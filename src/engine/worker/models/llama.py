@@ -106,14 +106,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         partition = parallel.partition if parallel is not None else None
         self.num_heads = partition.num_q_heads if partition else config.num_heads
         self.num_kv_heads = partition.num_kv_heads if partition else config.num_kv_heads
         self.parallel = parallel
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcapping
+        # Gemma 3's sliding layers rotate with their own base (the model's local_rope_cache)
+        self.local_rope = config.local_rope_theta is not None and self.window is not None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
@@ -140,7 +144,8 @@ class Attention(nn.Module):
         kernels.rotary_embedding(positions, q, k, rope_cache)
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = kernels.paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
+        out = kernels.paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, window=self.window,
+                                      softcap=self.softcap)
         out = self.o_proj(out.reshape(tokens, -1))
         if self.parallel is not None:
             self.parallel.all_reduce(out)
@@ -155,18 +160,19 @@ class MLP(nn.Module):
         self.parallel = parallel
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act_and_mul = kernels.silu_and_mul if config.hidden_act == "silu" else kernels.gelu_tanh_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         if self.parallel is not None:
             self.parallel.all_reduce(out)
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, parallel)
+        self.self_attn = Attention(config, layer, parallel)
         self.mlp = MLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -193,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(
         self, config: ModelConfig, *, max_positions: int, parallel: TensorParallelGroup | None = None
@@ -202,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         vocab = parallel.partition.vocab_size if parallel else config.vocab_size
         self.embed_tokens = Embedding(vocab, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, parallel) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, layer, parallel) for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -216,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self._decode_stack: tuple[object, kernels.DecodeStack | None] | None = None  # (caches, stack)
         self._decode_stack_supported: bool | None = None
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
+        self.register_buffer("local_rope_cache", torch.empty(0), persistent=False)
 
     def pack_linear_weights(self) -> None:
         """Packs every linear weight for ``kernels.linear`` (on a CPU; elsewhere nothing is
@@ -247,6 +255,9 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, self.max_positions,
             self.norm.weight.device,
         )
+        if config.local_rope_theta is not None:
+            self.local_rope_cache = cos_sin_cache(config.head_dim, config.local_rope_theta, None,
+                                                  self.max_positions, self.norm.weight.device)
 
     def forward(
         self,
@@ -256,16 +267,20 @@ class LlamaForCausalLM(nn.Module):
         metadata: kernels.AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flattened step batch."""
-        hidden = self.embed_tokens(input_ids) if self.parallel is None else self._embed_shard(input_ids)
+        hidden = self.embed(input_ids)
         stack = self._decode_stack_for(kv_caches)
         if stack is not None and stack.takes(hidden.shape[0], metadata, kv_caches):
             hidden, residual = stack.run(hidden, positions, metadata)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rope_cache)
+                rope = self.local_rope_cache if layer.self_attn.local_rope else self.rope_cache
+                hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, rope)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) if self.parallel is None else self._embed_shard(input_ids)
 
     def _decode_stack_for(self, kv_caches: list[KVCache]) -> kernels.DecodeStack | None:
         if not self.decode_stack_enabled or kernels.get_backend() != "auto":

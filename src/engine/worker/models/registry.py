@@ -8,11 +8,15 @@ import torch
 from torch import nn
 
 from engine.errors import UnsupportedModelError
-from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.model_config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.worker.distributed import TensorParallelGroup
+from engine.worker.models.gemma import GemmaForCausalLM
 from engine.worker.models.llama import LlamaForCausalLM
 
-_MODELS: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+_MODELS: dict[str, type[LlamaForCausalLM]] = {
+    **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),
+    **dict.fromkeys(GEMMA, GemmaForCausalLM),
+}
 
 
 def build_model(
