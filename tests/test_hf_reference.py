@@ -115,6 +115,32 @@ def test_gemma_chunked_and_reused_prefill_equal_one_shot(tiny_model_factory, pro
     assert reused == donor == one_shot[2]
 
 
+def test_longrope_rotates_as_transformers_on_both_sides_of_the_pretraining_length(tiny_model_factory):
+    # transformers picks the short factors for a sequence within the pretraining length L and
+    # the long ones past it; triode's cache row of position p is the one for a sequence of p + 1.
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_config import ModelConfig
+    from engine.model_files.layout import load_hf_config
+    from engine.worker.models.rope import cos_sin_cache
+
+    path = tiny_model_factory("phi3", original_max_position_embeddings=20)
+    config = ModelConfig.from_hf(load_hf_config(path))
+    ours = cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling, 64, torch.device("cpu"))
+    rotary = AutoModelForCausalLM.from_pretrained(path).model.rotary_emb
+    half = config.head_dim // 2
+    for position in (0, 7, 19, 20, 21, 63):
+        cos, sin = rotary(torch.zeros(1), torch.tensor([[position]]))
+        torch.testing.assert_close(ours[position, :half], cos[0, 0, :half], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours[position, half:], sin[0, 0, :half], rtol=0, atol=1e-6)
+
+
+def test_longrope_chunked_and_reused_prefill_past_the_pretraining_length_equal_one_shot(tiny_model_factory, prompts):
+    path = tiny_model_factory("phi3", original_max_position_embeddings=20)
+    one_shot = [tokens for tokens, _ in ours_greedy(path, prompts[2:3], 16)]
+    assert [tokens for tokens, _ in ours_greedy(path, prompts[2:3], 16, chunk_size=11)] == one_shot
+
+
 def test_tied_embeddings_match_hf(tiny_model_factory, prompts):
     path = tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4)
     assert_matches_hf(ours_greedy(path, prompts, 8), hf_greedy(path, prompts, 8))

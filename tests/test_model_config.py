@@ -135,3 +135,23 @@ def test_which_layers_slide():
     assert qwen.layer_types == ("full_attention", "sliding_attention") and qwen.kv_window is None
     assert ModelConfig.from_hf(llama_config(architectures=["Qwen2ForCausalLM"], sliding_window=32)).sliding_window is None
     assert ModelConfig.from_hf(llama_config(sliding_window=32)).layer_window(0) is None
+
+
+def phi3_config(**fields):
+    return {**llama_config(architectures=["Phi3ForCausalLM"], max_position_embeddings=131072,
+                           original_max_position_embeddings=4096), **fields}
+
+
+@pytest.mark.parametrize("name", ["longrope", "su", "yarn"])
+def test_phi3_reads_longrope_and_its_older_names(name):
+    config = ModelConfig.from_hf(phi3_config(rope_scaling={"type": name, "short_factor": [1.0] * 8,
+                                                           "long_factor": [2.0] * 8}))
+    assert config.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 4096, "factor": 32.0}
+    assert config.max_positions == 131072  # the long length already, not stretched again
+
+
+def test_longrope_factors_must_cover_every_frequency():
+    with pytest.raises(UnsupportedModelError, match=r"short_factor must list 8 factors \(one per frequency\)"):
+        ModelConfig.from_hf(phi3_config(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7,
+                                                      "long_factor": [2.0] * 8}))

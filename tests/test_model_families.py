@@ -20,6 +20,7 @@ FAMILIES = {
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     "mistral-windowed": ("mistral", {"sliding_window": 5}),
+    "phi3": ("phi3", {}),
 }
 
 

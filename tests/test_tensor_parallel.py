@@ -53,6 +53,11 @@ TINY = {
     # down_proj's are row-parallel: added once)
     "llama-mha-bias": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True,
                                  "attention_bias": True, "mlp_bias": True}),
+    # fused qkv and gate_up tensors in the checkpoint, cut into each rank's q, k, v, gate, up
+    "phi3-fused": ("phi3", {}),
+    # (1 + w) norms, sandwich norms, soft caps, interleaved windows; q/k norms and local rope
+    "gemma2-kv2": ("gemma2", {}),
+    "gemma3-kv1": ("gemma3", {}),
     # 3 KV groups over 2 ranks (1 + 2), 99 intermediate (49 + 50), 401 vocab (200 + 201)
     "qwen2-uneven": ("qwen2", {"num_attention_heads": 6, "num_key_value_heads": 3,
                                "hidden_size": 96, "intermediate_size": 99, "vocab_size": 401}),

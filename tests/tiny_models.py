@@ -15,6 +15,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -46,6 +48,16 @@ ARCHITECTURES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"num_key_value_heads": 2, "head_dim": 32}),
     # windows of 12 tokens (less than a block) on every other layer / two layers of three, so
     # the prompts of up to 64 tokens cross them; soft caps low enough to bite at these scales
+    # fused qkv / gate_up tensors; longrope over a pretraining length of 100, which no test
+    # sequence crosses (past it transformers recomputes the whole sequence with the long
+    # factors, triode rotates each position by its own: test_hf_reference checks the factors
+    # themselves); a window of 30 on every layer
+    "phi3": (Phi3Config, Phi3ForCausalLM, {
+        "num_key_value_heads": 2, "original_max_position_embeddings": 100, "sliding_window": 30,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                            "long_factor": [1.0 + 0.5 * i for i in range(8)]},
+    }),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
         "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "tie_word_embeddings": True,

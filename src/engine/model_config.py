@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # What transformers' config classes default to where a Gemma config.json is silent.
@@ -39,6 +40,8 @@ ROPE_FIELDS = {
     "dynamic": frozenset({"factor"}),
     "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                        "original_max_position_embeddings", "truncate"}),
+    "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor",
+                           "original_max_position_embeddings"}),
 }
 SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -206,8 +209,18 @@ def _ropes(raw: dict[str, Any], architecture: str, source: str) -> tuple[float, 
     (Gemma 3; None elsewhere). Gemma 3 in transformers v5 keeps one rope per layer type in
     ``rope_parameters``; v4 has ``rope_local_base_freq``, its scaling applying to the global
     layers only."""
+    if architecture == "Phi3ForCausalLM":
+        # transformers' Phi-3 reads its older names for longrope ("su", and "yarn") as longrope
+        scaling = dict(raw.get("rope_scaling") or {})
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind in ("su", "yarn"):
+            scaling.pop("type", None)
+            raw = {**raw, "rope_scaling": {**scaling, "rope_type": "longrope"}}
     if architecture != "Gemma3ForCausalLM":
-        return (*_rope(raw, source), None)
+        theta, scaling = _rope(raw, source)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            _check_longrope(scaling, raw, source)
+        return theta, scaling, None
     params = raw.get("rope_parameters") or {}
     if "full_attention" in params:
         local = dict(params.get("sliding_attention") or {"rope_type": "default"})
@@ -252,7 +265,7 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         # Dynamic NTK grows the base once a sequence passes the pretraining length, which
         # transformers takes from max_position_embeddings.
         scaling["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
-    if rope_type == "yarn":
+    if rope_type in ("yarn", "longrope"):
         # As transformers does: a config-level original length (Phi-3's place) wins, then the
         # rope's own, then max_position_embeddings; without a factor, their ratio.
         original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
@@ -260,3 +273,12 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         if scaling.get("factor") is None:
             scaling["factor"] = raw.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+
+
+def _check_longrope(scaling: dict[str, Any], raw: dict[str, Any], source: str) -> None:
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise UnsupportedModelError(f"rope type 'longrope': {name} must list {head_dim // 2} factors "
+                                        f"(one per frequency), got {factors!r}", path=source)

@@ -10,8 +10,9 @@ from torch import nn
 from engine.errors import UnsupportedModelError
 from engine.model_config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.worker.distributed import TensorParallelGroup
+from engine.worker.models.fused_checkpoint import unfuse, unfused_names
 from engine.worker.models.gemma import GemmaForCausalLM
-from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.llama import LlamaForCausalLM, checkpoint_slices
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),
@@ -41,10 +42,12 @@ def build_model(
             f"no implementation for {config.architecture}; supported: {', '.join(_MODELS)}",
             path=source,
         )
+    slice_of = checkpoint_slices(config, parallel.partition) if parallel is not None else None
+    weights = unfuse(weights, config, slice_of=slice_of, source=source)
     with torch.device("meta"):
         model = model_class(config, max_positions=max_positions, parallel=parallel)
         if quantized:
-            model.keep_quantized(quantized)
+            model.keep_quantized(unfused_names(quantized, config))
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(weights, source=source)

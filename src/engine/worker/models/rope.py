@@ -1,6 +1,6 @@
 """Rotary-embedding frequencies for the rope types the supported configs use (default, linear,
-llama3, yarn, dynamic), computed the way Hugging Face computes them (same float32 operations), so
-positions rotate identically."""
+llama3, yarn, dynamic, longrope), computed the way Hugging Face computes them (same float32
+operations), so positions rotate identically."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """The rotation frequencies and the factor cos and sin are scaled by (1 but for yarn); a
-    dynamic rope's frequencies depend on the position (cos_sin_cache)."""
+    dynamic or longrope rope's frequencies depend on the position (cos_sin_cache)."""
     pos_freqs = theta ** _exponents(head_dim)
     if scaling is not None and scaling["rope_type"] == "yarn":
         return _yarn(head_dim, theta, pos_freqs, scaling)
@@ -79,6 +79,24 @@ def _dynamic_ntk(head_dim: int, theta: float, scaling: dict[str, Any], max_posit
     return inv_freq
 
 
+def _longrope(head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    # LongRoPE (Phi-3): each frequency slowed by its own factor, the short list's for a
+    # sequence within the pretraining length L, the long list's past it; cos and sin grow by
+    # sqrt(1 + ln(factor) / ln(L)). transformers switches lists for the whole batch once its
+    # longest sequence passes L; a position's own length decides here, which agrees for
+    # sequences within L and keeps chunked prefill and prefix reuse exact.
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    pos_freqs = theta ** _exponents(head_dim)
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * pos_freqs)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * pos_freqs)
+    inv_freq = short.repeat(max_positions, 1)
+    inv_freq[original:] = long
+    return inv_freq, float(attention)
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -113,6 +131,9 @@ def cos_sin_cache(
     attention = 1.0
     if scaling is not None and scaling["rope_type"] == "dynamic":
         freqs = positions[:, None] * _dynamic_ntk(head_dim, theta, scaling, max_positions)
+    elif scaling is not None and scaling["rope_type"] == "longrope":
+        inv_freq, attention = _longrope(head_dim, theta, scaling, max_positions)
+        freqs = positions[:, None] * inv_freq
     else:
         inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
         freqs = positions[:, None] * inv_freq[None, :]
