@@ -141,6 +141,27 @@ def test_longrope_chunked_and_reused_prefill_past_the_pretraining_length_equal_o
     assert [tokens for tokens, _ in ours_greedy(path, prompts[2:3], 16, chunk_size=11)] == one_shot
 
 
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, tiny_tokenizer, prompts):
+    # A Gemma3ForConditionalGeneration checkpoint (a vision tower beside the text model, its
+    # config under text_config): triode loads the text model alone and generates as
+    # transformers' multimodal class does on text.
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tests.tiny_models import ARCHITECTURES
+
+    text = {**ARCHITECTURES["gemma3"][2], "vocab_size": len(tiny_tokenizer), "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "max_position_embeddings": 512,
+            "initializer_range": 0.1, "eos_token_id": tiny_tokenizer.eos_token_id, "bos_token_id": None,
+            "pad_token_id": tiny_tokenizer.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    model.eval().save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    assert_matches_hf(ours_greedy(tmp_path, prompts, MAX_TOKENS), hf_greedy(tmp_path, prompts, MAX_TOKENS))
+
+
 def test_tied_embeddings_match_hf(tiny_model_factory, prompts):
     path = tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4)
     assert_matches_hf(ours_greedy(path, prompts, 8), hf_greedy(path, prompts, 8))

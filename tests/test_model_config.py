@@ -155,3 +155,28 @@ def test_longrope_factors_must_cover_every_frequency():
     with pytest.raises(UnsupportedModelError, match=r"short_factor must list 8 factors \(one per frequency\)"):
         ModelConfig.from_hf(phi3_config(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7,
                                                       "long_factor": [2.0] * 8}))
+
+
+def test_mixture_of_experts_fields_follow_transformers():
+    mixtral = ModelConfig.from_hf(llama_config(architectures=["MixtralForCausalLM"], num_local_experts=8,
+                                               num_experts_per_tok=2))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 128)
+    assert mixtral.norm_topk_prob and mixtral.moe_layers == (True, True)
+    # Qwen3-MoE: sparse every decoder_sparse_step-th layer but mlp_only_layers; no
+    # renormalisation unless norm_topk_prob
+    qwen = ModelConfig.from_hf(llama_config(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4,
+                                            num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                            decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert qwen.moe_layers == (False, True, False, False) and not qwen.norm_topk_prob and qwen.qk_norm
+    assert [qwen.layer_is_moe(i) for i in range(4)] == [False, True, False, False]
+    with pytest.raises(UnsupportedModelError, match=r"num_experts_per_tok=9 must lie in 1\.\.8 experts"):
+        ModelConfig.from_hf(llama_config(architectures=["MixtralForCausalLM"], num_local_experts=8,
+                                         num_experts_per_tok=9))
+
+
+def test_a_gemma3_multimodal_config_is_read_as_its_text_model():
+    text = {k: v for k, v in gemma3_config().items() if k != "architectures"}
+    config = ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+                                  "vision_config": {"hidden_size": 32}, "tie_word_embeddings": True})
+    assert config.architecture == "Gemma3ForCausalLM" and config.weights_prefix == "language_model."
+    assert config.num_layers == 7 and config.local_rope_theta == 10_000.0 and config.tie_word_embeddings

@@ -21,6 +21,8 @@ FAMILIES = {
     "gemma3": ("gemma3", {}),
     "mistral-windowed": ("mistral", {"sliding_window": 5}),
     "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
 }
 
 

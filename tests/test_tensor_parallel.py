@@ -58,6 +58,10 @@ TINY = {
     # (1 + w) norms, sandwich norms, soft caps, interleaved windows; q/k norms and local rope
     "gemma2-kv2": ("gemma2", {}),
     "gemma3-kv1": ("gemma3", {}),
+    # each expert's 48 / 40 features split 24 + 24 / 20 + 20, the router replicated; Qwen3-MoE's
+    # dense second layer split as any MLP
+    "mixtral-8x2": ("mixtral", {}),
+    "qwen3-moe-8x2": ("qwen3_moe", {}),
     # 3 KV groups over 2 ranks (1 + 2), 99 intermediate (49 + 50), 401 vocab (200 + 201)
     "qwen2-uneven": ("qwen2", {"num_attention_heads": 6, "num_key_value_heads": 3,
                                "hidden_size": 96, "intermediate_size": 99, "vocab_size": 401}),

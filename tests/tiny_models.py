@@ -15,6 +15,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -22,6 +24,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 CORPUS = [
@@ -57,6 +61,14 @@ ARCHITECTURES = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                             "short_factor": [1.0 + 0.1 * i for i in range(8)],
                             "long_factor": [1.0 + 0.5 * i for i in range(8)]},
+    }),
+    # 8 experts, top 2, so routing varies from token to token; Qwen3-MoE's second layer dense
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {
+        "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48,
+    }),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 40, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
     }),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
         "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,

@@ -15,18 +15,23 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # What transformers' config classes default to where a Gemma config.json is silent.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma2ForCausalLM": {
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
         "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
     },
     "Gemma3ForCausalLM": {
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
         "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6,
     },
@@ -45,7 +50,7 @@ ROPE_FIELDS = {
 }
 SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @attrs.frozen(kw_only=True)
@@ -80,6 +85,20 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # the rope of the sliding layers where it differs from the others' (Gemma 3's local base)
     local_rope_theta: float | None = None
+    # mixture of experts: each token's num_experts_per_tok of num_experts experts of
+    # moe_intermediate_size features, renormalised when norm_topk_prob, in the layers moe_layers marks
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = attrs.field(converter=tuple, default=())
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    # where the text model's tensors sit in a multimodal checkpoint (Gemma 3's
+    # "language_model."); tensors outside it (the vision tower) are not read into the model
+    weights_prefix: str = ""
 
     @property
     def attention_scale(self) -> float:
@@ -129,6 +148,11 @@ class ModelConfig:
                 f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)}",
                 path=source,
             )
+        prefix = ""
+        if architecture == "Gemma3ForConditionalGeneration":
+            # the text model alone: its config is text_config, its tensors under language_model.
+            architecture, prefix = "Gemma3ForCausalLM", "language_model."
+            raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", True), **(raw.get("text_config") or {})}
         raw = {**_DEFAULTS.get(architecture, {}), **raw}
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
@@ -161,7 +185,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding,
             layer_types=layer_types,
             hidden_act=activation,
@@ -173,7 +197,32 @@ class ModelConfig:
                                     if architecture == "Gemma2ForCausalLM" else None),
             final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
             local_rope_theta=local_theta,
+            weights_prefix=prefix,
+            **_experts(raw, architecture, source),
         )
+
+
+def _experts(raw: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields as transformers reads them: Mixtral routes every layer
+    over num_local_experts experts of intermediate_size features and renormalises; Qwen3-MoE's
+    layers are sparse every decoder_sparse_step-th layer but those in mlp_only_layers, with
+    moe_intermediate_size features, renormalised only with norm_topk_prob."""
+    if architecture not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    layers = raw["num_hidden_layers"]
+    experts = raw.get("num_local_experts") if architecture == "MixtralForCausalLM" else raw.get("num_experts")
+    experts = experts if experts is not None else raw.get("num_local_experts") or raw.get("num_experts") or 8
+    top_k = raw.get("num_experts_per_tok", 2)
+    if not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k!r} must lie in 1..{experts} experts", path=source)
+    if architecture == "MixtralForCausalLM":
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": raw["intermediate_size"], "moe_layers": (True,) * layers}
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "moe_intermediate_size": raw.get("moe_intermediate_size", 768),
+            "moe_layers": tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))}
 
 
 def _attention_layers(raw: dict[str, Any], architecture: str, source: str) -> tuple[int | None, tuple[str, ...]]:

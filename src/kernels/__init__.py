@@ -40,6 +40,7 @@ from kernels.cpu_linear import small_linear_cpu
 from kernels.decode_stack import DecodeStack
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
+from kernels.moe import fused_experts_reference, fused_experts_triton, route
 from kernels.native import native_library, use_cache_dir
 from kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_supports
 from kernels.paged_attention import (
@@ -65,6 +66,7 @@ __all__ = [
     "DecodeStack",
     "QuantizedWeight",
     "backend_for",
+    "fused_experts",
     "gelu_tanh_and_mul",
     "get_backend",
     "linear",
@@ -74,6 +76,7 @@ __all__ = [
     "quantized_kernels_available",
     "rms_norm",
     "rotary_embedding",
+    "route_experts",
     "set_backend",
     "set_quantized_activations",
     "silu_and_mul",
@@ -173,6 +176,29 @@ def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
         rotary_embedding_triton(positions, query, key, cos_sin_cache)
     elif not (_backend == "auto" and rotary_embedding_cpu(positions, query, key, cos_sin_cache)):
         rotary_embedding_reference(positions, query, key, cos_sin_cache)
+
+
+def route_experts(logits, top_k: int, *, normalize: bool):
+    """(weights float32 [tokens, k], expert ids [tokens, k]) from router logits [tokens, E]."""
+    return route(logits, top_k, normalize=normalize)
+
+
+def fused_experts(x, weights, experts, w_gate_up, w_down, *, packed=None):
+    """sum over each token's k experts of weight * down(silu(gate) * up), [tokens, hidden]:
+    w_gate_up [E, 2I, hidden] (gate rows then up), w_down [E, hidden, I]. One grouped GEMM
+    per projection on CUDA; elsewhere a matmul per expert over its tokens, with ``packed``
+    (oneDNN copies of each expert's two weights) on a CPU."""
+    if _use_triton(x):
+        return fused_experts_triton(x, weights, experts, w_gate_up, w_down, silu_and_mul_triton)
+    gate_up_packed, down_packed = packed if packed is not None else (None, None)
+
+    def gate_up(rows, e):
+        return linear(rows, w_gate_up[e], packed=None if gate_up_packed is None else gate_up_packed[e])
+
+    def down(rows, e):
+        return linear(rows, w_down[e], packed=None if down_packed is None else down_packed[e])
+
+    return fused_experts_reference(x, weights, experts, gate_up, down, silu_and_mul, w_gate_up.shape[0])
 
 
 def silu_and_mul(x):

@@ -23,6 +23,15 @@ def _step(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def _moe(namespace: argparse.Namespace) -> int:
+    from engine.bench import moe
+
+    shape = moe.MoEShape(experts=namespace.experts, top_k=namespace.top_k, expert_size=namespace.expert_size)
+    moe.run(batch_sizes=tuple(namespace.batch_sizes), context=namespace.context, steps=namespace.steps,
+            shape=shape, output_dir=Path(namespace.output_dir))
+    return 0
+
+
 def _throughput(namespace: argparse.Namespace) -> int:
     if namespace.structured:
         from engine.bench import structured
@@ -74,6 +83,17 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                       help="one runner per activation type, for runners that keep quantized weights")
     step.add_argument("--output-dir", default="bench-results")
     step.set_defaults(handler=_step)
+
+    moe = benches.add_parser("moe", help="decode step time: a small MoE model vs a dense one of equal active "
+                                         "parameters (random weights)")
+    moe.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    moe.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
+    moe.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    moe.add_argument("--experts", type=int, default=8)
+    moe.add_argument("--top-k", type=int, default=2)
+    moe.add_argument("--expert-size", type=int, default=512, help="intermediate features of each expert")
+    moe.add_argument("--output-dir", default="bench-results")
+    moe.set_defaults(handler=_moe)
 
     throughput = benches.add_parser(
         "throughput", help="offline throughput: LLM.generate vs Hugging Face generate (W1, W1v)"

@@ -59,6 +59,7 @@ class Partition:
     max_kv_heads: int  # the most KV heads any rank holds: sizes every rank's KV cache alike
     vocab_width: int  # the widest vocabulary shard: partial logits are padded to it
     vocab_total: int
+    moe_intermediate: tuple[int, int] = (0, 0)  # of every expert's features
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int) -> Partition:
@@ -85,6 +86,7 @@ class Partition:
             vocab=balanced_share(config.vocab_size, rank, size),
             max_kv_heads=max_kv, vocab_width=-(-config.vocab_size // size),
             vocab_total=config.vocab_size,
+            moe_intermediate=balanced_share(config.moe_intermediate_size, rank, size),
         )
 
     def vocab_shards(self) -> list[tuple[int, int]]:
@@ -102,6 +104,10 @@ class Partition:
     @property
     def intermediate_size(self) -> int:
         return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.moe_intermediate[1] - self.moe_intermediate[0]
 
     @property
     def vocab_size(self) -> int:

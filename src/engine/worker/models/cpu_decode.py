@@ -51,6 +51,7 @@ def decode_stack_supported(model) -> bool:
         and config.hidden_act == "silu"
         and config.attn_logit_softcapping is None
         and config.local_rope_theta is None
+        and not config.num_experts
         and norm.device.type == "cpu"
         and norm.dtype == torch.float32
         and config.head_dim % HEAD_DIM_MULTIPLE == 0

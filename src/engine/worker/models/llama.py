@@ -33,6 +33,7 @@ from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition, TensorParallelGroup
 from engine.worker.host_memory import weight_tensor
 from engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
+from engine.worker.models.moe import EXPERT_TENSOR, SparseMoE
 from engine.worker.models.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -173,7 +174,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, parallel)
-        self.mlp = MLP(config, parallel)
+        self.mlp = (SparseMoE(config, Linear(config.hidden_size, config.num_experts, bias=False), parallel)
+                    if config.layer_is_moe(layer) else MLP(config, parallel))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -229,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         """Packs every linear weight for ``kernels.linear`` (on a CPU; elsewhere nothing is
         packed). Call after the weights are loaded: a later change to them is not seen."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | SparseMoE):
                 module.pack()
         if self.lm_head is None and self.embed_tokens.parts is None:
             self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
@@ -326,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _target(self, hf_name: str) -> tuple[str, int | None]:
         """Our parameter for a Hugging Face tensor name, and its shard index if fused."""
-        name = hf_name.removeprefix("model.")
+        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         for fragment, (fused, index) in self._FUSED.items():
             if f".{fragment}." in name:
                 return name.replace(f".{fragment}.", f".{fused}."), index
@@ -344,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if expert := EXPERT_TENSOR.match(name.replace(".block_sparse_moe.", ".mlp.")):
+                loaded.add(self._load_expert(expert, hf_name, tensor, source))
                 continue
             target, shard = self._target(hf_name)
             module_name, _, leaf = target.rpartition(".")
@@ -384,8 +389,30 @@ class LlamaForCausalLM(nn.Module):
             for count in (self._shard_count(name),)
             for index in range(count)
         }
+        for name, module in self.named_modules():
+            if isinstance(module, SparseMoE):
+                expected -= {f"{name}.w_gate_up", f"{name}.w_down"}
+                expected |= {f"{name}.experts.{e}.{part}" for e in range(self.config.num_experts)
+                             for part in ("gate", "up", "down")}
         if missing := sorted(expected - loaded):
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}", path=source)
+
+    def _load_expert(self, match, hf_name: str, tensor, source: str) -> str:
+        """Copies one expert's gate, up or down weight into its MoE layer's stacked tensors;
+        returns the key load_weights counts it under."""
+        layer, expert, part = match.group(1), int(match.group(2)), match.group(3)
+        moe = self._submodule(f"{layer}.mlp")
+        if not isinstance(moe, SparseMoE) or expert >= self.config.num_experts:
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
+        if isinstance(tensor, kernels.QuantizedWeight):
+            tensor = tensor.dequantize()
+        destination = moe.expert_destination(part, expert)
+        if destination.shape != tensor.shape:
+            raise ModelLoadError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected "
+                                 f"{list(destination.shape)}", path=source)
+        destination.copy_(tensor)
+        kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(part, "down")
+        return f"{layer}.mlp.experts.{expert}.{kind}"
 
     def _part_shape(self, module: nn.Module, target: str, shard: int | None) -> tuple[int, int]:
         if isinstance(module, Embedding):
@@ -407,7 +434,8 @@ class LlamaForCausalLM(nn.Module):
     def _split_sizes(self, name: str) -> tuple[int, ...]:
         if ".qkv_proj." in name:
             return self.layers[0].self_attn.split_sizes
-        return (self.layers[0].mlp.size,) * 2
+        # this layer's MLP: Qwen3-MoE's dense layers are wider than its experts
+        return (self._submodule(name.rpartition(".gate_up_proj.")[0]).size,) * 2
 
     def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
         sizes = self._split_sizes(name)
@@ -435,9 +463,11 @@ def checkpoint_slices(config: ModelConfig, partition: Partition) -> Callable[[st
     )
 
     def select(hf_name: str) -> CheckpointSlice:
-        name = f".{hf_name.removeprefix('model.')}"
+        name = f".{hf_name.removeprefix(config.weights_prefix).removeprefix('model.')}"
         if name in (".embed_tokens.weight", ".lm_head.weight"):
             return (0, *partition.vocab)
+        if ".experts." in name:  # every expert's intermediate features, as a dense MLP's
+            return (1 if name.endswith((".w2.weight", ".down_proj.weight")) else 0, *partition.moe_intermediate)
         for fragment, axis, (start, stop) in rules:
             if fragment in name:
                 return (axis, start, stop)

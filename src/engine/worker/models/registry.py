@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -18,6 +18,13 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),
     **dict.fromkeys(GEMMA, GemmaForCausalLM),
 }
+
+
+def _under(weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors named under ``prefix``, without it: a multimodal checkpoint's text model."""
+    for name, tensor in weights:
+        if name.startswith(prefix):
+            yield name.removeprefix(prefix), tensor
 
 
 def build_model(
@@ -43,6 +50,8 @@ def build_model(
             path=source,
         )
     slice_of = checkpoint_slices(config, parallel.partition) if parallel is not None else None
+    if config.weights_prefix:
+        weights = _under(weights, config.weights_prefix)
     weights = unfuse(weights, config, slice_of=slice_of, source=source)
     with torch.device("meta"):
         model = model_class(config, max_positions=max_positions, parallel=parallel)
