@@ -1,8 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the mixtures of experts Mixtral and
+Qwen3-MoE) over the paged KV cache; models.gemma builds Gemma 2 and 3 on these modules.
 
-One implementation: the four differ only in attention biases (Qwen2), per-head q/k RMSNorm
-(Qwen3), head_dim and rope scaling, all read from ModelConfig. q/k/v and gate/up are fused
-into one matmul each; their weights are concatenated at load time.
+One implementation: they differ in attention biases (Qwen2), per-head q/k RMSNorm (Qwen3),
+head_dim, rope scaling, which layers have a sliding window, and MoE layers in place of the MLP
+(models.moe), all read from ModelConfig. q/k/v and gate/up are fused into one matmul each;
+their weights are concatenated at load time (a checkpoint that fuses them, Phi-3's, is cut
+into the parts first: models.fused_checkpoint).
 
 Tensor parallelism (``parallel`` given): the same modules hold one rank's shard, as
 ``engine.worker.distributed.Partition`` assigns it: q/k/v and gate/up are column-parallel

@@ -16,7 +16,8 @@ from engine.worker.models.llama import LlamaForCausalLM, checkpoint_slices
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),
-    **dict.fromkeys(GEMMA, GemmaForCausalLM),
+    # a Gemma3ForConditionalGeneration checkpoint is read as its text model, Gemma3ForCausalLM
+    **dict.fromkeys((*GEMMA, "Gemma3ForConditionalGeneration"), GemmaForCausalLM),
 }
 
 
