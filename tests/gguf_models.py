@@ -90,6 +90,22 @@ def _quantize_q6_k(array: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
+def _add_gemma_metadata(writer: gguf.GGUFWriter, config) -> None:
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        return
+    full = config.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+
+
 def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rotary layout for q/k rows (convert_hf_to_gguf.py's LlamaModel.permute)."""
     return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
@@ -97,11 +113,13 @@ def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapping[str, str] | None = None) -> None:
-    """Writes ``model`` and its byte-level BPE tokenizer the way llama.cpp would: norms in F32,
-    every matrix in ``kind`` (F32 or a block type), or the type ``kinds`` gives its GGUF name
-    without the layer (``attn_k``, ``output``)."""
+    """Writes ``model`` (a Llama, or a Gemma 2 or 3) and its byte-level BPE tokenizer the way
+    llama.cpp would: norms in F32 (Gemma's as 1 + w), every matrix in ``kind`` (F32 or a block
+    type), or the type ``kinds`` gives its GGUF name without the layer (``attn_k``, ``output``)."""
     config = model.config
-    writer = gguf.GGUFWriter(path, "llama")
+    architecture = {"gemma2": "gemma2", "gemma3_text": "gemma3"}.get(config.model_type, "llama")
+    gemma = architecture != "llama"
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -109,22 +127,33 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    if gemma:
+        _add_gemma_metadata(writer, config)
+    else:
+        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     add_bpe_tokenizer(writer, tokenizer)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    if gemma:
+        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                      "self_attn.k_norm": "attn_k_norm"})
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = tensor.float().numpy().copy()
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's Gemma converter stores the (1 + w) the model scales by
         parts = name.removeprefix("model.").removesuffix(".weight").split(".")
         if parts[0] == "layers":
             local = ".".join(parts[2:])
-            if local == "self_attn.q_proj":
+            if gemma:
+                pass  # Gemma rotates neox-style in llama.cpp too: no q/k permutation
+            elif local == "self_attn.q_proj":
                 array = _permute(array, config.num_attention_heads)
             elif local == "self_attn.k_proj":
                 array = _permute(array, config.num_key_value_heads)

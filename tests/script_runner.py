@@ -50,6 +50,9 @@ def main(argv: list[str]) -> int:
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(f"script_runner: prctl failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
         return 2
+    # As from a terminal: a shell starts background jobs with SIGINT ignored, which a child
+    # would inherit (and Python then never raises KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     status = subprocess.run(argv, check=False).returncode
     deadline = time.monotonic() + GRACE_SECONDS
     while (orphans := _children()) and time.monotonic() < deadline:

@@ -31,6 +31,7 @@ from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
 from tests.hf_compare import (
     TINY_MODEL_TEXTS,
     assert_close_to_hf,
+    assert_matches_hf,
     greedy_params,
     hf_greedy,
     make_driver,
@@ -150,3 +151,30 @@ def test_a_bfloat16_run_dequantizes(tmp_path, tiny_model, tiny_tokenizer):
     driver = make_driver(entry, dtype="bfloat16")
     assert driver.runner.quantized == {}
     assert driver.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_gguf_files_read_as_llama_cpp_writes_them(tmp_path, tiny_model_factory, tiny_tokenizer, prompts,
+                                                         architecture, kind):
+    """llama.cpp's Gemma conventions: norms stored as 1 + w, q/k rows as they are, Gemma 2's
+    soft caps and Gemma 3's linear rope scaling in the metadata, the query scale from the head
+    size. An F32 file generates as transformers does on the model it was written from; a Q8_0
+    file, its blocks kept quantized, follows that by vLLM's rule."""
+    from transformers import AutoModelForCausalLM
+
+    head_dim = 16 if architecture == "gemma2" else 32
+    overrides = {"query_pre_attn_scalar": head_dim}
+    if architecture == "gemma3":
+        overrides |= {"num_hidden_layers": 6, "layer_types": None}  # llama.cpp's five local, one global
+    source = tiny_model_factory(architecture, **overrides)
+    path = tmp_path / f"tiny-{architecture}.{kind}.gguf"
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
+    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    reference = hf_greedy(source, prompts, MAX_TOKENS)
+    if kind == "F32":
+        assert_matches_hf(ours_greedy(entry, prompts, MAX_TOKENS), reference)
+        return
+    driver = make_driver(entry)
+    assert driver.runner.quantized
+    assert_close_to_hf(driver.generate(prompts, greedy_params(MAX_TOKENS)), reference, logprob_atol=0.1)

@@ -2,8 +2,9 @@
 
 The config and tokenizer are read from the GGUF metadata by transformers (which reads no
 tensor data for them). The tensors are ours: each is renamed to its Hugging Face name, the
-q/k rows of a ``llama`` file are put back from llama.cpp's rotary order, and the result is
-streamed into one safetensors file. Tensors of a block type the CPU kernels run
+q/k rows of a ``llama`` file are put back from llama.cpp's rotary order, a Gemma file's norms
+from the (1 + w) llama.cpp stores to transformers' w, and the result is streamed into one
+safetensors file. Tensors of a block type the CPU kernels run
 (:data:`KERNEL_TYPES`) stay in GGUF's blocks, as uint8 rows listed in the file's metadata
 (:mod:`engine.model_files.tensor_writer`); every other type is dequantized to
 float32 here, and the log says which. The worker decides at load whether a quantized tensor
@@ -36,8 +37,13 @@ from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 # torch; a test keeps the two equal).
 KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 # GGUF general.architecture -> the transformers class the converted directory names.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_MODEL_TYPES = {"mistral": "MistralForCausalLM"}  # a llama file that transformers calls mistral
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# transformers' model types where they differ from the GGUF architecture's name
+_MODEL_TYPES = {"mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3")
+# llama.cpp's Gemma 27B models scale queries by hidden / heads rather than the head size
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -45,6 +51,8 @@ _LAYER_TENSORS = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm",
+                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -134,6 +142,7 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     if architecture is None:
         raise UnsupportedModelError(f"GGUF model type {model_type!r} is not supported", path=str(gguf_path))
     raw["architectures"] = [architecture]
+    _gemma_fields(raw, gguf_path)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
     # The EOS and special token ids, as transformers derives them from the model config.
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
@@ -141,11 +150,46 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     return raw
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _gemma_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+    """What transformers does not read from a Gemma file's metadata: the rope scaling of its
+    global layers, Gemma 2's soft caps, and the query scale llama.cpp uses (hidden / heads for
+    the 27B models)."""
+    architecture = next((a for a in _GEMMA if ARCHITECTURES[a] == raw["architectures"][0]), None)
+    if architecture is None:
+        return
+    import gguf
+
+    fields = gguf.GGUFReader(gguf_path).fields
+
+    def value(key: str) -> Any:
+        field = fields.get(f"{architecture}.{key}")
+        if field is None:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
+
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if value(cap) is not None:
+            raw[cap] = float(value(cap))
+    if value("rope.scaling.type") == "linear" and value("rope.scaling.factor"):
+        scaling = {"rope_type": "linear", "factor": float(value("rope.scaling.factor"))}
+        params = raw.get("rope_parameters") or {}
+        if "full_attention" in params:  # transformers v5's rope per layer type: the global layers'
+            params["full_attention"] = {**params["full_attention"], **scaling}
+        elif "rope_theta" in params:
+            params.update(scaling)
+        else:
+            raw["rope_scaling"] = scaling
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    big = raw["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
+    raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if big else head_dim
+
+
+def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, local, suffix = match.groups()
-        mapped = _LAYER_TENSORS.get(local)
+        mapped = (_GEMMA_LAYER_TENSORS if gemma else _LAYER_TENSORS).get(local)
         return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
     mapped = _MODEL_TENSORS.get(stem)
@@ -166,7 +210,8 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
              "self_attn.o_proj.weight": (hidden, heads * head_dim), "self_attn.o_proj.bias": (hidden,),
              "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
              "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-             "mlp.down_proj.weight": (hidden, inter)}
+             "mlp.down_proj.weight": (hidden, inter),
+             "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)}
     for layer in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in local.items()})
     return shapes
@@ -188,11 +233,12 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
     heads = config["num_attention_heads"]
     permute = {".q_proj.": heads, ".k_proj.": config.get("num_key_value_heads") or heads}
     unpermute = _architecture(reader) == "llama"
+    gemma = _architecture(reader) in _GEMMA
     planned, dequantized = [], []
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # llama3 rope factors: the config's rope_scaling says the same
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, gemma)
         if name is None or name not in expected:
             raise ModelLoadError(f"tensor {tensor.name} has no place in a "
                                  f"{config['architectures'][0]} model", path=str(gguf_path))
@@ -213,8 +259,11 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
         if kind not in ("F32", "F16", "BF16"):
             dequantized.append(f"{tensor.name} ({kind})")
 
-        def produce(data=tensor.data, kind_id=tensor.tensor_type, shape=shape, order=order):
+        offset = 1.0 if gemma and name.endswith("norm.weight") else 0.0  # llama.cpp stores 1 + w
+
+        def produce(data=tensor.data, kind_id=tensor.tensor_type, shape=shape, order=order, offset=offset):
             values = dequantize(data, kind_id).astype(np.float32, copy=False).reshape(shape)
+            values = values - offset if offset else values
             return values if order is None else values[order]
         planned.append(PlannedTensor(name, None, shape, 4 * int(np.prod(shape)), produce))
     if dequantized:
