@@ -90,6 +90,17 @@ def _quantize_q6_k(array: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
+def _add_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def _add_gemma_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
@@ -113,12 +124,13 @@ def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapping[str, str] | None = None) -> None:
-    """Writes ``model`` (a Llama, or a Gemma 2 or 3) and its byte-level BPE tokenizer the way
-    llama.cpp would: norms in F32 (Gemma's as 1 + w), every matrix in ``kind`` (F32 or a block
+    """Writes ``model`` (a Llama, a Gemma 2 or 3, or a Phi-3) and its byte-level BPE tokenizer
+    the way llama.cpp would: norms in F32 (Gemma's as 1 + w), Phi-3's longrope factors as
+    tensors, every matrix in ``kind`` (F32 or a block
     type), or the type ``kinds`` gives its GGUF name without the layer (``attn_k``, ``output``)."""
     config = model.config
-    architecture = {"gemma2": "gemma2", "gemma3_text": "gemma3"}.get(config.model_type, "llama")
-    gemma = architecture != "llama"
+    architecture = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}.get(config.model_type, "llama")
+    gemma = architecture in ("gemma2", "gemma3")
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -129,6 +141,8 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if gemma:
         _add_gemma_metadata(writer, config)
+    elif architecture == "phi3":
+        _add_phi3_metadata(writer, config)
     else:
         writer.add_rope_freq_base(10000.0)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -138,6 +152,8 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    if architecture == "phi3":
+        names.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
     if gemma:
         names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
@@ -151,8 +167,8 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
         parts = name.removeprefix("model.").removesuffix(".weight").split(".")
         if parts[0] == "layers":
             local = ".".join(parts[2:])
-            if gemma:
-                pass  # Gemma rotates neox-style in llama.cpp too: no q/k permutation
+            if architecture != "llama":
+                pass  # Gemma and Phi-3 rotate neox-style in llama.cpp too: no q/k permutation
             elif local == "self_attn.q_proj":
                 array = _permute(array, config.num_attention_heads)
             elif local == "self_attn.k_proj":

@@ -178,3 +178,32 @@ def test_gemma_gguf_files_read_as_llama_cpp_writes_them(tmp_path, tiny_model_fac
     driver = make_driver(entry)
     assert driver.runner.quantized
     assert_close_to_hf(driver.generate(prompts, greedy_params(MAX_TOKENS)), reference, logprob_atol=0.1)
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_phi3_gguf_files_keep_their_fused_tensors_window_and_longrope(tmp_path, tiny_model_factory,
+                                                                      tiny_tokenizer, prompts, kind):
+    """llama.cpp's Phi-3: fused attn_qkv and ffn_up (gate and up), the longrope factors as
+    tensors, the window and the pretraining length in the metadata (transformers reads none of
+    these three from a GGUF file). The F32 file, with a pretraining length the prompts cross
+    (where transformers recomputes with the long factors, triode not), generates as triode does
+    on the source model; the Q8_0 file, its blocks kept, follows transformers by vLLM's rule."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_factory("phi3", **({"original_max_position_embeddings": 20} if kind == "F32" else {}))
+    path = tmp_path / f"tiny-phi3.{kind}.gguf"
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
+    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    fused = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}
+    assert fused <= set(quantized_tensors(entry)) if kind == "Q8_0" else not quantized_tensors(entry)
+    if kind == "F32":
+        converted = ours_greedy(entry, prompts, MAX_TOKENS)
+        reference = ours_greedy(source, prompts, MAX_TOKENS)
+        assert [tokens for tokens, _ in converted] == [tokens for tokens, _ in reference]
+        for (_, ours), (_, theirs) in zip(converted, reference, strict=True):
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+        return
+    driver = make_driver(entry)
+    assert driver.runner.quantized
+    assert_close_to_hf(driver.generate(prompts, greedy_params(MAX_TOKENS)), hf_greedy(source, prompts, MAX_TOKENS),
+                       logprob_atol=0.1)

@@ -92,21 +92,16 @@ def test_sliding_window_matches_hf(tiny_model_factory, prompts, case):
     assert_matches_hf(ours_greedy(path, prompts, MAX_TOKENS), hf_greedy(path, prompts, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("case", ["mistral-5", "qwen2-layer-1-of-2"])
-def test_sliding_window_chunked_and_reused_prefill_equal_one_shot(tiny_model_factory, prompts, case):
-    architecture, overrides = SLIDING[case]
+# Each family beyond Llama: windows that cut (every layer, one of two, interleaved), Phi-3's
+# fused tensors, the mixtures of experts.
+PREFILL_CASES = {**SLIDING, "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {}), "phi3": ("phi3", {}),
+                 "mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {})}
+
+
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_chunked_and_reused_prefill_equal_one_shot_in_every_family(tiny_model_factory, prompts, case):
+    architecture, overrides = PREFILL_CASES[case]
     path = tiny_model_factory(architecture, **overrides)
-    one_shot = [tokens for tokens, _ in ours_greedy(path, prompts, 16)]
-    assert [tokens for tokens, _ in ours_greedy(path, prompts, 16, chunk_size=7)] == one_shot
-    driver = make_driver(path)
-    (donor, _), = driver.generate([prompts[2]], greedy_params(16), name="donor")
-    (reused, _), = driver.generate([prompts[2]], greedy_params(16), name="seq", prefix_of={"seq-0": ("donor-0", 32)})
-    assert reused == donor == one_shot[2]
-
-
-@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
-def test_gemma_chunked_and_reused_prefill_equal_one_shot(tiny_model_factory, prompts, architecture):
-    path = tiny_model_factory(architecture)
     one_shot = [tokens for tokens, _ in ours_greedy(path, prompts, 16)]
     assert [tokens for tokens, _ in ours_greedy(path, prompts, 16, chunk_size=7)] == one_shot
     driver = make_driver(path)

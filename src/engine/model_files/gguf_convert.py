@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model_files.default_model import say
+from engine.model_files.gguf_metadata import ROPE_FACTORS, complete_config
 from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 
 # Block types the quantized CPU kernels run (kernels.quant_linear.QUANT_TYPES, which imports
@@ -38,12 +39,10 @@ from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 # GGUF general.architecture -> the transformers class the converted directory names.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # transformers' model types where they differ from the GGUF architecture's name
 _MODEL_TYPES = {"mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
-# llama.cpp's Gemma 27B models scale queries by hidden / heads rather than the head size
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -53,6 +52,9 @@ _LAYER_TENSORS = {
 }
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm",
                         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3 keeps q/k/v and gate/up fused (the model cuts them at load: models.fused_checkpoint)
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
 _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -142,7 +144,7 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     if architecture is None:
         raise UnsupportedModelError(f"GGUF model type {model_type!r} is not supported", path=str(gguf_path))
     raw["architectures"] = [architecture]
-    _gemma_fields(raw, gguf_path)
+    complete_config(raw, gguf_path)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
     # The EOS and special token ids, as transformers derives them from the model config.
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
@@ -150,46 +152,12 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     return raw
 
 
-def _gemma_fields(raw: dict[str, Any], gguf_path: Path) -> None:
-    """What transformers does not read from a Gemma file's metadata: the rope scaling of its
-    global layers, Gemma 2's soft caps, and the query scale llama.cpp uses (hidden / heads for
-    the 27B models)."""
-    architecture = next((a for a in _GEMMA if ARCHITECTURES[a] == raw["architectures"][0]), None)
-    if architecture is None:
-        return
-    import gguf
-
-    fields = gguf.GGUFReader(gguf_path).fields
-
-    def value(key: str) -> Any:
-        field = fields.get(f"{architecture}.{key}")
-        if field is None:
-            return None
-        part = field.parts[field.data[0]]
-        return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
-
-    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if value(cap) is not None:
-            raw[cap] = float(value(cap))
-    if value("rope.scaling.type") == "linear" and value("rope.scaling.factor"):
-        scaling = {"rope_type": "linear", "factor": float(value("rope.scaling.factor"))}
-        params = raw.get("rope_parameters") or {}
-        if "full_attention" in params:  # transformers v5's rope per layer type: the global layers'
-            params["full_attention"] = {**params["full_attention"], **scaling}
-        elif "rope_theta" in params:
-            params.update(scaling)
-        else:
-            raw["rope_scaling"] = scaling
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    big = raw["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
-    raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if big else head_dim
-
-
-def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+def _hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, local, suffix = match.groups()
-        mapped = (_GEMMA_LAYER_TENSORS if gemma else _LAYER_TENSORS).get(local)
+        names = {"phi3": _PHI3_LAYER_TENSORS, **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
+        mapped = names.get(architecture, _LAYER_TENSORS).get(local)
         return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
     mapped = _MODEL_TENSORS.get(stem)
@@ -211,7 +179,9 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
              "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
              "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
              "mlp.down_proj.weight": (hidden, inter),
-             "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)}
+             "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,),
+             "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
+             "mlp.gate_up_proj.weight": (2 * inter, hidden)}
     for layer in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in local.items()})
     return shapes
@@ -236,9 +206,9 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
     gemma = _architecture(reader) in _GEMMA
     planned, dequantized = [], []
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            continue  # llama3 rope factors: the config's rope_scaling says the same
-        name = _hf_name(tensor.name, gemma)
+        if tensor.name == "rope_freqs.weight" or tensor.name in ROPE_FACTORS:
+            continue  # rope factors (llama3's, Phi-3's): the config's rope_scaling holds them
+        name = _hf_name(tensor.name, _architecture(reader))
         if name is None or name not in expected:
             raise ModelLoadError(f"tensor {tensor.name} has no place in a "
                                  f"{config['architectures'][0]} model", path=str(gguf_path))

@@ -28,11 +28,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
     def forward(self, positions, hidden, residual, kv_cache, metadata, rope_cache):
         # (hidden, residual) in and out as in Llama's layer: their sum is the stream.
-        if residual is None:
-            residual = hidden
-            hidden, _ = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata, rope_cache)
         hidden, _ = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)

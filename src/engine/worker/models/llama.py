@@ -182,12 +182,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, metadata, rope_cache):
+    def input_norm(self, hidden, residual):
+        """(normed input, residual stream): the first layer's stream is its input."""
         if residual is None:
-            residual = hidden
-            hidden, _ = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            return self.input_layernorm(hidden)[0], hidden
+        return self.input_layernorm(hidden, residual)
+
+    def forward(self, positions, hidden, residual, kv_cache, metadata, rope_cache):
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata, rope_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

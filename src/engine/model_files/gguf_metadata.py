@@ -1,0 +1,86 @@
+"""What a GGUF file's metadata (and its rope-factor tensors) say that transformers does not
+read into the config it derives from them: Gemma 2's soft caps, Gemma 3's linear rope scaling
+of its global layers, llama.cpp's Gemma query scale, Phi-3's window and longrope. The
+conversion (:mod:`engine.model_files.gguf_convert`) applies them to the config it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# llama.cpp's Gemma 27B models scale queries by hidden / heads rather than the head size
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Phi-3's longrope factors, tensors of the file: into the config's rope parameters
+ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+
+__all__ = ["ROPE_FACTORS", "complete_config"]
+
+
+def complete_config(raw: dict[str, Any], gguf_path: Path) -> None:
+    """Adds to ``raw`` (transformers' config of the file, as a dict) what it left out."""
+    _gemma_fields(raw, gguf_path)
+    _phi3_fields(raw, gguf_path)
+
+
+def _gemma_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+    """What transformers does not read from a Gemma file's metadata: the rope scaling of its
+    global layers, Gemma 2's soft caps, and the query scale llama.cpp uses (hidden / heads for
+    the 27B models)."""
+    architecture = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}.get(raw["architectures"][0])
+    if architecture is None:
+        return
+    import gguf
+
+    value = _metadata(gguf.GGUFReader(gguf_path), architecture)
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if value(cap) is not None:
+            raw[cap] = float(value(cap))
+    if value("rope.scaling.type") == "linear" and value("rope.scaling.factor"):
+        scaling = {"rope_type": "linear", "factor": float(value("rope.scaling.factor"))}
+        params = raw.get("rope_parameters") or {}
+        if "full_attention" in params:  # transformers v5's rope per layer type: the global layers'
+            params["full_attention"] = {**params["full_attention"], **scaling}
+        elif "rope_theta" in params:
+            params.update(scaling)
+        else:
+            raw["rope_scaling"] = scaling
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    big = raw["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]
+    raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if big else head_dim
+
+
+def _metadata(reader: Any, architecture: str) -> Any:
+    """value(key): the file's ``{architecture}.{key}`` metadata (a string or a number), or None."""
+    import gguf
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(f"{architecture}.{key}")
+        if field is None:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
+
+    return value
+
+
+def _phi3_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+    """What transformers does not read from a Phi-3 file: its window and its longrope (the
+    factors are tensors of the file)."""
+    if raw["architectures"][0] != "Phi3ForCausalLM":
+        return
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    value = _metadata(reader, "phi3")
+    raw["sliding_window"] = value("attention.sliding_window")
+    factors = {ROPE_FACTORS[t.name]: [float(x) for x in t.data] for t in reader.tensors if t.name in ROPE_FACTORS}
+    if factors:
+        rope = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10000.0)})
+        rope.update({"rope_type": "longrope", **factors})
+        if value("rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = float(value("rope.scaling.attn_factor"))
+        raw["rope_parameters"] = rope
+        raw.pop("rope_scaling", None)
+        original = value("rope.scaling.original_context_length")
+        if original:
+            raw["original_max_position_embeddings"] = int(original)
