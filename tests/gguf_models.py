@@ -90,6 +90,15 @@ def _quantize_q6_k(array: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
+def _add_matrix(writer: gguf.GGUFWriter, name: str, array: np.ndarray, kind: str) -> None:
+    """A tensor in F32, or in blocks of ``kind`` (a stack of matrices quantized row by row)."""
+    if kind == "F32" or array.ndim == 1:
+        writer.add_tensor(name, array)
+        return
+    blocks = quantize(array.reshape(-1, array.shape[-1]), kind)
+    writer.add_tensor(name, blocks.reshape(*array.shape[:-1], blocks.shape[-1]), raw_dtype=GGMLQuantizationType[kind])
+
+
 def _add_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -129,7 +138,8 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
     tensors, every matrix in ``kind`` (F32 or a block
     type), or the type ``kinds`` gives its GGUF name without the layer (``attn_k``, ``output``)."""
     config = model.config
-    architecture = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}.get(config.model_type, "llama")
+    architecture = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+                    "qwen3_moe": "qwen3moe"}.get(config.model_type, "llama")
     gemma = architecture in ("gemma2", "gemma3")
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
@@ -143,6 +153,13 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
         _add_gemma_metadata(writer, config)
     elif architecture == "phi3":
         _add_phi3_metadata(writer, config)
+    elif architecture == "qwen3moe":
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     else:
         writer.add_rope_freq_base(10000.0)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -154,6 +171,9 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     if architecture == "phi3":
         names.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
+    if architecture == "qwen3moe":
+        names.update({"mlp.gate": "ffn_gate_inp", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
+    experts: dict[str, list[np.ndarray]] = {}  # GGUF name -> each expert's matrix, written stacked
     if gemma:
         names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
@@ -165,6 +185,15 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
         if gemma and name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's Gemma converter stores the (1 + w) the model scales by
         parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] == "layers" and parts[3:4] == ["experts"]:
+            # transformers holds them stacked already: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+            if parts[4] == "gate_up_proj":
+                gate, up = np.split(array, 2, axis=1)
+                experts[f"blk.{parts[1]}.ffn_gate_exps.weight"] = list(gate)
+                experts[f"blk.{parts[1]}.ffn_up_exps.weight"] = list(up)
+            else:
+                experts[f"blk.{parts[1]}.ffn_down_exps.weight"] = list(array)
+            continue
         if parts[0] == "layers":
             local = ".".join(parts[2:])
             if architecture != "llama":
@@ -176,11 +205,11 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
             gguf_name = f"blk.{parts[1]}.{names[local]}.weight"
         else:
             gguf_name = f"{names[parts[0]]}.weight"
-        tensor_kind = (kinds or {}).get(gguf_name.split(".")[-2], kind)
-        if tensor_kind == "F32" or array.ndim == 1:
-            writer.add_tensor(gguf_name, array)
-        else:
-            writer.add_tensor(gguf_name, quantize(array, tensor_kind), raw_dtype=GGMLQuantizationType[tensor_kind])
+        # llama.cpp never quantizes a MoE router (ffn_gate_inp): it stays F32
+        default = "F32" if gguf_name.endswith("ffn_gate_inp.weight") else kind
+        _add_matrix(writer, gguf_name, array, (kinds or {}).get(gguf_name.split(".")[-2], default))
+    for gguf_name, matrices in experts.items():
+        _add_matrix(writer, gguf_name, np.stack(matrices), (kinds or {}).get(gguf_name.split(".")[-2], kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

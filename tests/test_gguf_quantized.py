@@ -207,3 +207,32 @@ def test_phi3_gguf_files_keep_their_fused_tensors_window_and_longrope(tmp_path, 
     assert driver.runner.quantized
     assert_close_to_hf(driver.generate(prompts, greedy_params(MAX_TOKENS)), hf_greedy(source, prompts, MAX_TOKENS),
                        logprob_atol=0.1)
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_qwen3_moe_gguf_files_keep_their_experts_quantized(tmp_path, tiny_model_factory, tiny_tokenizer, prompts,
+                                                           kind):
+    """llama.cpp's Qwen3-MoE: every layer's experts stacked in one tensor per projection, cut
+    per expert at conversion; the experts' size from the metadata (transformers does not read
+    it). An F32 file generates as transformers on the source model; Q8_0 experts stay in their
+    blocks (each expert's gate and up run as one weight) and generate as the same file
+    dequantized (against the float source, the blocks' rounding flips this tiny model's
+    routing within a few tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_factory("qwen3_moe", mlp_only_layers=[], moe_intermediate_size=32)
+    path = tmp_path / f"tiny-qwen3-moe.{kind}.gguf"
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
+    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    reference = hf_greedy(source, prompts, MAX_TOKENS)
+    if kind == "F32":
+        assert_matches_hf(ours_greedy(entry, prompts, MAX_TOKENS), reference)
+        return
+    driver = make_driver(entry)
+    moe = driver.runner.model.layers[0].mlp
+    assert moe.quantized is not None and len(moe.quantized[0]) == 2, "gate and up joined, down apart"
+    kept = driver.generate(prompts, greedy_params(MAX_TOKENS))
+    dequantized = ours_greedy(entry, prompts, MAX_TOKENS, dtype="float32")
+    assert [tokens for tokens, _ in kept] == [tokens for tokens, _ in dequantized]
+    for (_, ours), (_, theirs) in zip(kept, dequantized, strict=True):
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs, strict=True)) < 2e-3

@@ -39,9 +39,11 @@ from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 # GGUF general.architecture -> the transformers class the converted directory names.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
 # transformers' model types where they differ from the GGUF architecture's name
-_MODEL_TYPES = {"mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -54,6 +56,9 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm": "post_attention
                         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps q/k/v and gate/up fused (the model cuts them at load: models.fused_checkpoint)
 _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_MOE_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_gate_inp": "mlp.gate"}
+# a MoE layer's experts, stacked [experts, rows, columns] in one tensor each: cut per expert
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -156,7 +161,8 @@ def _hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, local, suffix = match.groups()
-        names = {"phi3": _PHI3_LAYER_TENSORS, **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
+        names = {"phi3": _PHI3_LAYER_TENSORS, "qwen3moe": _MOE_LAYER_TENSORS,
+                 **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
         mapped = names.get(architecture, _LAYER_TENSORS).get(local)
         return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
@@ -182,9 +188,30 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
              "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,),
              "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
              "mlp.gate_up_proj.weight": (2 * inter, hidden)}
+    if experts := config.get("num_experts") or config.get("num_local_experts"):
+        size = config["moe_intermediate_size"]
+        local["mlp.gate.weight"] = (experts, hidden)
+        for expert in range(experts):
+            local.update({f"mlp.experts.{expert}.gate_proj.weight": (size, hidden),
+                          f"mlp.experts.{expert}.up_proj.weight": (size, hidden),
+                          f"mlp.experts.{expert}.down_proj.weight": (hidden, size)})
     for layer in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in local.items()})
     return shapes
+
+
+def _views(tensor: Any, architecture: str | None) -> Iterator[tuple[str | None, Any, list[int]]]:
+    """(Hugging Face name, data, shape) of a GGUF tensor: one, or one per expert of a stacked
+    expert tensor."""
+    shape = [int(n) for n in reversed(tensor.shape.tolist())]
+    match = _LAYER_NAME.match(tensor.name)
+    if match and match.group(2) in _EXPERT_TENSORS and len(shape) == 3:
+        layer, local, suffix = match.groups()
+        for expert in range(shape[0]):
+            name = f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_TENSORS[local]}.{suffix}"
+            yield name, tensor.data[expert], shape[1:]
+        return
+    yield _hf_name(tensor.name, architecture), tensor.data, shape
 
 
 def _rotary_rows(rows: int, heads: int) -> Any:
@@ -205,14 +232,13 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
     unpermute = _architecture(reader) == "llama"
     gemma = _architecture(reader) in _GEMMA
     planned, dequantized = [], []
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight" or tensor.name in ROPE_FACTORS:
-            continue  # rope factors (llama3's, Phi-3's): the config's rope_scaling holds them
-        name = _hf_name(tensor.name, _architecture(reader))
+    views = ((tensor, *view) for tensor in reader.tensors for view in _views(tensor, _architecture(reader))
+             if tensor.name != "rope_freqs.weight" and tensor.name not in ROPE_FACTORS)
+    # (rope factors, llama3's and Phi-3's, are in the config's rope scaling)
+    for tensor, name, data, shape in views:
         if name is None or name not in expected:
             raise ModelLoadError(f"tensor {tensor.name} has no place in a "
                                  f"{config['architectures'][0]} model", path=str(gguf_path))
-        shape = [int(n) for n in reversed(tensor.shape.tolist())]
         if tuple(shape) != expected[name]:
             raise ModelLoadError(f"tensor {tensor.name} has shape {shape}, but the file's header "
                                  f"says {list(expected[name])}", path=str(gguf_path))
@@ -222,16 +248,16 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
             order = None if heads_of is None else _rotary_rows(shape[0], heads_of)
         kind = tensor.tensor_type.name
         if kind in KERNEL_TYPES:
-            def produce(data=tensor.data, order=order):
+            def produce(data=data, order=order):
                 return data if order is None else data[order]
-            planned.append(PlannedTensor(name, kind, list(tensor.data.shape), int(tensor.data.nbytes), produce))
+            planned.append(PlannedTensor(name, kind, list(data.shape), int(data.nbytes), produce))
             continue
         if kind not in ("F32", "F16", "BF16"):
             dequantized.append(f"{tensor.name} ({kind})")
 
         offset = 1.0 if gemma and name.endswith("norm.weight") else 0.0  # llama.cpp stores 1 + w
 
-        def produce(data=tensor.data, kind_id=tensor.tensor_type, shape=shape, order=order, offset=offset):
+        def produce(data=data, kind_id=tensor.tensor_type, shape=shape, order=order, offset=offset):
             values = dequantize(data, kind_id).astype(np.float32, copy=False).reshape(shape)
             values = values - offset if offset else values
             return values if order is None else values[order]

@@ -246,9 +246,16 @@ class LlamaForCausalLM(nn.Module):
         Face names -> block type, ``kinds``) are all quantized will hold those tensors as
         they are."""
         sources: dict[str, list[str]] = {}
+        experts: dict[str, int] = {}  # MoE layer -> its quantized expert tensors
         for hf_name in kinds:
+            if expert := EXPERT_TENSOR.match(hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")):
+                experts[f"{expert.group(1)}.mlp"] = experts.get(f"{expert.group(1)}.mlp", 0) + 1
+                continue
             target, _ = self._target(hf_name)
             sources.setdefault(target, []).append(hf_name)
+        for name, count in experts.items():
+            if isinstance(moe := self._submodule(name), SparseMoE) and count == 3 * self.config.num_experts:
+                moe.keep_quantized()
         for target, names in sources.items():
             module_name, _, leaf = target.rpartition(".")
             module = self._submodule(module_name)
@@ -409,6 +416,14 @@ class LlamaForCausalLM(nn.Module):
         moe = self._submodule(f"{layer}.mlp")
         if not isinstance(moe, SparseMoE) or expert >= self.config.num_experts:
             raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
+        kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(part, "down")
+        if moe.quantized is not None:
+            if not isinstance(tensor, kernels.QuantizedWeight) or tensor.shape != moe.expected_shape(part):
+                got = list(tensor.shape) if isinstance(tensor, kernels.QuantizedWeight) else "not quantized"
+                raise ModelLoadError(f"tensor {hf_name!r} is {got}, expected quantized "
+                                     f"{list(moe.expected_shape(part))}", path=source)
+            moe.keep(part, expert, tensor)
+            return f"{layer}.mlp.experts.{expert}.{kind}"
         if isinstance(tensor, kernels.QuantizedWeight):
             tensor = tensor.dequantize()
         destination = moe.expert_destination(part, expert)
@@ -416,7 +431,6 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected "
                                  f"{list(destination.shape)}", path=source)
         destination.copy_(tensor)
-        kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(part, "down")
         return f"{layer}.mlp.experts.{expert}.{kind}"
 
     def _part_shape(self, module: nn.Module, target: str, shard: int | None) -> tuple[int, int]:

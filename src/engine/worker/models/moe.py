@@ -5,6 +5,11 @@ experts as grouped matmuls (one per expert over its tokens; one grouped GEMM on 
 
 Tensor parallelism shards every expert's intermediate features (its gate/up rows and down
 columns) like a dense MLP's, with the router replicated and one all-reduce after.
+
+Quantized experts (a GGUF file's blocks, on a CPU with the kernels): :meth:`keep_quantized`
+before the parameters are allocated makes the layer hold each expert's gate, up and down as
+``kernels.QuantizedWeight`` instead of the stacked float tensors; its gate and up are joined
+into one weight once loaded (rows are independent blocks), so an expert is two kernel calls.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from torch import nn
 import kernels
 from engine.model_config import ModelConfig
 from engine.worker.distributed import TensorParallelGroup
+from engine.worker.host_memory import weight_tensor
+from kernels.moe import fused_experts_reference
 
 # layers.N.(mlp|block_sparse_moe).experts.E.(w1|w3|gate_proj|up_proj|w2|down_proj).weight
 EXPERT_TENSOR = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -39,18 +46,39 @@ class SparseMoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden))
         self.w_down = nn.Parameter(torch.empty(experts, hidden, size))
         self.packed: tuple[list, list] | None = None  # oneDNN copies per expert, on a CPU
+        # per expert [gate, up, down] (gate and up joined into one by pack), when kept quantized
+        self.quantized: list[list[kernels.QuantizedWeight | None]] | None = None
+
+    def keep_quantized(self) -> None:
+        del self.w_gate_up, self.w_down  # registered parameters: never allocated
+        self.w_gate_up = self.w_down = None
+        self.quantized = [[None, None, None] for _ in range(self.gate.out_features)]
 
     def pack(self) -> None:
+        if self.quantized is not None:
+            self.quantized = [[*_joined(gate, up), down] for gate, up, down in self.quantized]
+            return
         gate_up = [kernels.pack_linear_weight(w.detach()) for w in self.w_gate_up]
         down = [kernels.pack_linear_weight(w.detach()) for w in self.w_down]
         self.packed = None if any(p is None for p in gate_up + down) else (gate_up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = kernels.route_experts(self.gate(x), self.top_k, normalize=self.normalize)
-        out = kernels.fused_experts(x, weights, experts, self.w_gate_up, self.w_down, packed=self.packed)
+        if self.quantized is None:
+            out = kernels.fused_experts(x, weights, experts, self.w_gate_up, self.w_down, packed=self.packed)
+        else:
+            out = fused_experts_reference(x, weights, experts, self._quantized_gate_up,
+                                          lambda rows, e: self.quantized[e][-1].linear(rows),
+                                          kernels.silu_and_mul, len(self.quantized))
         if self.parallel is not None:
             self.parallel.all_reduce(out)
         return out
+
+    def _quantized_gate_up(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        parts = self.quantized[expert][:-1]
+        if len(parts) == 1:
+            return parts[0].linear(rows)
+        return torch.cat([part.linear(rows) for part in parts], dim=1)  # gate and up of two block types
 
     def expert_destination(self, part: str, expert: int) -> torch.Tensor:
         """Where checkpoint tensor ``part`` (w1, up_proj, down_proj, ...) of ``expert`` goes."""
@@ -58,3 +86,21 @@ class SparseMoE(nn.Module):
         if index is None:
             return self.w_down.data[expert]
         return self.w_gate_up.data[expert].narrow(0, index * self.size, self.size)
+
+    def expected_shape(self, part: str) -> tuple[int, int]:
+        index = _PART[part]
+        hidden = self.gate.in_features
+        return (hidden, self.size) if index is None else (self.size, hidden)
+
+    def keep(self, part: str, expert: int, weight: kernels.QuantizedWeight) -> None:
+        index = _PART[part]
+        self.quantized[expert][2 if index is None else index] = weight
+
+
+def _joined(gate: kernels.QuantizedWeight, up: kernels.QuantizedWeight) -> list[kernels.QuantizedWeight]:
+    """[gate and up as one weight] when they share a block type, else [gate, up]."""
+    if gate.kind != up.kind:
+        return [gate, up]
+    rows = weight_tensor([gate.data.shape[0] + up.data.shape[0], gate.data.shape[1]], gate.data.dtype)
+    torch.cat([gate.data, up.data], out=rows)
+    return [kernels.QuantizedWeight(gate.kind, rows, gate.in_features)]
