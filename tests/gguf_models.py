@@ -161,8 +161,11 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     else:
-        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_freq_base((config.rope_parameters or {}).get("rope_theta", 10000.0))
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        if config.model_type == "mixtral":  # llama.cpp writes a Mixtral as a llama with experts
+            writer.add_expert_count(config.num_local_experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
     add_bpe_tokenizer(writer, tokenizer)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -171,8 +174,9 @@ def write_tiny_gguf(path: Path, model, tokenizer, kind: str = "F32", kinds: Mapp
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     if architecture == "phi3":
         names.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
+    names["mlp.gate"] = "ffn_gate_inp"  # a MoE layer's router
     if architecture == "qwen3moe":
-        names.update({"mlp.gate": "ffn_gate_inp", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
+        names.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
     experts: dict[str, list[np.ndarray]] = {}  # GGUF name -> each expert's matrix, written stacked
     if gemma:
         names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",

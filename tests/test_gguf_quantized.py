@@ -210,18 +210,21 @@ def test_phi3_gguf_files_keep_their_fused_tensors_window_and_longrope(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["F32", "Q8_0"])
-def test_qwen3_moe_gguf_files_keep_their_experts_quantized(tmp_path, tiny_model_factory, tiny_tokenizer, prompts,
-                                                           kind):
-    """llama.cpp's Qwen3-MoE: every layer's experts stacked in one tensor per projection, cut
-    per expert at conversion; the experts' size from the metadata (transformers does not read
-    it). An F32 file generates as transformers on the source model; Q8_0 experts stay in their
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+def test_moe_gguf_files_keep_their_experts_quantized(tmp_path, tiny_model_factory, tiny_tokenizer, prompts,
+                                                     architecture, kind):
+    """llama.cpp's Qwen3-MoE, and its Mixtral (a llama file with experts, which transformers
+    reads as a dense Llama): every layer's experts stacked in one tensor per projection, cut
+    per expert at conversion; Qwen3-MoE's experts' size from the metadata. An F32 file generates as transformers on the source model; Q8_0 experts stay in their
     blocks (each expert's gate and up run as one weight) and generate as the same file
     dequantized (against the float source, the blocks' rounding flips this tiny model's
     routing within a few tokens)."""
     from transformers import AutoModelForCausalLM
 
-    source = tiny_model_factory("qwen3_moe", mlp_only_layers=[], moe_intermediate_size=32)
-    path = tmp_path / f"tiny-qwen3-moe.{kind}.gguf"
+    overrides = {"mlp_only_layers": [], "moe_intermediate_size": 32} if architecture == "qwen3_moe" else {
+        "intermediate_size": 64}
+    source = tiny_model_factory(architecture, **overrides)
+    path = tmp_path / f"tiny-{architecture}.{kind}.gguf"
     write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
     entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
     reference = hf_greedy(source, prompts, MAX_TOKENS)

@@ -50,13 +50,12 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm",
                         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps q/k/v and gate/up fused (the model cuts them at load: models.fused_checkpoint)
 _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_MOE_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_gate_inp": "mlp.gate"}
 # a MoE layer's experts, stacked [experts, rows, columns] in one tensor each: cut per expert
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -161,8 +160,7 @@ def _hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, local, suffix = match.groups()
-        names = {"phi3": _PHI3_LAYER_TENSORS, "qwen3moe": _MOE_LAYER_TENSORS,
-                 **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
+        names = {"phi3": _PHI3_LAYER_TENSORS, **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
         mapped = names.get(architecture, _LAYER_TENSORS).get(local)
         return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
@@ -189,7 +187,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
              "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
              "mlp.gate_up_proj.weight": (2 * inter, hidden)}
     if experts := config.get("num_experts") or config.get("num_local_experts"):
-        size = config["moe_intermediate_size"]
+        size = config.get("moe_intermediate_size") or inter  # Mixtral's experts are intermediate_size wide
         local["mlp.gate.weight"] = (experts, hidden)
         for expert in range(experts):
             local.update({f"mlp.experts.{expert}.gate_proj.weight": (size, hidden),

@@ -1,7 +1,7 @@
 """What a GGUF file's metadata (and its rope-factor tensors) say that transformers does not
 read into the config it derives from them: Gemma 2's soft caps, Gemma 3's linear rope scaling
 of its global layers, llama.cpp's Gemma query scale, Phi-3's window and longrope, Qwen3-MoE's
-expert size. The
+expert size, and that a llama file with experts is a Mixtral. The
 conversion (:mod:`engine.model_files.gguf_convert`) applies them to the config it writes."""
 
 from __future__ import annotations
@@ -21,12 +21,24 @@ def complete_config(raw: dict[str, Any], gguf_path: Path) -> None:
     """Adds to ``raw`` (transformers' config of the file, as a dict) what it left out."""
     _gemma_fields(raw, gguf_path)
     _phi3_fields(raw, gguf_path)
-    if raw["architectures"][0] == "Qwen3MoeForCausalLM":  # the experts' size
-        import gguf
+    _moe_fields(raw, gguf_path)
 
+
+def _moe_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+    """Qwen3-MoE's expert size; and a llama file with experts, which is a Mixtral (transformers
+    reads it as a dense Llama)."""
+    import gguf
+
+    if raw["architectures"][0] == "Qwen3MoeForCausalLM":
         size = _metadata(gguf.GGUFReader(gguf_path), "qwen3moe")("expert_feed_forward_length")
         if size:
             raw["moe_intermediate_size"] = int(size)
+    elif raw["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM"):
+        value = _metadata(gguf.GGUFReader(gguf_path), "llama")
+        if value("expert_count"):
+            raw.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                       num_local_experts=int(value("expert_count")),
+                       num_experts_per_tok=int(value("expert_used_count") or 2))
 
 
 def _gemma_fields(raw: dict[str, Any], gguf_path: Path) -> None:
