@@ -102,7 +102,8 @@ def _add_matrix(writer: gguf.GGUFWriter, name: str, array: np.ndarray, kind: str
 def _add_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_sliding_window(config.sliding_window)
     if rope.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)

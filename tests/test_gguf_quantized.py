@@ -185,12 +185,18 @@ def test_phi3_gguf_files_keep_their_fused_tensors_window_and_longrope(tmp_path, 
                                                                       tiny_tokenizer, prompts, kind):
     """llama.cpp's Phi-3: fused attn_qkv and ffn_up (gate and up), the longrope factors as
     tensors, the window and the pretraining length in the metadata (transformers reads none of
-    these three from a GGUF file). The F32 file, with a pretraining length the prompts cross
-    (where transformers recomputes with the long factors, triode not), generates as triode does
-    on the source model; the Q8_0 file, its blocks kept, follows transformers by vLLM's rule."""
+    these three from a GGUF file), and the rotated share of each head. The F32 file, with a
+    pretraining length the prompts cross (where transformers recomputes with the long factors,
+    triode not), generates as triode does on the source model; the Q8_0 file, its blocks kept,
+    follows transformers by vLLM's rule."""
     from transformers import AutoModelForCausalLM
 
-    source = tiny_model_factory("phi3", **({"original_max_position_embeddings": 20} if kind == "F32" else {}))
+    source = tiny_model_factory("phi3")
+    if kind == "F32":  # and Phi-4-mini's partial rotary: rope.dimension_count, which transformers skips
+        half = [1.0 + 0.1 * i for i in range(6)]
+        source = tiny_model_factory("phi3", original_max_position_embeddings=20, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": half, "long_factor": [2 * f for f in half]})
     path = tmp_path / f"tiny-phi3.{kind}.gguf"
     write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
     entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path

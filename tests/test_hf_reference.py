@@ -110,6 +110,16 @@ def test_chunked_and_reused_prefill_equal_one_shot_in_every_family(tiny_model_fa
     assert reused == donor == one_shot[2]
 
 
+def test_partial_rotary_matches_hf(tiny_model_factory, prompts):
+    # Phi-4-mini's rope: the leading three quarters of each head rotate (with longrope factors
+    # for them alone), the rest pass
+    half = [1.0 + 0.1 * i for i in range(6)]
+    path = tiny_model_factory("phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.75, "short_factor": half,
+                                                        "long_factor": [2 * f for f in half]})
+    assert_matches_hf(ours_greedy(path, prompts, MAX_TOKENS), hf_greedy(path, prompts, MAX_TOKENS))
+
+
 def test_longrope_rotates_as_transformers_on_both_sides_of_the_pretraining_length(tiny_model_factory):
     # transformers picks the short factors for a sequence within the pretraining length L and
     # the long ones past it; triode's cache row of position p is the one for a sequence of p + 1.

@@ -50,13 +50,17 @@ def test_a_rope_field_triode_does_not_read_is_named_with_its_value(scaling, mess
 
 
 @pytest.mark.parametrize("where", ["top level", "rope parameters"])
-def test_partial_rotary_is_refused(where):
+def test_partial_rotary_is_phi3s_only(where):
     fields = ({"partial_rotary_factor": 0.5, "rope_theta": 1e4} if where == "top level" else
               {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}})
     with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor=0\.5 is not supported"):
-        ModelConfig.from_hf(llama_config(**fields))
+        ModelConfig.from_hf(llama_config(**fields))  # transformers' Llama cannot run it either
     whole = {"partial_rotary_factor": 1.0, "rope_theta": 1e4}
     assert ModelConfig.from_hf(llama_config(**whole)).rope_scaling is None
+    phi3 = ModelConfig.from_hf(llama_config(architectures=["Phi3ForCausalLM"], **fields))
+    assert (phi3.rotary_dim, phi3.rope_dim, phi3.head_dim) == (8, 8, 16)
+    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor=0\.1: rotates 1 of 16"):
+        ModelConfig.from_hf(llama_config(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.1))
 
 
 @pytest.mark.parametrize(("scaling", "positions"), [

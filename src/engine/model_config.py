@@ -100,6 +100,13 @@ class ModelConfig:
     # "language_model."); tensors outside it (the vision tower) are not read into the model
     weights_prefix: str = ""
 
+    # the leading dimensions of each head that rotate (Phi-4-mini's partial_rotary_factor)
+    rotary_dim: int | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -198,6 +205,7 @@ class ModelConfig:
             final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
             local_rope_theta=local_theta,
             weights_prefix=prefix,
+            rotary_dim=_rotary_dim(raw, architecture, source),
             **_experts(raw, architecture, source),
         )
 
@@ -302,9 +310,9 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
             path=source,
         )
     partial = scaling.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and float(partial) != 1.0 and raw.get("architectures") != ["Phi3ForCausalLM"]:
         raise UnsupportedModelError(f"partial_rotary_factor={partial!r} is not supported (rotary over "
-                                    "the whole head only)", path=source)
+                                    "the whole head but for Phi-3)", path=source)
     if unknown := sorted(set(scaling) - ROPE_FIELDS[rope_type]):
         fields = ", ".join(f"{name}={scaling[name]!r}" for name in unknown)
         raise UnsupportedModelError(f"rope type {rope_type!r}: {fields} not supported (triode reads "
@@ -324,8 +332,23 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}
 
 
-def _check_longrope(scaling: dict[str, Any], raw: dict[str, Any], source: str) -> None:
+def _rotary_dim(raw: dict[str, Any], architecture: str, source: str) -> int | None:
+    """Phi-3's rotated share of each head (transformers rotates the first int(head_dim *
+    partial_rotary_factor) dimensions, the rest pass), or None: the whole head."""
+    if architecture != "Phi3ForCausalLM":
+        return None
+    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    dim = int(head_dim * float(partial))
+    if not 0 < dim <= head_dim or dim % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial!r}: rotates {dim} of {head_dim} dimensions "
+                                    "(an even number from 2 to the head size is needed)", path=source)
+    return None if dim == head_dim else dim
+
+
+def _check_longrope(scaling: dict[str, Any], raw: dict[str, Any], source: str) -> None:
+    head_dim = _rotary_dim(raw, "Phi3ForCausalLM", source) or raw.get("head_dim") or (
+        raw["hidden_size"] // raw["num_attention_heads"])
     for name in ("short_factor", "long_factor"):
         factors = scaling.get(name)
         if not isinstance(factors, list) or len(factors) != head_dim // 2:

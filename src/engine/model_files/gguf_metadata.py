@@ -83,8 +83,8 @@ def _metadata(reader: Any, architecture: str) -> Any:
 
 
 def _phi3_fields(raw: dict[str, Any], gguf_path: Path) -> None:
-    """What transformers does not read from a Phi-3 file: its window and its longrope (the
-    factors are tensors of the file)."""
+    """What transformers does not read from a Phi-3 file: its window, its longrope (the
+    factors are tensors of the file) and the share of each head that rotates."""
     if raw["architectures"][0] != "Phi3ForCausalLM":
         return
     import gguf
@@ -92,6 +92,12 @@ def _phi3_fields(raw: dict[str, Any], gguf_path: Path) -> None:
     reader = gguf.GGUFReader(gguf_path)
     value = _metadata(reader, "phi3")
     raw["sliding_window"] = value("attention.sliding_window")
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rotary = value("rope.dimension_count")
+    if rotary and rotary != head_dim:  # Phi-4-mini rotates the leading share of each head
+        raw["partial_rotary_factor"] = rotary / head_dim
+        if raw.get("rope_parameters"):
+            raw["rope_parameters"]["partial_rotary_factor"] = rotary / head_dim
     factors = {ROPE_FACTORS[t.name]: [float(x) for x in t.data] for t in reader.tensors if t.name in ROPE_FACTORS}
     if factors:
         rope = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10000.0)})

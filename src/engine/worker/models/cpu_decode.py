@@ -52,6 +52,7 @@ def decode_stack_supported(model) -> bool:
         and config.attn_logit_softcapping is None
         and config.local_rope_theta is None
         and not config.num_experts
+        and config.rope_dim == config.head_dim
         and norm.device.type == "cpu"
         and norm.dtype == torch.float32
         and config.head_dim % HEAD_DIM_MULTIPLE == 0

@@ -117,6 +117,7 @@ class Attention(nn.Module):
         self.num_kv_heads = partition.num_kv_heads if partition else config.num_kv_heads
         self.parallel = parallel
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rope_dim
         self.scale = config.attention_scale
         self.window = config.layer_window(layer)
         self.softcap = config.attn_logit_softcapping
@@ -145,7 +146,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        kernels.rotary_embedding(positions, q, k, rope_cache)
+        if self.rotary_dim < self.head_dim:  # the leading dimensions rotate, the rest pass
+            kernels.rotary_embedding(positions, q[..., :self.rotary_dim], k[..., :self.rotary_dim], rope_cache)
+        else:
+            kernels.rotary_embedding(positions, q, k, rope_cache)
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = kernels.paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, window=self.window,
@@ -266,11 +270,11 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self) -> None:
         config = self.config
         self.rope_cache = cos_sin_cache(
-            config.head_dim, config.rope_theta, config.rope_scaling, self.max_positions,
+            config.rope_dim, config.rope_theta, config.rope_scaling, self.max_positions,
             self.norm.weight.device,
         )
         if config.local_rope_theta is not None:
-            self.local_rope_cache = cos_sin_cache(config.head_dim, config.local_rope_theta, None,
+            self.local_rope_cache = cos_sin_cache(config.rope_dim, config.local_rope_theta, None,
                                                   self.max_positions, self.norm.weight.device)
 
     def forward(
