@@ -153,6 +153,16 @@ def test_a_bfloat16_run_dequantizes(tmp_path, tiny_model, tiny_tokenizer):
     assert driver.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
+def _written_and_converted(tmp_path, source, tokenizer, kind: str):
+    """(source, cache entry): the Hugging Face model at ``source`` written as a GGUF file the
+    way llama.cpp writes it, every matrix in ``kind``, and converted into the cache."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"tiny.{kind}.gguf"
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tokenizer, kind)
+    return source, resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+
+
 @pytest.mark.parametrize("kind", ["F32", "Q8_0"])
 @pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
 def test_gemma_gguf_files_read_as_llama_cpp_writes_them(tmp_path, tiny_model_factory, tiny_tokenizer, prompts,
@@ -161,16 +171,12 @@ def test_gemma_gguf_files_read_as_llama_cpp_writes_them(tmp_path, tiny_model_fac
     soft caps and Gemma 3's linear rope scaling in the metadata, the query scale from the head
     size. An F32 file generates as transformers does on the model it was written from; a Q8_0
     file, its blocks kept quantized, follows that by vLLM's rule."""
-    from transformers import AutoModelForCausalLM
-
     head_dim = 16 if architecture == "gemma2" else 32
     overrides = {"query_pre_attn_scalar": head_dim}
     if architecture == "gemma3":
         overrides |= {"num_hidden_layers": 6, "layer_types": None}  # llama.cpp's five local, one global
-    source = tiny_model_factory(architecture, **overrides)
-    path = tmp_path / f"tiny-{architecture}.{kind}.gguf"
-    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
-    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    source, entry = _written_and_converted(tmp_path, tiny_model_factory(architecture, **overrides),
+                                           tiny_tokenizer, kind)
     reference = hf_greedy(source, prompts, MAX_TOKENS)
     if kind == "F32":
         assert_matches_hf(ours_greedy(entry, prompts, MAX_TOKENS), reference)
@@ -189,17 +195,13 @@ def test_phi3_gguf_files_keep_their_fused_tensors_window_and_longrope(tmp_path, 
     pretraining length the prompts cross (where transformers recomputes with the long factors,
     triode not), generates as triode does on the source model; the Q8_0 file, its blocks kept,
     follows transformers by vLLM's rule."""
-    from transformers import AutoModelForCausalLM
-
     source = tiny_model_factory("phi3")
     if kind == "F32":  # and Phi-4-mini's partial rotary: rope.dimension_count, which transformers skips
         half = [1.0 + 0.1 * i for i in range(6)]
         source = tiny_model_factory("phi3", original_max_position_embeddings=20, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "short_factor": half, "long_factor": [2 * f for f in half]})
-    path = tmp_path / f"tiny-phi3.{kind}.gguf"
-    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
-    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    source, entry = _written_and_converted(tmp_path, source, tiny_tokenizer, kind)
     fused = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}
     assert fused <= set(quantized_tensors(entry)) if kind == "Q8_0" else not quantized_tensors(entry)
     if kind == "F32":
@@ -225,14 +227,10 @@ def test_moe_gguf_files_keep_their_experts_quantized(tmp_path, tiny_model_factor
     blocks (each expert's gate and up run as one weight) and generate as the same file
     dequantized (against the float source, the blocks' rounding flips this tiny model's
     routing within a few tokens)."""
-    from transformers import AutoModelForCausalLM
-
     overrides = {"mlp_only_layers": [], "moe_intermediate_size": 32} if architecture == "qwen3_moe" else {
         "intermediate_size": 64}
-    source = tiny_model_factory(architecture, **overrides)
-    path = tmp_path / f"tiny-{architecture}.{kind}.gguf"
-    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source), tiny_tokenizer, kind)
-    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    source, entry = _written_and_converted(tmp_path, tiny_model_factory(architecture, **overrides),
+                                           tiny_tokenizer, kind)
     reference = hf_greedy(source, prompts, MAX_TOKENS)
     if kind == "F32":
         assert_matches_hf(ours_greedy(entry, prompts, MAX_TOKENS), reference)

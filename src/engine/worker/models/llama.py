@@ -15,98 +15,38 @@ lookup + all-reduce; partial logits gathered on rank 0). ``checkpoint_slices`` t
 loader which slice of each checkpoint tensor a rank reads. Without ``parallel`` nothing of
 this runs: no collective, no mask, the single-rank forward is unchanged.
 
-Quantized weights (a GGUF checkpoint on a CPU with the kernels): :meth:`keep_quantized`, called
-on the model before its parameters are allocated, turns the linear layers and the embedding
-whose checkpoint tensors are quantized into holders of :class:`kernels.QuantizedWeight`
-parts, so the float copy is never allocated; a fused layer keeps one part per checkpoint
-tensor (q, k and v may have different block types), each writing its columns of the output.
+The layers are in models.layers; loading a checkpoint (names, fused and quantized tensors,
+experts, tensor-parallel slices) in models.weight_loading.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 import kernels
-from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
-from engine.worker.distributed import Partition, TensorParallelGroup
-from engine.worker.host_memory import weight_tensor
+from engine.worker.distributed import TensorParallelGroup
 from engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
-from engine.worker.models.moe import EXPERT_TENSOR, SparseMoE
+from engine.worker.models.layers import Embedding, Linear, RMSNorm
+from engine.worker.models.moe import SparseMoE
 from engine.worker.models.rope import cos_sin_cache
+from engine.worker.models.weight_loading import CheckpointLoading, checkpoint_slices
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "DecoderLayer",
+    "Embedding",
+    "Linear",
+    "LlamaForCausalLM",
+    "RMSNorm",
+    "checkpoint_slices",
+]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class QuantizedParts:
-    """A module whose weight may be replaced by quantized parts (:meth:`quantize_parts`),
-    stacked along the output rows, before its parameters are allocated."""
-
-    parts: list[kernels.QuantizedWeight | None] | None = None
-
-    def quantize_parts(self, count: int) -> None:
-        del self.weight  # a registered parameter: the float copy is never allocated
-        self.weight = None
-        self.parts = [None] * count
-
-
-class Linear(QuantizedParts, nn.Linear):
-    """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
-    gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
-    columns of the output with the quantized kernels; :meth:`pack` joins parts of one block
-    type into one weight (rows are independent blocks), so a fused layer is one kernel call."""
-
-    packed_weight: torch.Tensor | None = None
-
-    def pack(self) -> None:
-        if self.parts is None:
-            self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
-        elif len(self.parts) > 1 and len({part.kind for part in self.parts}) == 1:
-            first = self.parts[0].data
-            rows = weight_tensor([sum(part.data.shape[0] for part in self.parts), first.shape[1]], first.dtype)
-            torch.cat([part.data for part in self.parts], out=rows)
-            self.parts = [kernels.QuantizedWeight(self.parts[0].kind, rows, self.in_features)]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parts is None:
-            return kernels.linear(x, self.weight, self.bias, self.packed_weight)
-        if len(self.parts) == 1:
-            return self.parts[0].linear(x, self.bias)
-        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-        start = 0
-        for part in self.parts:
-            stop = start + part.out_features
-            part.linear(x, None if self.bias is None else self.bias[start:stop], out=out[:, start:stop])
-            start = stop
-        return out
-
-
-class Embedding(QuantizedParts, nn.Embedding):
-    """nn.Embedding; with a quantized table, the rows looked up are dequantized."""
-
-    def reset_parameters(self) -> None:
-        # The table always comes from the checkpoint; and normal_ on the meta device goes
-        # through torch's refs, which import torch._dynamo (about 150 MB in every worker).
-        pass
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.parts is not None:
-            return self.parts[0].dequantize(ids)
-        return super().forward(ids)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -199,17 +139,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointLoading, nn.Module):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
-    # Hugging Face parameter name fragment -> (our fused parameter, shard index)
-    _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(
@@ -244,28 +176,6 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None and self.embed_tokens.parts is None:
             self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
-
-    def keep_quantized(self, kinds: Mapping[str, str]) -> None:
-        """Before the parameters are allocated: the layers whose checkpoint tensors (Hugging
-        Face names -> block type, ``kinds``) are all quantized will hold those tensors as
-        they are."""
-        sources: dict[str, list[str]] = {}
-        experts: dict[str, int] = {}  # MoE layer -> its quantized expert tensors
-        for hf_name in kinds:
-            if expert := EXPERT_TENSOR.match(hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")):
-                experts[f"{expert.group(1)}.mlp"] = experts.get(f"{expert.group(1)}.mlp", 0) + 1
-                continue
-            target, _ = self._target(hf_name)
-            sources.setdefault(target, []).append(hf_name)
-        for name, count in experts.items():
-            if isinstance(moe := self._submodule(name), SparseMoE) and count == 3 * self.config.num_experts:
-                moe.keep_quantized()
-        for target, names in sources.items():
-            module_name, _, leaf = target.rpartition(".")
-            module = self._submodule(module_name)
-            count = self._shard_count(target)
-            if leaf == "weight" and isinstance(module, QuantizedParts) and len(names) == count:
-                module.quantize_parts(count)
 
     def init_rope(self) -> None:
         config = self.config
@@ -335,165 +245,3 @@ class LlamaForCausalLM(nn.Module):
             if logits is None:
                 return None
         return logits.float()
-
-    def _submodule(self, name: str) -> nn.Module | None:
-        try:
-            return self.get_submodule(name)
-        except AttributeError:
-            return None
-
-    def _target(self, hf_name: str) -> tuple[str, int | None]:
-        """Our parameter for a Hugging Face tensor name, and its shard index if fused."""
-        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
-        for fragment, (fused, index) in self._FUSED.items():
-            if f".{fragment}." in name:
-                return name.replace(f".{fragment}.", f".{fused}."), index
-        return name, None
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | kernels.QuantizedWeight]], *, source: str
-    ) -> None:
-        """Copies Hugging Face-named tensors into the (fused) parameters, or the quantized
-        parts :meth:`keep_quantized` made room for (a quantized tensor for any other parameter
-        is dequantized); every parameter must be covered exactly once, or the load fails
-        naming what is missing."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            if expert := EXPERT_TENSOR.match(name.replace(".block_sparse_moe.", ".mlp.")):
-                loaded.add(self._load_expert(expert, hf_name, tensor, source))
-                continue
-            target, shard = self._target(hf_name)
-            module_name, _, leaf = target.rpartition(".")
-            module = self._submodule(module_name)
-            key = target if shard is None else f"{target}#{shard}"
-            if isinstance(module, QuantizedParts) and module.parts is not None and leaf == "weight":
-                expected = self._part_shape(module, target, shard)
-                if not isinstance(tensor, kernels.QuantizedWeight) or tensor.shape != expected:
-                    got = list(tensor.shape) if isinstance(tensor, kernels.QuantizedWeight) else "not quantized"
-                    raise ModelLoadError(f"tensor {hf_name!r} is {got}, expected quantized {list(expected)}",
-                                         path=source)
-                module.parts[shard or 0] = tensor
-                loaded.add(key)
-                continue
-            if isinstance(tensor, kernels.QuantizedWeight):
-                tensor = tensor.dequantize()
-            param = params.get(target)
-            if param is None:
-                raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
-            destination = param.data if shard is None else self._shard(param.data, target, shard)
-            if destination.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(destination.shape)}",
-                    path=source,
-                )
-            if self._rank_zero_only(target):
-                destination.zero_()  # a row-parallel bias: added once, by rank 0's partial sum
-            elif shard is None and tensor.dtype == param.dtype and tensor.device == param.device:
-                param.data = tensor.contiguous()  # adopt it: no second copy held while loading
-            else:
-                destination.copy_(tensor)
-            loaded.add(key)
-        names = list(params) + [f"{name}.weight" for name, module in self.named_modules()
-                                if isinstance(module, QuantizedParts) and module.parts is not None]
-        expected = {
-            name if count == 1 else f"{name}#{index}"
-            for name in names
-            for count in (self._shard_count(name),)
-            for index in range(count)
-        }
-        for name, module in self.named_modules():
-            if isinstance(module, SparseMoE):
-                expected -= {f"{name}.w_gate_up", f"{name}.w_down"}
-                expected |= {f"{name}.experts.{e}.{part}" for e in range(self.config.num_experts)
-                             for part in ("gate", "up", "down")}
-        if missing := sorted(expected - loaded):
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}", path=source)
-
-    def _load_expert(self, match, hf_name: str, tensor, source: str) -> str:
-        """Copies one expert's gate, up or down weight into its MoE layer's stacked tensors;
-        returns the key load_weights counts it under."""
-        layer, expert, part = match.group(1), int(match.group(2)), match.group(3)
-        moe = self._submodule(f"{layer}.mlp")
-        if not isinstance(moe, SparseMoE) or expert >= self.config.num_experts:
-            raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
-        kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(part, "down")
-        if moe.quantized is not None:
-            if not isinstance(tensor, kernels.QuantizedWeight) or tensor.shape != moe.expected_shape(part):
-                got = list(tensor.shape) if isinstance(tensor, kernels.QuantizedWeight) else "not quantized"
-                raise ModelLoadError(f"tensor {hf_name!r} is {got}, expected quantized "
-                                     f"{list(moe.expected_shape(part))}", path=source)
-            moe.keep(part, expert, tensor)
-            return f"{layer}.mlp.experts.{expert}.{kind}"
-        if isinstance(tensor, kernels.QuantizedWeight):
-            tensor = tensor.dequantize()
-        destination = moe.expert_destination(part, expert)
-        if destination.shape != tensor.shape:
-            raise ModelLoadError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected "
-                                 f"{list(destination.shape)}", path=source)
-        destination.copy_(tensor)
-        return f"{layer}.mlp.experts.{expert}.{kind}"
-
-    def _part_shape(self, module: nn.Module, target: str, shard: int | None) -> tuple[int, int]:
-        if isinstance(module, Embedding):
-            return (module.num_embeddings, module.embedding_dim)
-        if shard is None:
-            return (module.out_features, module.in_features)
-        return (self._split_sizes(target)[shard], module.in_features)
-
-    @staticmethod
-    def _shard_count(name: str) -> int:
-        return 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-
-    def _rank_zero_only(self, name: str) -> bool:
-        return (
-            self.parallel is not None and self.parallel.rank != 0
-            and name.endswith((".o_proj.bias", ".down_proj.bias"))
-        )
-
-    def _split_sizes(self, name: str) -> tuple[int, ...]:
-        if ".qkv_proj." in name:
-            return self.layers[0].self_attn.split_sizes
-        # this layer's MLP: Qwen3-MoE's dense layers are wider than its experts
-        return (self._submodule(name.rpartition(".gate_up_proj.")[0]).size,) * 2
-
-    def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
-        sizes = self._split_sizes(name)
-        return data.narrow(0, sum(sizes[:index]), sizes[index])
-
-
-# (dim, start, stop) of a checkpoint tensor that one rank reads; None: the whole tensor.
-CheckpointSlice = tuple[int, int, int] | None
-
-
-def checkpoint_slices(config: ModelConfig, partition: Partition) -> Callable[[str], CheckpointSlice]:
-    """For a Hugging Face tensor name, the slice that ``partition``'s rank loads."""
-    dim = config.head_dim
-    q = (partition.q_heads[0] * dim, partition.q_heads[1] * dim)
-    kv = (partition.kv_heads[0] * dim, partition.kv_heads[1] * dim)
-    rules = (
-        # (name fragment, dim, range); biases of column-parallel layers split like the rows
-        (".q_proj.", 0, q),
-        (".k_proj.", 0, kv),
-        (".v_proj.", 0, kv),
-        (".o_proj.weight", 1, q),
-        (".gate_proj.", 0, partition.intermediate),
-        (".up_proj.", 0, partition.intermediate),
-        (".down_proj.weight", 1, partition.intermediate),
-    )
-
-    def select(hf_name: str) -> CheckpointSlice:
-        name = f".{hf_name.removeprefix(config.weights_prefix).removeprefix('model.')}"
-        if name in (".embed_tokens.weight", ".lm_head.weight"):
-            return (0, *partition.vocab)
-        if ".experts." in name:  # every expert's intermediate features, as a dense MLP's
-            return (1 if name.endswith((".w2.weight", ".down_proj.weight")) else 0, *partition.moe_intermediate)
-        for fragment, axis, (start, stop) in rules:
-            if fragment in name:
-                return (axis, start, stop)
-        return None
-
-    return select

@@ -1,0 +1,86 @@
+"""The layers the models build on: Linear and Embedding (whose weights may be held as quantized
+parts instead of a float tensor) and RMSNorm, all through ``kernels``.
+
+Quantized weights (a GGUF checkpoint on a CPU with the kernels): the loader
+(models.weight_loading) turns the linear layers and the embedding whose checkpoint tensors are
+quantized into holders of :class:`kernels.QuantizedWeight` parts before the parameters are
+allocated, so the float copy is never allocated; a fused layer keeps one part per checkpoint
+tensor (q, k and v may have different block types), each writing its columns of the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from engine.worker.host_memory import weight_tensor
+
+__all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm"]
+
+
+class QuantizedParts:
+    """A module whose weight may be replaced by quantized parts (:meth:`quantize_parts`),
+    stacked along the output rows, before its parameters are allocated."""
+
+    parts: list[kernels.QuantizedWeight | None] | None = None
+
+    def quantize_parts(self, count: int) -> None:
+        del self.weight  # a registered parameter: the float copy is never allocated
+        self.weight = None
+        self.parts = [None] * count
+
+
+class Linear(QuantizedParts, nn.Linear):
+    """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
+    gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
+    columns of the output with the quantized kernels; :meth:`pack` joins parts of one block
+    type into one weight (rows are independent blocks), so a fused layer is one kernel call."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        if self.parts is None:
+            self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
+        elif len(self.parts) > 1 and len({part.kind for part in self.parts}) == 1:
+            first = self.parts[0].data
+            rows = weight_tensor([sum(part.data.shape[0] for part in self.parts), first.shape[1]], first.dtype)
+            torch.cat([part.data for part in self.parts], out=rows)
+            self.parts = [kernels.QuantizedWeight(self.parts[0].kind, rows, self.in_features)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is None:
+            return kernels.linear(x, self.weight, self.bias, self.packed_weight)
+        if len(self.parts) == 1:
+            return self.parts[0].linear(x, self.bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        start = 0
+        for part in self.parts:
+            stop = start + part.out_features
+            part.linear(x, None if self.bias is None else self.bias[start:stop], out=out[:, start:stop])
+            start = stop
+        return out
+
+
+class Embedding(QuantizedParts, nn.Embedding):
+    """nn.Embedding; with a quantized table, the rows looked up are dequantized."""
+
+    def reset_parameters(self) -> None:
+        # The table always comes from the checkpoint; and normal_ on the meta device goes
+        # through torch's refs, which import torch._dynamo (about 150 MB in every worker).
+        pass
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return self.parts[0].dequantize(ids)
+        return super().forward(ids)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
