@@ -62,8 +62,11 @@ def experts(raw: dict[str, Any], architecture: str, source: str) -> dict[str, An
     if architecture not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     layers = raw["num_hidden_layers"]
-    experts = raw.get("num_local_experts") if architecture == "MixtralForCausalLM" else raw.get("num_experts")
-    experts = experts if experts is not None else raw.get("num_local_experts") or raw.get("num_experts") or 8
+    # each model's name first; transformers v5 writes Qwen3-MoE's as num_local_experts too
+    names = ("num_local_experts", "num_experts")
+    if architecture == "Qwen3MoeForCausalLM":
+        names = names[::-1]
+    experts = next((raw[name] for name in names if raw.get(name) is not None), 8)
     top_k = raw.get("num_experts_per_tok", 2)
     if not 1 <= top_k <= experts:
         raise UnsupportedModelError(f"num_experts_per_tok={top_k!r} must lie in 1..{experts} experts", path=source)

@@ -133,15 +133,15 @@ def _grouped_gemm_kernel(
 
 def _blocks(groups: ExpertGroups, block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(expert, start, stop) of every block of up to block_m rows of one expert's run."""
-    experts, starts, stops = [], [], []
-    offset = 0
-    for expert, count in enumerate(groups.counts_host):
-        for start in range(offset, offset + count, block_m):
-            experts.append(expert)
-            starts.append(start)
-            stops.append(min(start + block_m, offset + count))
-        offset += count
-    return tuple(torch.tensor(values, dtype=torch.int32, device=device) for values in (experts, starts, stops))
+    counts = torch.tensor(groups.counts_host, dtype=torch.int64, device=device)
+    per_expert = (counts + block_m - 1) // block_m
+    total = sum(-(-count // block_m) for count in groups.counts_host)
+    experts = torch.repeat_interleave(torch.arange(len(groups.counts_host), device=device), per_expert,
+                                      output_size=total)
+    first_block = torch.cumsum(per_expert, 0) - per_expert
+    starts = groups.offsets[experts] + (torch.arange(total, device=device) - first_block[experts]) * block_m
+    stops = torch.minimum(starts + block_m, groups.offsets[experts + 1])
+    return tuple(t.to(torch.int32) for t in (experts, starts, stops))
 
 
 def _grouped_gemm(a: torch.Tensor, a_rows: torch.Tensor, w: torch.Tensor, blocks: Sequence[torch.Tensor],
@@ -171,6 +171,8 @@ def fused_experts_triton(
     """As :func:`fused_experts_reference` with the experts' weights stacked: ``w_gate_up``
     [E, 2I, hidden], ``w_down`` [E, hidden, I], contiguous, on the launch device."""
     num_experts = w_gate_up.shape[0]
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m: expected a power of two >= 16, got {block_m}")
     if not (w_gate_up.is_contiguous() and w_down.is_contiguous() and x.stride(1) == 1
             and w_down.shape[0] == num_experts and w_down.shape[2] * 2 == w_gate_up.shape[1]
             and w_gate_up.shape[2] == w_down.shape[1] == x.shape[1]):

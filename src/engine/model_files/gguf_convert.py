@@ -56,6 +56,8 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm": "post_attention
                         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps q/k/v and gate/up fused (the model cuts them at load: models.fused_checkpoint)
 _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# each GGUF architecture's layer tensor names where they differ from llama's
+_LAYER_TENSORS_OF = {"phi3": _PHI3_LAYER_TENSORS, **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
 # a MoE layer's experts, stacked [experts, rows, columns] in one tensor each: cut per expert
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -112,7 +114,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: boo
     reader = check_gguf(gguf_path)
     say(progress, f"converting {gguf_path.name} (one-time) ...")
     started = time.monotonic()
-    config = _write_config_and_tokenizer(gguf_path, out_dir, scratch, progress)
+    config = _write_config_and_tokenizer(gguf_path, reader, out_dir, scratch, progress)
     tensors = _plan_tensors(reader, config, gguf_path)
     write_safetensors(out_dir / "model.safetensors", tensors, progress)
     kept = sum(1 for t in tensors if t.kind is not None)
@@ -120,7 +122,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, scratch: Path, *, progress: boo
                   f"({kept} of {len(tensors)} tensors kept quantized)")
 
 
-def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, progress: bool) -> dict[str, Any]:
+def _write_config_and_tokenizer(gguf_path: Path, reader: Any, out_dir: Path, scratch: Path,
+                                progress: bool) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     # A clean directory holding only the GGUF, so that stray config or tokenizer files next to
@@ -148,7 +151,7 @@ def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path, scratch: Path, p
     if architecture is None:
         raise UnsupportedModelError(f"GGUF model type {model_type!r} is not supported", path=str(gguf_path))
     raw["architectures"] = [architecture]
-    complete_config(raw, gguf_path)
+    complete_config(raw, reader)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
     # The EOS and special token ids, as transformers derives them from the model config.
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
@@ -160,8 +163,7 @@ def _hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, local, suffix = match.groups()
-        names = {"phi3": _PHI3_LAYER_TENSORS, **dict.fromkeys(_GEMMA, _GEMMA_LAYER_TENSORS)}
-        mapped = names.get(architecture, _LAYER_TENSORS).get(local)
+        mapped = _LAYER_TENSORS_OF.get(architecture, _LAYER_TENSORS).get(local)
         return None if mapped is None else f"model.layers.{layer}.{mapped}.{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
     mapped = _MODEL_TENSORS.get(stem)
@@ -227,10 +229,11 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
     expected = _expected_shapes(config)
     heads = config["num_attention_heads"]
     permute = {".q_proj.": heads, ".k_proj.": config.get("num_key_value_heads") or heads}
-    unpermute = _architecture(reader) == "llama"
-    gemma = _architecture(reader) in _GEMMA
+    architecture = _architecture(reader)
+    unpermute = architecture == "llama"
+    gemma = architecture in _GEMMA
     planned, dequantized = [], []
-    views = ((tensor, *view) for tensor in reader.tensors for view in _views(tensor, _architecture(reader))
+    views = ((tensor, *view) for tensor in reader.tensors for view in _views(tensor, architecture)
              if tensor.name != "rope_freqs.weight" and tensor.name not in ROPE_FACTORS)
     # (rope factors, llama3's and Phi-3's, are in the config's rope scaling)
     for tensor, name, data, shape in views:

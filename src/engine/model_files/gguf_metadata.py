@@ -6,7 +6,6 @@ conversion (:mod:`engine.model_files.gguf_convert`) applies them to the config i
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 # llama.cpp's Gemma 27B models scale queries by hidden / heads rather than the head size
@@ -17,40 +16,37 @@ ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.w
 __all__ = ["ROPE_FACTORS", "complete_config"]
 
 
-def complete_config(raw: dict[str, Any], gguf_path: Path) -> None:
-    """Adds to ``raw`` (transformers' config of the file, as a dict) what it left out."""
-    _gemma_fields(raw, gguf_path)
-    _phi3_fields(raw, gguf_path)
-    _moe_fields(raw, gguf_path)
+def complete_config(raw: dict[str, Any], reader: Any) -> None:
+    """Adds to ``raw`` (transformers' config of the file, as a dict) what it left out;
+    ``reader``: the file's ``gguf.GGUFReader``."""
+    _gemma_fields(raw, reader)
+    _phi3_fields(raw, reader)
+    _moe_fields(raw, reader)
 
 
-def _moe_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+def _moe_fields(raw: dict[str, Any], reader: Any) -> None:
     """Qwen3-MoE's expert size; and a llama file with experts, which is a Mixtral (transformers
     reads it as a dense Llama)."""
-    import gguf
-
     if raw["architectures"][0] == "Qwen3MoeForCausalLM":
-        size = _metadata(gguf.GGUFReader(gguf_path), "qwen3moe")("expert_feed_forward_length")
+        size = _metadata(reader, "qwen3moe")("expert_feed_forward_length")
         if size:
             raw["moe_intermediate_size"] = int(size)
     elif raw["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM"):
-        value = _metadata(gguf.GGUFReader(gguf_path), "llama")
+        value = _metadata(reader, "llama")
         if value("expert_count"):
             raw.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                        num_local_experts=int(value("expert_count")),
                        num_experts_per_tok=int(value("expert_used_count") or 2))
 
 
-def _gemma_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+def _gemma_fields(raw: dict[str, Any], reader: Any) -> None:
     """What transformers does not read from a Gemma file's metadata: the rope scaling of its
     global layers, Gemma 2's soft caps, and the query scale llama.cpp uses (hidden / heads for
     the 27B models)."""
     architecture = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}.get(raw["architectures"][0])
     if architecture is None:
         return
-    import gguf
-
-    value = _metadata(gguf.GGUFReader(gguf_path), architecture)
+    value = _metadata(reader, architecture)
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if value(cap) is not None:
             raw[cap] = float(value(cap))
@@ -82,14 +78,11 @@ def _metadata(reader: Any, architecture: str) -> Any:
     return value
 
 
-def _phi3_fields(raw: dict[str, Any], gguf_path: Path) -> None:
+def _phi3_fields(raw: dict[str, Any], reader: Any) -> None:
     """What transformers does not read from a Phi-3 file: its window, its longrope (the
     factors are tensors of the file) and the share of each head that rotates."""
     if raw["architectures"][0] != "Phi3ForCausalLM":
         return
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
     value = _metadata(reader, "phi3")
     raw["sliding_window"] = value("attention.sliding_window")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]

@@ -15,10 +15,10 @@ import torch
 import kernels
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
+from engine.worker.models.weight_loading import CheckpointSlice
 
 Tensor = torch.Tensor | kernels.QuantizedWeight
-# (dim, start, stop) of a part a rank keeps, or None (models.llama.checkpoint_slices)
-SliceOf = Callable[[str], tuple[int, int, int] | None]
+SliceOf = Callable[[str], CheckpointSlice]  # the slice of each part a rank keeps (checkpoint_slices)
 
 __all__ = ["unfuse", "unfused_names"]
 

@@ -16,7 +16,7 @@ from torch import nn
 import kernels
 from engine.worker.host_memory import weight_tensor
 
-__all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm"]
+__all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm", "joined_parts"]
 
 
 class QuantizedParts:
@@ -31,6 +31,16 @@ class QuantizedParts:
         self.parts = [None] * count
 
 
+def joined_parts(parts: list[kernels.QuantizedWeight]) -> list[kernels.QuantizedWeight]:
+    """Quantized weights stacked along their rows as one weight (rows are independent blocks),
+    when they share a block type: one kernel call instead of several. Otherwise as they are."""
+    if len(parts) < 2 or len({part.kind for part in parts}) != 1:
+        return parts
+    rows = weight_tensor([sum(part.data.shape[0] for part in parts), parts[0].data.shape[1]], parts[0].data.dtype)
+    torch.cat([part.data for part in parts], out=rows)
+    return [kernels.QuantizedWeight(parts[0].kind, rows, parts[0].in_features)]
+
+
 class Linear(QuantizedParts, nn.Linear):
     """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
     gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
@@ -42,11 +52,8 @@ class Linear(QuantizedParts, nn.Linear):
     def pack(self) -> None:
         if self.parts is None:
             self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
-        elif len(self.parts) > 1 and len({part.kind for part in self.parts}) == 1:
-            first = self.parts[0].data
-            rows = weight_tensor([sum(part.data.shape[0] for part in self.parts), first.shape[1]], first.dtype)
-            torch.cat([part.data for part in self.parts], out=rows)
-            self.parts = [kernels.QuantizedWeight(self.parts[0].kind, rows, self.in_features)]
+        else:
+            self.parts = joined_parts(self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is None:

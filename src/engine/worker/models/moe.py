@@ -22,13 +22,22 @@ from torch import nn
 import kernels
 from engine.model_config import ModelConfig
 from engine.worker.distributed import TensorParallelGroup
-from engine.worker.host_memory import weight_tensor
+from engine.worker.models.layers import joined_parts
 from kernels.moe import fused_experts_reference
 
 # layers.N.(mlp|block_sparse_moe).experts.E.(w1|w3|gate_proj|up_proj|w2|down_proj).weight
-EXPERT_TENSOR = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                           r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
-_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": None, "down_proj": None}
+_EXPERT_TENSOR = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                            r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+# an expert's three matrices: Mixtral's and Qwen3-MoE's names for each
+EXPERT_PARTS = ("gate", "up", "down")
+_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
+
+
+def expert_tensor(name: str) -> tuple[str, int, int] | None:
+    """(the MoE layer's module name, expert, part: an index of EXPERT_PARTS) of a checkpoint
+    tensor name without its ``model.`` prefix, or None for any other tensor."""
+    match = _EXPERT_TENSOR.match(name)
+    return None if match is None else (f"{match.group(1)}.mlp", int(match.group(2)), _PART[match.group(3)])
 
 
 class SparseMoE(nn.Module):
@@ -56,7 +65,7 @@ class SparseMoE(nn.Module):
 
     def pack(self) -> None:
         if self.quantized is not None:
-            self.quantized = [[*_joined(gate, up), down] for gate, up, down in self.quantized]
+            self.quantized = [[*joined_parts([gate, up]), down] for gate, up, down in self.quantized]
             return
         gate_up = [kernels.pack_linear_weight(w.detach()) for w in self.w_gate_up]
         down = [kernels.pack_linear_weight(w.detach()) for w in self.w_down]
@@ -80,27 +89,15 @@ class SparseMoE(nn.Module):
             return parts[0].linear(rows)
         return torch.cat([part.linear(rows) for part in parts], dim=1)  # gate and up of two block types
 
-    def expert_destination(self, part: str, expert: int) -> torch.Tensor:
-        """Where checkpoint tensor ``part`` (w1, up_proj, down_proj, ...) of ``expert`` goes."""
-        index = _PART[part]
-        if index is None:
+    def expert_destination(self, part: int, expert: int) -> torch.Tensor:
+        """Where part ``part`` (an index of EXPERT_PARTS) of ``expert`` goes."""
+        if part == 2:
             return self.w_down.data[expert]
-        return self.w_gate_up.data[expert].narrow(0, index * self.size, self.size)
+        return self.w_gate_up.data[expert].narrow(0, part * self.size, self.size)
 
-    def expected_shape(self, part: str) -> tuple[int, int]:
-        index = _PART[part]
+    def expected_shape(self, part: int) -> tuple[int, int]:
         hidden = self.gate.in_features
-        return (hidden, self.size) if index is None else (self.size, hidden)
+        return (hidden, self.size) if part == 2 else (self.size, hidden)
 
-    def keep(self, part: str, expert: int, weight: kernels.QuantizedWeight) -> None:
-        index = _PART[part]
-        self.quantized[expert][2 if index is None else index] = weight
-
-
-def _joined(gate: kernels.QuantizedWeight, up: kernels.QuantizedWeight) -> list[kernels.QuantizedWeight]:
-    """[gate and up as one weight] when they share a block type, else [gate, up]."""
-    if gate.kind != up.kind:
-        return [gate, up]
-    rows = weight_tensor([gate.data.shape[0] + up.data.shape[0], gate.data.shape[1]], gate.data.dtype)
-    torch.cat([gate.data, up.data], out=rows)
-    return [kernels.QuantizedWeight(gate.kind, rows, gate.in_features)]
+    def keep(self, part: int, expert: int, weight: kernels.QuantizedWeight) -> None:
+        self.quantized[expert][part] = weight

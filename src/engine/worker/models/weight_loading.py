@@ -18,7 +18,7 @@ from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.worker.distributed import Partition
 from engine.worker.models.layers import Embedding, QuantizedParts
-from engine.worker.models.moe import EXPERT_TENSOR, SparseMoE
+from engine.worker.models.moe import EXPERT_PARTS, SparseMoE, expert_tensor
 
 __all__ = ["CheckpointLoading", "CheckpointSlice", "checkpoint_slices"]
 
@@ -36,6 +36,7 @@ class CheckpointLoading:
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
     def keep_quantized(self, kinds: Mapping[str, str]) -> None:
         """Before the parameters are allocated: the layers whose checkpoint tensors (Hugging
         Face names -> block type, ``kinds``) are all quantized will hold those tensors as
@@ -43,13 +44,13 @@ class CheckpointLoading:
         sources: dict[str, list[str]] = {}
         experts: dict[str, int] = {}  # MoE layer -> its quantized expert tensors
         for hf_name in kinds:
-            if expert := EXPERT_TENSOR.match(hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")):
-                experts[f"{expert.group(1)}.mlp"] = experts.get(f"{expert.group(1)}.mlp", 0) + 1
+            if expert := expert_tensor(hf_name.removeprefix("model.")):
+                experts[expert[0]] = experts.get(expert[0], 0) + 1
                 continue
             target, _ = self._target(hf_name)
             sources.setdefault(target, []).append(hf_name)
         for name, count in experts.items():
-            if isinstance(moe := self._submodule(name), SparseMoE) and count == 3 * self.config.num_experts:
+            if isinstance(moe := self._submodule(name), SparseMoE) and count == len(EXPERT_PARTS) * self.config.num_experts:
                 moe.keep_quantized()
         for target, names in sources.items():
             module_name, _, leaf = target.rpartition(".")
@@ -85,8 +86,8 @@ class CheckpointLoading:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            if expert := EXPERT_TENSOR.match(name.replace(".block_sparse_moe.", ".mlp.")):
-                loaded.add(self._load_expert(expert, hf_name, tensor, source))
+            if expert := expert_tensor(name):
+                loaded.add(self._load_expert(*expert, hf_name, tensor, source))
                 continue
             target, shard = self._target(hf_name)
             module_name, _, leaf = target.rpartition(".")
@@ -131,33 +132,31 @@ class CheckpointLoading:
             if isinstance(module, SparseMoE):
                 expected -= {f"{name}.w_gate_up", f"{name}.w_down"}
                 expected |= {f"{name}.experts.{e}.{part}" for e in range(self.config.num_experts)
-                             for part in ("gate", "up", "down")}
+                             for part in EXPERT_PARTS}
         if missing := sorted(expected - loaded):
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}", path=source)
 
-    def _load_expert(self, match, hf_name: str, tensor, source: str) -> str:
-        """Copies one expert's gate, up or down weight into its MoE layer's stacked tensors;
-        returns the key load_weights counts it under."""
-        layer, expert, part = match.group(1), int(match.group(2)), match.group(3)
-        moe = self._submodule(f"{layer}.mlp")
+    def _load_expert(self, layer: str, expert: int, part: int, hf_name: str, tensor, source: str) -> str:
+        """Copies one expert's gate, up or down weight into its MoE layer (``layer``), stacked or
+        kept quantized; returns the key load_weights counts it under."""
+        moe = self._submodule(layer)
         if not isinstance(moe, SparseMoE) or expert >= self.config.num_experts:
             raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
-        kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(part, "down")
         if moe.quantized is not None:
             if not isinstance(tensor, kernels.QuantizedWeight) or tensor.shape != moe.expected_shape(part):
                 got = list(tensor.shape) if isinstance(tensor, kernels.QuantizedWeight) else "not quantized"
                 raise ModelLoadError(f"tensor {hf_name!r} is {got}, expected quantized "
                                      f"{list(moe.expected_shape(part))}", path=source)
             moe.keep(part, expert, tensor)
-            return f"{layer}.mlp.experts.{expert}.{kind}"
-        if isinstance(tensor, kernels.QuantizedWeight):
-            tensor = tensor.dequantize()
-        destination = moe.expert_destination(part, expert)
-        if destination.shape != tensor.shape:
-            raise ModelLoadError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected "
-                                 f"{list(destination.shape)}", path=source)
-        destination.copy_(tensor)
-        return f"{layer}.mlp.experts.{expert}.{kind}"
+        else:
+            if isinstance(tensor, kernels.QuantizedWeight):
+                tensor = tensor.dequantize()
+            destination = moe.expert_destination(part, expert)
+            if destination.shape != tensor.shape:
+                raise ModelLoadError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected "
+                                     f"{list(destination.shape)}", path=source)
+            destination.copy_(tensor)
+        return f"{layer}.experts.{expert}.{EXPERT_PARTS[part]}"
 
     def _part_shape(self, module: nn.Module, target: str, shard: int | None) -> tuple[int, int]:
         if isinstance(module, Embedding):
