@@ -134,7 +134,9 @@ def poisoned(torch, like):
 
 
 def check_decode(ctx: Context, bench, batch_size: int, context: int, *, heads=32, kv_heads=8,
-                 head_dim=128, block_size=16, dtype=None, timed=True, seed=0) -> Row:
+                 head_dim=128, block_size=16, dtype=None, timed=True, seed=0, bound=None) -> Row:
+    """``bound``: launch with this max_seq_len (and a block table that wide) instead of the
+    batch's own, as a captured decode graph does with max_model_len."""
     torch = ctx.torch
     import torch.nn.functional as F
 
@@ -143,6 +145,8 @@ def check_decode(ctx: Context, bench, batch_size: int, context: int, *, heads=32
 
     dtype = dtype or ctx.dtype
     label = f"b{batch_size} ctx{context} h{heads}/{kv_heads} d{head_dim} bs{block_size} {str(dtype)[6:]}"
+    if bound:
+        label += f" launched for {bound}"
     row = Row("decode attention", label)
     # Lengths vary a little (not multiples of the block size) unless timed for SDPA, where
     # the batch must be rectangular.
@@ -153,8 +157,13 @@ def check_decode(ctx: Context, bench, batch_size: int, context: int, *, heads=32
                              device=ctx.device, seed=seed)
     md = batch.metadata
     args = (md.block_tables, md.seq_lens, md.max_seq_len, batch.scale)
+    launch = args
+    if bound:
+        extra = -(-bound // block_size) - md.block_tables.shape[1]
+        launch = (torch.nn.functional.pad(md.block_tables, (0, max(0, extra))).contiguous(), md.seq_lens, bound,
+                  batch.scale)
     out = poisoned(torch, batch.query)
-    decode_attention_triton(batch.query, batch.k_cache, batch.v_cache, *args, out=out)
+    decode_attention_triton(batch.query, batch.k_cache, batch.v_cache, *launch, out=out)
     k32, v32 = batch.clean_caches(torch.float32)
     gold = decode_attention_reference(batch.query.float(), k32, v32, *args)
     del k32, v32
@@ -395,6 +404,9 @@ def plan(ctx: Context, bench) -> list[tuple[str, Callable[[], Row]]]:
             c, bench, *variant_decode, timed=False, seed=10 + i, **v)))
         cases.append((f"variant {i} mixed", lambda v=variant, i=i: check_paged(
             c, bench, "mixed", variant_mixed, mixed_decodes, timed=False, seed=20 + i, **v)))
+    # launched for a longer context than any sequence has, as the captured decode graphs are
+    cases.append(("decode graph bound", lambda: check_decode(
+        c, bench, *variant_decode, timed=False, seed=40, bound=4 * variant_decode[1], **small)))
     # a window shorter than every context but one, and a soft cap that bites (Gemma's rules)
     cases.append(("paged window+softcap", lambda: check_paged(
         c, bench, "mixed, window 24, softcap 2", variant_mixed, mixed_decodes, timed=False, seed=30,

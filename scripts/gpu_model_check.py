@@ -6,9 +6,12 @@ supported architecture, by the rules the CPU contract tests use:
 - float32: greedy token ids identical and logprobs within 1e-3 (tests.hf_compare.assert_matches_hf);
   chunked prefill (7-token chunks) gives the same tokens as one-shot prefill;
 - bfloat16: vLLM's closeness rule (tests.hf_compare.assert_close_to_hf);
+- decode steps replayed from CUDA graphs against ``enforce_eager`` steps, at every batch size up
+  to the prompts' count (padded buckets): tokens identical, logprobs within rounding (on a
+  CPU the graphs' buffers are replayed eagerly); the runner checks above capture graphs too;
 - the whole engine, ``LLM(device=device)`` with its worker process, in float32 with a token
-  budget and KV cache small enough to force chunked prefill and preemption: the same tokens as
-  HF, and every KV block free afterwards.
+  budget and KV cache small enough to force chunked prefill and preemption, with async
+  scheduling off and on: the same tokens as HF, and every KV block free afterwards.
 
     python scripts/gpu_model_check.py                 # on a CUDA machine, about a minute
     python scripts/gpu_model_check.py --device cpu    # the same checks on the CPU
@@ -54,6 +57,33 @@ def check_runner(path: Path, prompts: list[list[int]], device: str) -> list[str]
     return ["float32 identical", "chunked identical", f"bf16 close ({identical}/{len(prompts)} prompts identical)"]
 
 
+def check_graphs(path: Path, prompts: list[list[int]], device: str) -> list[str]:
+    """Decode steps replayed from CUDA graphs (on a CPU: the same buffers, replayed eagerly)
+    against ``enforce_eager`` steps: tokens identical, logprobs within bf16 / f32 rounding."""
+    from tests.hf_compare import greedy_params, make_driver
+
+    from engine.worker.cuda_graphs import EagerReplay
+
+    results = []
+    for dtype, atol in (("float32", 1e-4), ("bfloat16", 0.05)) if device == "cuda" else (("float32", 1e-4),):
+        eager = make_driver(path, dtype=dtype, device=device, enforce_eager=True)
+        graphs = make_driver(path, dtype=dtype, device=device,
+                             decode_graph_capture=None if device == "cuda" else EagerReplay())
+        assert eager.runner.graphs is None and graphs.runner.graphs is not None, "no decode graphs captured"
+        # Every batch size from 1 to all prompts, so most steps run a padded bucket.
+        for count in range(1, len(prompts) + 1):
+            want = eager.generate(prompts[:count], greedy_params(MAX_TOKENS), name=f"e{count}")
+            got = graphs.generate(prompts[:count], greedy_params(MAX_TOKENS), name=f"g{count}")
+            assert [t for t, _ in got] == [t for t, _ in want], f"{dtype}, {count} prompts: tokens differ"
+            worst = max(abs(a.logprob - b.logprob) for (_, la), (_, lb) in zip(got, want, strict=True)
+                        for a, b in zip(la, lb, strict=True))
+            assert worst <= atol, f"{dtype}, {count} prompts: logprobs differ by {worst}"
+        buckets = graphs.runner.graphs.buckets
+        results.append(f"{dtype} graphs = eager at batch 1..{len(prompts)} ({len(buckets)} buckets, "
+                       f"captured in {graphs.runner.graphs.capture_seconds:.1f}s)")
+    return results
+
+
 def check_engine(path: Path, prompts: list[list[int]], device: str) -> list[str]:
     """The whole engine in a worker process on the GPU, squeezed so it chunks and preempts."""
     from tests.hf_compare import hf_greedy
@@ -62,15 +92,19 @@ def check_engine(path: Path, prompts: list[list[int]], device: str) -> list[str]
 
     reference = hf_greedy(path, prompts, MAX_TOKENS, device=device)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(str(path), device=device, dtype="float32", max_num_batched_tokens=16, block_size=16,
-             max_model_len=128, kv_cache_memory=_blocks_of(path, 9)) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.llm_engine.statistics()
-    got = [list(o.outputs[0].token_ids) for o in outputs]
     want = [tokens for tokens, _ in reference]
-    assert got == want, f"engine tokens differ from HF: {got} vs {want}"
-    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
-    return [f"identical to HF; {stats.num_preemptions} preemptions; blocks all free"]
+    results = []
+    for async_scheduling in (False, True):
+        with LLM(str(path), device=device, dtype="float32", max_num_batched_tokens=16, block_size=16,
+                 max_model_len=128, kv_cache_memory=_blocks_of(path, 9), async_scheduling=async_scheduling) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            stats = llm.llm_engine.statistics()
+        got = [list(o.outputs[0].token_ids) for o in outputs]
+        assert got == want, f"engine tokens (async scheduling {async_scheduling}) differ from HF: {got} vs {want}"
+        assert stats.kv_blocks_free == stats.kv_blocks_total, stats
+        results.append(f"async scheduling {'on' if async_scheduling else 'off'}: identical to HF, "
+                       f"{stats.num_preemptions} preemptions, blocks all free")
+    return results
 
 
 def _blocks_of(path: Path, blocks: int) -> int:
@@ -106,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             (Path(scratch) / arch).mkdir()
             paths[arch] = build_tiny_model(Path(scratch) / arch, arch, tokenizer)
         checks = [(f"runner {arch}", check_runner, path) for arch, path in paths.items()]
+        checks.append(("graphs llama", check_graphs, paths["llama"]))
+        checks.append(("graphs gemma2", check_graphs, paths["gemma2"]))  # windows and soft caps
         checks.append(("engine llama", check_engine, paths["llama"]))
         for label, check, path in checks:
             started = time.monotonic()

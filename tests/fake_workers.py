@@ -66,9 +66,11 @@ class FakeWorkerGroup:
         self.known.difference_update(plan.finished_seq_ids)
         self.known.update(s.seq_id for s in plan.new_sequences)
         sampled = []
-        for chunk in plan.chunks:
+        for chunk, tokens in zip(plan.chunks, plan.chunk_token_ids(), strict=True):
             assert chunk.seq_id in self.known, f"worker does not know {chunk.seq_id}"
+            if chunk.sampled_input:  # async scheduling: the token this 'model' sampled last
+                assert tokens[-1] == fake_token(chunk.seq_id, chunk.start_position), (chunk, tokens)
             if chunk.sample:
-                position = chunk.start_position + len(chunk.token_ids)
+                position = chunk.start_position + len(tokens)
                 sampled.append(SampledToken(seq_id=chunk.seq_id, token_id=fake_token(chunk.seq_id, position)))
         return StepResult(step_id=plan.step_id, sampled=tuple(sampled))

@@ -57,10 +57,11 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
 
 
-def make_driver(path: Path, *, dtype: str = "auto", device: str = "auto", max_model_len: int = 512) -> Driver:
+def make_driver(path: Path, *, dtype: str = "auto", device: str = "auto", max_model_len: int = 512,
+                enforce_eager: bool = False, decode_graph_capture=None) -> Driver:
     args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=max_model_len, dtype=dtype,
-                      device=device)
-    return Driver(ModelRunner(args, path))
+                      device=device, enforce_eager=enforce_eager)
+    return Driver(ModelRunner(args, path, decode_graph_capture=decode_graph_capture))
 
 
 def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", device: str = "auto",

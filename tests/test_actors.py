@@ -71,9 +71,10 @@ async def test_requests_complete_and_free_their_blocks(model_dir, autojump_clock
         assert stats.num_running == stats.num_waiting == 0
 
 
-async def test_cancelled_consumer_frees_blocks_before_next_step(model_dir, autojump_clock):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_cancelled_consumer_frees_blocks_before_next_step(model_dir, autojump_clock, async_scheduling):
     group = FakeWorkerGroup()
-    async with open_engine(model_dir, group) as llm:
+    async with open_engine(model_dir, group, async_scheduling=async_scheduling) as llm:
         other_done = trio.Event()
 
         async def other() -> None:
@@ -85,8 +86,11 @@ async def test_cancelled_consumer_frees_blocks_before_next_step(model_dir, autoj
             with trio.CancelScope() as scope:
                 async for _ in llm.generate([9] * 40, greedy(100), request_id="victim"):
                     scope.cancel()  # the consumer is cancelled after its first output
-            # The very next plan must already tell the worker to drop the victim.
+            # The very next plan must already tell the worker to drop the victim; with async
+            # scheduling the next one was planned while the victim's step ran, so the one after.
             plan = await group.next_step()
+            if async_scheduling and "victim" not in plan.finished_seq_ids:
+                plan = await group.next_step()
             assert "victim" in plan.finished_seq_ids
             assert all(chunk.seq_id != "victim" for chunk in plan.chunks)
             assert llm.statistics().kv_blocks_free >= llm.statistics().kv_blocks_total - 1
@@ -123,6 +127,24 @@ async def test_slow_consumer_does_not_delay_others(model_dir, autojump_clock):
         assert seen["slow"] < 30  # deltas were coalesced instead of queued without bound
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_each_step_is_planned_while_the_one_before_runs(model_dir, autojump_clock, async_scheduling):
+    group = FakeWorkerGroup(step_seconds=0.05)
+    async with open_engine(model_dir, group, async_scheduling=async_scheduling) as llm:
+        params = SamplingParams(n=2, seed=1, max_tokens=6, ignore_eos=True)  # two sequences at once
+        output = await collect(llm, [1, 2, 3], params, request_id="a")
+        assert [c.token_ids for c in output.outputs] == [expected_tokens(f"a-{i}", 3, 6) for i in range(2)]
+    # After the prefill every plan was made ahead: it feeds each sequence the token the step
+    # before it sampled (filled in from that step's result, which the fake checks). None goes
+    # past max_tokens, so the last step has no plan behind it.
+    planned_ahead = [bool(plan.sampled_inputs) for plan in group.plans]
+    if async_scheduling:
+        assert planned_ahead == [False] + [True] * 5
+        assert all(len(plan.sampled_inputs) == 2 for plan in group.plans[1:])
+    else:
+        assert not any(planned_ahead)
+
+
 async def test_flood_gets_queue_full_at_once(model_dir, autojump_clock):
     group = FakeWorkerGroup()
     async with open_engine(model_dir, group, max_queued_requests=2) as llm:
@@ -143,10 +165,11 @@ async def test_flood_gets_queue_full_at_once(model_dir, autojump_clock):
         assert len(outcomes) == 10
 
 
-async def test_watchdog_restarts_a_hung_worker_and_requests_finish(model_dir, autojump_clock):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_watchdog_restarts_a_hung_worker_and_requests_finish(model_dir, autojump_clock, async_scheduling):
     group = FakeWorkerGroup()
     group.faults = [None, None, "hang"]
-    async with open_engine(model_dir, group, step_timeout=3.0) as llm:
+    async with open_engine(model_dir, group, step_timeout=3.0, async_scheduling=async_scheduling) as llm:
         output = await collect(llm, [1, 2, 3], greedy(12), request_id="r")
         assert output.outputs[0].token_ids == expected_tokens("r", 3, 12)
         stats = llm.statistics()
@@ -155,11 +178,12 @@ async def test_watchdog_restarts_a_hung_worker_and_requests_finish(model_dir, au
         assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("fault", ["crash", "raise"])
-async def test_failed_step_is_recomputed(model_dir, autojump_clock, fault):
+async def test_failed_step_is_recomputed(model_dir, autojump_clock, fault, async_scheduling):
     group = FakeWorkerGroup()
     group.faults = [None, fault, None, fault]
-    async with open_engine(model_dir, group) as llm:
+    async with open_engine(model_dir, group, async_scheduling=async_scheduling) as llm:
         output = await collect(llm, [1, 2, 3], greedy(12), request_id="r")
         assert output.outputs[0].token_ids == expected_tokens("r", 3, 12)
         assert llm.statistics().worker_restarts == 2
@@ -291,18 +315,19 @@ async def test_abort_before_the_request_reaches_the_scheduler_still_ends_it(
         assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
 
 
-async def test_stop_strings_end_the_sequence_in_the_scheduler(model_dir, autojump_clock):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_stop_strings_end_the_sequence_in_the_scheduler(model_dir, autojump_clock, async_scheduling):
     group = FakeWorkerGroup()
-    async with open_engine(model_dir, group) as llm:
+    async with open_engine(model_dir, group, async_scheduling=async_scheduling) as llm:
         tokenizer = llm.tokenizer
         # The text of the fake's fourth token (after a 3-token prompt) as the stop string.
         stop = tokenizer.decode([expected_tokens("s", 3, 4)[3]])
         params = greedy(30, stop=[stop], include_stop_str_in_output=True)
         output = await collect(llm, [1, 2, 3], params, request_id="s")
         assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == stop
-        # The scheduler ended it at once (a step may have been in flight), and the worker
-        # forgets it with the next plan.
-        assert sum(1 for p in group.plans for c in p.chunks if c.seq_id == "s") <= 5
+        # The scheduler ended it at once (a step may have been in flight, and with async
+        # scheduling one more planned behind it), and the worker forgets it with the next plan.
+        assert sum(1 for p in group.plans for c in p.chunks if c.seq_id == "s") <= 5 + async_scheduling
         assert llm.statistics().kv_blocks_free == llm.statistics().kv_blocks_total
         await collect(llm, [4, 5], greedy(1), request_id="next")
         assert "s" in group.plans[-1].finished_seq_ids

@@ -39,7 +39,10 @@ class FakeWorker:
     its first visible position on: those before may have been handed to another."""
 
     def __init__(self, num_blocks: int, block_size: int, seed: int = 0, vocab: int = 6,
-                 window: int | None = None):
+                 window: int | None = None, max_discarded: int = 0):
+        """``max_discarded``: how many sampled tokens of a sequence the engine may drop when
+        it recomputes it (with async scheduling, the one a step planned ahead sampled)."""
+        self.max_discarded = max_discarded
         self.block_size = block_size
         self.window = window
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
@@ -61,10 +64,13 @@ class FakeWorker:
         for new in plan.new_sequences:
             tokens = list(new.prompt_token_ids + new.output_token_ids)
             if new.seq_id in self.history:  # a recompute carries everything sampled so far
-                assert tokens == self.history[new.seq_id]
+                history = self.history[new.seq_id]
+                assert tokens == history[: len(tokens)]
+                assert len(history) - len(tokens) <= self.max_discarded
             self.history[new.seq_id] = list(tokens)
             self.seqs[new.seq_id] = _WorkerSeq(tokens)
         assert len({c.seq_id for c in plan.chunks}) == len(plan.chunks)
+        chunk_tokens = dict(zip((c.seq_id for c in plan.chunks), plan.chunk_token_ids(), strict=True))
         for chunk in plan.chunks:
             self.seqs[chunk.seq_id].table.extend(chunk.new_block_ids)
         owners: dict[int, set[str]] = {}
@@ -76,14 +82,14 @@ class FakeWorker:
         # Reads first: all computed positions must hold this sequence's own tokens.
         for chunk in plan.chunks:
             seq = self.seqs[chunk.seq_id]
-            start, n = chunk.start_position, len(chunk.token_ids)
+            start, n = chunk.start_position, len(chunk_tokens[chunk.seq_id])
             assert n >= 1
             if seq.next_position is None:
                 assert start % bs == 0, "a prefix hit covers whole blocks"
             else:
                 assert start == seq.next_position, "chunks must continue where the last ended"
             seq.next_position = start + n
-            assert list(chunk.token_ids) == seq.tokens[start : start + n]
+            assert list(chunk_tokens[chunk.seq_id]) == seq.tokens[start : start + n]
             assert start + n <= len(seq.table) * bs, "not enough blocks for the chunk"
             assert chunk.sample == (start + n == len(seq.tokens))
             for p in range(self._first_visible(start), start):
@@ -92,7 +98,7 @@ class FakeWorker:
         sampled = []
         for chunk in plan.chunks:
             seq = self.seqs[chunk.seq_id]
-            for p in range(chunk.start_position, chunk.start_position + len(chunk.token_ids)):
+            for p in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
                 block = seq.table[p // bs]
                 assert owners[block] == {chunk.seq_id}, f"write into shared block {block}"
                 self.kv[block][p % bs] = (seq.tokens[p], p)
@@ -128,15 +134,24 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert keys == sorted(keys)
 
 
+def _ends_in_flight(request: Request) -> bool:
+    """A step in flight (async scheduling) samples the request's last allowed token."""
+    return bool(request.num_in_flight_samples) and (
+        request.num_tokens + request.num_in_flight_samples >= request.max_num_tokens)
+
+
 def check_plan(scheduler: Scheduler, plan: StepPlan) -> None:
-    num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+    num_tokens = sum(c.num_tokens for c in plan.chunks)
     assert num_tokens <= scheduler.max_num_batched_tokens
+    scheduled = {c.seq_id for c in plan.chunks}
     if num_tokens < scheduler.max_num_batched_tokens:  # budget left: nobody running was skipped
-        assert {r.request_id for r in scheduler.running} == {c.seq_id for c in plan.chunks}
+        assert {r.request_id for r in scheduler.running if r.request_id in scheduled
+                or not _ends_in_flight(r)} == scheduled
     assert len(plan.chunks) <= scheduler.max_num_seqs
     if scheduler.long_prefill_token_threshold:
-        assert all(len(c.token_ids) <= scheduler.long_prefill_token_threshold for c in plan.chunks)
-    assert not {c.seq_id for c in plan.chunks} & set(plan.finished_seq_ids)
+        assert all(c.num_tokens <= scheduler.long_prefill_token_threshold for c in plan.chunks)
+    # Only a sequence forgotten and started again (a recompute) is in both.
+    assert {c.seq_id for c in plan.chunks} & set(plan.finished_seq_ids) <= {n.seq_id for n in plan.new_sequences}
     assert {n.seq_id for n in plan.new_sequences} <= {c.seq_id for c in plan.chunks}
 
 
@@ -150,6 +165,7 @@ def make_scheduler(
     threshold: int | None = None,
     policy: str = "fcfs",
     sliding_window: int | None = None,
+    max_steps_in_flight: int = 1,
 ) -> Scheduler:
     return Scheduler(
         BlockManager(num_blocks, block_size, prefix_caching, sliding_window=sliding_window),
@@ -157,6 +173,7 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
         scheduling_policy=policy,
+        max_steps_in_flight=max_steps_in_flight,
     )
 
 

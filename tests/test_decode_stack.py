@@ -148,7 +148,8 @@ def _decode_step(runner, tiny_tokenizer):
                                          new_block_ids=driver._blocks_for("a", len(prompt) + 1))],
                          [_new("a", prompt)])
     chunk = ScheduledChunk(seq_id="a", token_ids=(sampled["a"][0],), start_position=len(prompt))
-    inputs = StepInputs.build([chunk], [driver.tables["a"]], block_size=runner.block_size, device=runner.device)
+    inputs = StepInputs.build([chunk], [chunk.token_ids], [driver.tables["a"]],
+                              block_size=runner.block_size, device=runner.device)
     stack = runner.model._decode_stack_for(runner.kv_caches)
     assert stack is not None and stack.takes(1, inputs.metadata, runner.kv_caches)
     return stack, runner.model.embed_tokens(inputs.token_ids), inputs

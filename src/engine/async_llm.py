@@ -178,4 +178,7 @@ class AsyncLLM:
         self._accepting = False
 
     def statistics(self) -> EngineStatistics:
-        return collect_statistics(self.scheduler.core, self.supervisor)
+        return collect_statistics(
+            self.scheduler.core, self.supervisor,
+            engine_seconds=self.scheduler.engine_seconds + self.output.processing_seconds,
+        )

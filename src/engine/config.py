@@ -65,7 +65,6 @@ def _memory_size(value: str | int) -> int:
 # vLLM engine arguments a ported script may pass, and what triode does instead.
 _VLLM_ONLY_ARGS = {
     "gpu_memory_utilization": "the KV cache is sized in bytes by kv_cache_memory (e.g. '4GiB')",
-    "enforce_eager": "triode runs eagerly; there is nothing to turn off",
     "trust_remote_code": "triode runs its own model implementations, never a checkpoint's code",
     "tokenizer": "the tokenizer is read from the model directory",
     "swap_space": "preempted sequences are recomputed, never swapped",
@@ -119,6 +118,12 @@ class EngineArgs:
     scheduling_policy: str = attrs.field(default="fcfs", validator=_one_of(SCHEDULING_POLICIES))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
     step_timeout: float = attrs.field(default=60.0, validator=_positive)  # seconds
+    # Plan step N+1 while step N runs on the workers (vLLM's --async-scheduling). None: on
+    # when the workers run on a GPU; off on a CPU, where the workers use every core and the
+    # engine's work beside them slowed W1 by 8% (docs/benchmarks.md).
+    async_scheduling: bool | None = None
+    # No CUDA graphs: every decode step runs kernel by kernel (vLLM's --enforce-eager).
+    enforce_eager: bool = False
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     seed: int = 0
@@ -166,6 +171,12 @@ class EngineArgs:
                 values[field.name] = _parse(field, raw)
         values.update(overrides)
         return cls(**values)
+
+    def async_scheduling_on(self, worker_device: str) -> bool:
+        """Whether steps are planned ahead, for workers on ``worker_device`` ("cpu", "cuda:0")."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return worker_device.startswith("cuda")
 
     def resolved_cache_dir(self) -> str:
         if self.cache_dir:

@@ -31,13 +31,19 @@ class EngineStatistics:
     rank_last_collective_seconds: tuple[float, ...] = ()
     rank_peak_rss_bytes: tuple[int | None, ...] = ()
     grammar_seconds_total: float = 0.0  # of the step time, structured outputs' masks (rank 0)
+    # of the step time, rank 0's host work around the forward (plan, inputs, sampler tensors)
+    worker_prepare_seconds_total: float = 0.0
+    # the engine process's own work: scheduling, applying results, detokenizing and outputs
+    engine_seconds_total: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
-def collect_statistics(engine_core: EngineCore, supervisor: WorkerSupervisor) -> EngineStatistics:
+def collect_statistics(
+    engine_core: EngineCore, supervisor: WorkerSupervisor, *, engine_seconds: float
+) -> EngineStatistics:
     core = engine_core.statistics()
     workers = supervisor.statistics()
     return EngineStatistics(
@@ -60,4 +66,6 @@ def collect_statistics(engine_core: EngineCore, supervisor: WorkerSupervisor) ->
         rank_last_collective_seconds=workers.rank_last_collective_seconds,
         rank_peak_rss_bytes=workers.rank_peak_rss_bytes,
         grammar_seconds_total=workers.grammar_seconds_total,
+        worker_prepare_seconds_total=workers.prepare_seconds_total,
+        engine_seconds_total=engine_seconds,
     )

@@ -2,7 +2,10 @@
 
 It drives the same ``EngineCore`` as the async engine's scheduler actor, with the same
 ``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
-through a private trio loop. ``step`` is schedule -> run -> postprocess; a step the caller
+through a private trio loop. ``step`` is schedule -> run -> postprocess; with async
+scheduling (the default) it also plans the next step before it waits, and hands that plan to
+the trio loop, which starts it the moment the current step's result is in (``StepPipeline``),
+so the result's postprocessing here overlaps the next step on the workers. A step the caller
 stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
 next ``step``, so the core and the workers never disagree about what ran. Making and
 handing over a plan, and applying a result, hold a KeyboardInterrupt off until they are
@@ -13,7 +16,9 @@ The workers stop on ``close``, when the engine is garbage-collected, or at inter
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import functools
 import time
 import weakref
 from collections.abc import Iterable
@@ -21,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from engine.actors.step_pipeline import StepPipeline
 from engine.actors.supervisor import WorkerSupervisor
 from engine.config import EngineArgs
 from engine.core.engine_core import EngineCore
@@ -53,12 +59,14 @@ class LLMEngine:
         # Holds the loop, not the engine: a dropped engine is collected, and its workers stop.
         self._finalizer = weakref.finalize(self, self._loop.close)
         self.supervisor: WorkerSupervisor = self._loop.handle
+        self._pipeline = StepPipeline(self.supervisor)
         info = self.supervisor.info
         self.max_model_len = info.max_model_len
         self.core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
         self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._in_flight: _StepInFlight | None = None
+        self._in_flight: collections.deque[_StepInFlight] = collections.deque()  # plan order
+        self._engine_seconds = 0.0  # in the core and the output processor, for statistics()
         self._dead: EngineDeadError | None = None
 
     @classmethod
@@ -101,31 +109,47 @@ class LLMEngine:
         """Runs one engine step and returns the outputs it produced."""
         self._check_alive()
         with deferred_keyboard_interrupt():
-            if self._in_flight is None:
+            started = time.perf_counter()
+            # One step out, or with async scheduling two: the next is planned before we wait.
+            while self.core.can_schedule():
                 plan = self.core.schedule(time.monotonic())
                 if plan is None:
-                    return []
-                future = self._loop.submit(self.supervisor.execute, plan)
-                self._in_flight = _StepInFlight(plan, time.monotonic(), future)
-        step = self._in_flight
+                    break
+                after = self._in_flight[-1].plan.step_id if self._in_flight else None
+                future = self._loop.submit(functools.partial(self._pipeline.execute, plan, after=after))
+                self._in_flight.append(_StepInFlight(plan, time.monotonic(), future))
+            self._engine_seconds += time.perf_counter() - started
+        if not self._in_flight:
+            return []
+        step = self._in_flight[0]
         try:
             result = step.result.result()  # where a KeyboardInterrupt lands: the step goes on
         except WorkerFailure:
             with deferred_keyboard_interrupt():
-                self._in_flight = None
+                self._drop_steps_in_flight()
                 self.core.step_failed()
             return []
         except EngineDeadError as error:
-            self._in_flight, self._dead = None, error
+            self._drop_steps_in_flight()
+            self._dead = error
             raise
         with deferred_keyboard_interrupt():
-            self._in_flight = None
+            started = time.perf_counter()
+            self._in_flight.popleft()
             now = time.monotonic()
             self.outputs.mark_scheduled((s.seq_id for s in step.plan.new_sequences), step.started)
             processed = self.outputs.process(self.core.update_from_output(result, now), now)
             for seq_id, stop_string in processed.stop_string_finished:
                 self.core.finish_on_stop_string(seq_id, stop_string)
+            self._engine_seconds += time.perf_counter() - started
         return processed.outputs
+
+    def _drop_steps_in_flight(self) -> None:
+        """After a failed step: the steps planned behind it fail at once without running
+        (``StepPipeline``); their outcomes are collected and dropped."""
+        for step in self._in_flight:
+            concurrent.futures.wait([step.result])
+        self._in_flight.clear()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -143,7 +167,7 @@ class LLMEngine:
             raise EngineDeadError(f"the engine failed: {self._dead}") from self._dead
 
     def statistics(self) -> EngineStatistics:
-        return collect_statistics(self.core, self.supervisor)
+        return collect_statistics(self.core, self.supervisor, engine_seconds=self._engine_seconds)
 
     def close(self) -> None:
         """Stops the workers (also done when the engine is collected, or at exit)."""

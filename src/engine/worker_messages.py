@@ -39,6 +39,29 @@ class ScheduledChunk:
     start_position: int
     new_block_ids: tuple[int, ...] = ()
     sample: bool = True  # False for a prefill chunk that does not reach the end of the prompt
+    # Async scheduling: one more input token after ``token_ids``, the one the step before
+    # samples for this sequence; the plan's ``sampled_inputs`` holds it once that step's
+    # result is back (``with_sampled_inputs``).
+    sampled_input: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.sampled_input
+
+
+def with_sampled_inputs(plan: StepPlan, previous: StepResult) -> StepPlan:
+    """``plan``, made while the step of ``previous`` ran, with the tokens that step sampled for
+    its chunks' ``sampled_input`` (as ``sampled_inputs``; the chunks are left as they are, so
+    this costs a lookup per chunk). Raises ``ValueError`` if one is missing."""
+    waiting = [chunk.seq_id for chunk in plan.chunks if chunk.sampled_input]
+    if not waiting:
+        return plan
+    sampled = {token.seq_id: token.token_id for token in previous.sampled}
+    missing = [seq_id for seq_id in waiting if seq_id not in sampled]
+    if missing:
+        raise ValueError(f"step {plan.step_id} feeds {missing[0]!r} the token step {previous.step_id} "
+                         f"sampled, but that step sampled none for it")
+    return attrs.evolve(plan, sampled_inputs=tuple(sampled[seq_id] for seq_id in waiting))
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +70,19 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...] = ()
     chunks: tuple[ScheduledChunk, ...] = ()
     finished_seq_ids: tuple[str, ...] = ()  # forget these before running the step
+    # the last input token of each chunk with ``sampled_input``, in chunk order
+    sampled_inputs: tuple[int, ...] = ()
+
+    def chunk_token_ids(self) -> list[tuple[int, ...]]:
+        """Every chunk's input tokens, its ``sampled_input`` included. Raises ``ValueError``
+        if the plan lacks some of those (it was sent before they were filled in)."""
+        waiting = sum(chunk.sampled_input for chunk in self.chunks)
+        if waiting != len(self.sampled_inputs):
+            raise ValueError(f"step {self.step_id}: {waiting} chunks wait for a sampled input token, "
+                             f"the plan has {len(self.sampled_inputs)}")
+        filled = iter(self.sampled_inputs)
+        return [(*chunk.token_ids, next(filled)) if chunk.sampled_input else chunk.token_ids
+                for chunk in self.chunks]
 
 
 @attrs.frozen(kw_only=True)
@@ -75,6 +111,9 @@ class StepResult:
     execute_seconds: float = 0.0
     collective_seconds: float = 0.0  # of execute_seconds, in tensor-parallel collectives
     grammar_seconds: float = 0.0  # of execute_seconds, following grammars and masking logits
+    # of execute_seconds, host work around the forward: applying the plan, building the step's
+    # inputs and the sampler's tensors (what `triode bench step --overhead` reports)
+    prepare_seconds: float = 0.0
     # Filled in by the worker group from every rank's result (rank order); empty for one rank.
     rank_execute_seconds: tuple[float, ...] = ()
     rank_collective_seconds: tuple[float, ...] = ()

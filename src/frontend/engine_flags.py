@@ -24,6 +24,9 @@ _HELP = {
     "max_num_batched_tokens": "most tokens in one step (the scheduler's token budget)",
     "long_prefill_token_threshold": "chunk any prefill longer than this many tokens",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "async_scheduling": "plan each step while the one before it runs on the workers (default: on for "
+                        "GPU workers, off for CPU workers, which use every core)",
+    "enforce_eager": "capture no CUDA graphs: run every decode step kernel by kernel",
     "step_timeout": "seconds a worker step may take before the worker is restarted",
     "shutdown_timeout": "seconds to let in-flight requests finish on shutdown",
     "max_queued_requests": "requests waiting for intake before new ones get 503",

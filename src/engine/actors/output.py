@@ -7,6 +7,7 @@ to the scheduler, which ends the sequence before its next step."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import attrs
@@ -44,6 +45,7 @@ class OutputActor:
         self._to_scheduler = to_scheduler
         self._streams: dict[str, RequestStream] = {}
         self._outputs_sent = 0
+        self.processing_seconds = 0.0  # detokenizing and building outputs, for statistics()
         self.observers: list[Callable[[RequestOutput], None]] = []  # metrics; must not block
 
     async def run(self, *, task_status: trio.TaskStatus[OutputActor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -63,8 +65,10 @@ class OutputActor:
                     seq_ids=seq_ids, arrival_time=request.arrival_time,
                 )
             case StepUpdates(updates=updates, time=now, started=started, scheduled=scheduled):
+                processing_started = time.perf_counter()
                 self.processor.mark_scheduled(scheduled, started)
                 step = self.processor.process(updates, now)
+                self.processing_seconds += time.perf_counter() - processing_started
                 for seq_id, stop_string in step.stop_string_finished:
                     await self._to_scheduler.send(StopStringFound(seq_id=seq_id, stop_string=stop_string))
                 for output in step.outputs:

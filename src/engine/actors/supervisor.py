@@ -44,6 +44,7 @@ class SupervisorStatistics:
     rank_last_collective_seconds: tuple[float, ...] = ()
     rank_peak_rss_bytes: tuple[int | None, ...] = ()  # each rank's peak RSS after its load
     grammar_seconds_total: float = 0.0  # of rank 0's step time, following structured outputs
+    prepare_seconds_total: float = 0.0  # of rank 0's step time, host work around the forward
 
 
 class WorkerSupervisor:
@@ -74,6 +75,7 @@ class WorkerSupervisor:
         self._rank_last: tuple[float, ...] = (0.0,) * size
         self._rank_last_collective: tuple[float, ...] = (0.0,) * size
         self._grammar_seconds = 0.0
+        self._prepare_seconds = 0.0
 
     async def run(self, *, task_status: trio.TaskStatus[WorkerSupervisor] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._open_group() as group:
@@ -118,6 +120,7 @@ class WorkerSupervisor:
             self._rank_collective[rank] += comm
         self._rank_last, self._rank_last_collective = tuple(seconds), tuple(collective)
         self._grammar_seconds += result.grammar_seconds
+        self._prepare_seconds += result.prepare_seconds
 
     async def _restart(self, failure: WorkerFailure, cause: BaseException) -> None:
         now = time.monotonic()
@@ -155,6 +158,7 @@ class WorkerSupervisor:
             rank_last_collective_seconds=self._rank_last_collective,
             rank_peak_rss_bytes=tuple(info.peak_rss_bytes for info in self.worker_infos),
             grammar_seconds_total=self._grammar_seconds,
+            prepare_seconds_total=self._prepare_seconds,
         )
 
     @property

@@ -9,15 +9,24 @@ from engine.config import QUANTIZED_ACTIVATIONS
 
 
 def _step(namespace: argparse.Namespace) -> int:
+    if namespace.overhead:
+        from engine.bench import overhead
+
+        overhead.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64, 256)),
+                     steps=namespace.steps or 64, model_steps=namespace.model_steps,
+                     repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
+        return 0
     from engine.bench import step
 
     step.run(
         model=namespace.model,
-        batch_sizes=tuple(namespace.batch_sizes),
+        batch_sizes=tuple(namespace.batch_sizes or (1, 8, 32, 64)),
         context=namespace.context,
-        steps=namespace.steps,
+        steps=namespace.steps or 8,
         dtypes=tuple(namespace.dtypes),
         activations=tuple(namespace.quantized_activations),
+        shape=namespace.shape,
+        compare_eager=namespace.compare_eager,
         output_dir=Path(namespace.output_dir),
     )
     return 0
@@ -33,6 +42,12 @@ def _moe(namespace: argparse.Namespace) -> int:
 
 
 def _throughput(namespace: argparse.Namespace) -> int:
+    if namespace.compare_async_scheduling:
+        from engine.bench import async_compare
+
+        async_compare.run(model=namespace.model, workloads=tuple(namespace.workloads), rounds=namespace.rounds,
+                          dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
+        return 0
     if namespace.structured:
         from engine.bench import structured
 
@@ -74,9 +89,23 @@ def _write_gguf(namespace: argparse.Namespace) -> int:
 def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step = benches.add_parser("step", help="decode step time: our runner vs Hugging Face forward")
     step.add_argument("--model", default=None)
-    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    step.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                      help="default: 1 8 32 64 (with --overhead: 1 64 256)")
     step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
-    step.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    step.add_argument("--steps", type=int, default=None,
+                      help="decode steps timed per batch size (default: 8; with --overhead: 64 on the tiny model)")
+    from engine.bench.synthetic_gguf import SHAPES
+
+    step.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                      help="time a random-weight checkpoint of this model's shape (bfloat16) instead of --model")
+    step.add_argument("--compare-eager", action="store_true",
+                      help="also the runner with --enforce-eager, and the weight-read limit per step")
+    step.add_argument("--overhead", action="store_true",
+                      help="the host cost of a step: LLMEngine on a 2-layer hidden-64 model and on --model, "
+                           "engine / round trip / worker time per step, async scheduling off and on")
+    step.add_argument("--model-steps", type=int, default=16,
+                      help="with --overhead: decode steps timed on --model (0: the tiny model only)")
+    step.add_argument("--repeats", type=int, default=3, help="with --overhead: best of this many runs")
     step.add_argument("--dtypes", nargs="+", default=["auto"],
                       help="one runner per dtype (auto keeps quantized weights on a CPU)")
     step.add_argument("--quantized-activations", nargs="+", default=["float32"], choices=QUANTIZED_ACTIVATIONS,
@@ -106,6 +135,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                             help="weights and activations of both engines (the targets are float32)")
     throughput.add_argument("--structured", action="store_true",
                             help="W1 with a JSON schema on every request vs W1 unconstrained")
+    throughput.add_argument("--compare-async-scheduling", action="store_true",
+                            help="triode only, async scheduling off vs on, alternated round by round")
+    throughput.add_argument("--rounds", type=int, default=2, help="with --compare-async-scheduling")
     throughput.add_argument("--output-dir", default="bench-results")
     throughput.set_defaults(handler=_throughput)
 
@@ -120,7 +152,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
 
-    from engine.bench.synthetic_gguf import FILE_TYPES, SHAPES
+    from engine.bench.synthetic_gguf import FILE_TYPES
 
     write_gguf = benches.add_parser(
         "write-gguf", help="a GGUF file of a real model's shape with random weights (no download)"

@@ -1,11 +1,16 @@
 """`triode bench step`: decode step time of our runner against Hugging Face's model forward
 with its KV cache, at the same batch size and context, measured in the same run; with
 ``--dtypes auto float32``, a quantized model's runner from its blocks and dequantized, side by
-side."""
+side. ``--shape`` times a random-weight checkpoint of a real model's shape instead of
+``--model``; ``--compare-eager`` adds the same runner with ``enforce_eager`` (on a GPU: without
+CUDA graphs) and the step's weight-read limit (weight bytes over the copy bandwidth measured in
+the same run)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 import kernels
+from engine.bench.random_models import copy_bandwidth, weight_bytes, write_random_model
 from engine.bench.report import (
     load_hf_reference,
     machine_description,
@@ -96,9 +102,21 @@ def run(
     steps: int = 8,
     dtypes: tuple[str, ...] = ("auto",),
     activations: tuple[str, ...] = ("float32",),
+    shape: str | None = None,
+    compare_eager: bool = False,
     output_dir: Path = Path("bench-results"),
 ) -> list[dict]:
-    args = EngineArgs.from_env(model=model, kv_cache_memory="2GiB")
+    with contextlib.ExitStack() as stack:
+        if shape is not None:
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="triode-bench-step-")))
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            model = str(write_random_model(scratch / shape, shape, device=device))
+        return _run(model=model, batch_sizes=batch_sizes, context=context, steps=steps, dtypes=dtypes,
+                    activations=activations, compare_eager=compare_eager, output_dir=output_dir)
+
+
+def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eager, output_dir) -> list[dict]:
+    args = EngineArgs.from_env(model=model, kv_cache_memory="2GiB", max_num_seqs=max(256, *batch_sizes))
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
     # One runner per dtype; one that keeps quantized weights is timed once per activation type
     # (a process-wide kernel setting, so the same loaded model serves each).
@@ -110,9 +128,19 @@ def run(
             key = dtype if len(activations) == 1 or not runner.quantized else f"{dtype}_{activation}"
             runners[key], settings[key] = runner, activation
     first = next(iter(runners.values()))
+    if compare_eager:
+        runners["eager"] = ModelRunner(attrs.evolve(args, dtype=dtypes[0], enforce_eager=True), resolved.path)
+        settings["eager"] = activations[0]
     hf_model = load_hf_reference(resolved.path, first.dtype, first.device)
     vocab = first.config.vocab_size
     labels = {key: _label(runner, settings[key]) for key, runner in runners.items()}
+    for key, runner in runners.items():
+        labels[key] += ", eager" if runner.graphs is None else ", CUDA graphs"
+    read_limit_ms = None
+    if compare_eager:
+        read_limit_ms = weight_bytes(resolved.path) / copy_bandwidth(first.device) * 1e3
+        print(f"weight-read limit: {weight_bytes(resolved.path) / 1e9:.2f} GB of weights at the copy "
+              f"bandwidth measured now: {read_limit_ms:.2f} ms per step")
     print(f"triode bench step: {resolved.source}, context {context} tokens, {steps} decode steps, "
           f"triode {' / '.join(labels.values())}, HF {first.dtype} on {first.device}; {machine_description()}")
     rows = []
@@ -123,19 +151,24 @@ def run(
             kernels.set_quantized_activations(settings[key])
             row[f"triode_{key}_ms"] = time_ours(runner, prompts, steps) * 1e3
         row["hf_ms"] = time_hf(hf_model, prompts, steps) * 1e3
+        if read_limit_ms is not None:
+            row["read_limit_ms"] = read_limit_ms
         rows.append(row)
+    limit = ["weight-read limit ms"] if read_limit_ms is not None else []
     print_table(
         ["batch", *(f"triode {label} ms" for label in labels.values()), "HF ms/step",
-         *(f"HF/{label}" for label in labels.values())],
+         *(f"HF/{label}" for label in labels.values()), *limit],
         [[r["batch"], *(r[f"triode_{d}_ms"] for d in runners), r["hf_ms"],
-          *(f"{r['hf_ms'] / r[f'triode_{d}_ms']:.2f}x" for d in runners)] for r in rows],
+          *(f"{r['hf_ms'] / r[f'triode_{d}_ms']:.2f}x" for d in runners),
+          *([r["read_limit_ms"]] if limit else [])] for r in rows],
     )
     write_json(output_dir / "step.json", {"context": context, "steps": steps, "triode": labels, "rows": rows})
     plot_lines(
         output_dir / "step.png", title=f"Decode step time, context {context}",
         x_label="batch size", y_label="ms per step", x=[r["batch"] for r in rows],
         series={**{f"triode {labels[d]}": [r[f"triode_{d}_ms"] for r in rows] for d in runners},
-                "HF transformers": [r["hf_ms"] for r in rows]},
+                "HF transformers": [r["hf_ms"] for r in rows],
+                **({"weight-read limit": [r["read_limit_ms"] for r in rows]} if limit else {})},
         log_x=True,
     )
     print(f"wrote {output_dir / 'step.json'} and {output_dir / 'step.png'}")

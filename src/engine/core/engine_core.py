@@ -10,7 +10,9 @@ drift apart:
 - aborts by the user's request id, stop-string finishes by sequence id, at any time, a step
   in flight included (its result is then ignored for them);
 - ``schedule`` -> ``update_from_output``, or ``step_failed`` when the workers lost the step
-  (every running sequence is recomputed, as after a preemption);
+  (every running sequence is recomputed, as after a preemption); with async scheduling a
+  second ``schedule`` while one step is out plans the next one ahead (``with_sampled_inputs``
+  completes it from the first one's result before it is sent);
 - the time the workers sat idle between steps while requests were unfinished.
 """
 
@@ -42,7 +44,9 @@ class EngineCore:
         cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: Sequence[int]
     ) -> EngineCore:
         """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
-        return cls(Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window),
+        scheduler = Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window,
+                                               worker_device=worker.device)
+        return cls(scheduler,
                    max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids)
 
     # ---- requests in and out -------------------------------------------------------------
@@ -99,24 +103,38 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------
 
+    def can_schedule(self) -> bool:
+        """Whether ``schedule`` may be called now: fewer steps are out than the engine runs at
+        once (one, or two with async scheduling)."""
+        return self.scheduler.steps_in_flight < self.scheduler.max_steps_in_flight
+
+    @property
+    def steps_in_flight(self) -> int:
+        return self.scheduler.steps_in_flight
+
     def schedule(self, now: float) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to run."""
+        """The next step's plan, or None when there is nothing to run (or, with a step in
+        flight, nothing to plan ahead of its result)."""
         if not self.scheduler.has_unfinished_requests():
             return None
+        ahead = self.scheduler.steps_in_flight > 0
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            if ahead:
+                return None  # e.g. the step in flight ends every running sequence by length
             # The scheduler's invariant (the most important sequence always progresses) rules
             # this out; a driver that waited here would hang its requests, one that looped
             # would spin.
             raise RuntimeError(f"step {plan.step_id}: unfinished requests but nothing scheduled")
-        if self._last_step_end is not None:
+        if self._last_step_end is not None and not ahead:
             self.idle_seconds += now - self._last_step_end
         return plan
 
     def update_from_output(self, result: StepResult, now: float) -> list[SequenceUpdate]:
         """Applies a step's result (token-id stop checks included); returns what changed."""
         updates = self.scheduler.update_from_output(result)
-        self._last_step_end = now if self.scheduler.has_unfinished_requests() else None
+        busy = self.scheduler.steps_in_flight or not self.scheduler.has_unfinished_requests()
+        self._last_step_end = None if busy else now
         return updates
 
     def step_failed(self) -> list[Request]:

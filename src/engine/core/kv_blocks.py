@@ -97,13 +97,16 @@ class BlockManager:
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
     ) -> list[int] | None:
-        """Makes room for ``num_new_tokens`` after the computed ones, first taking the prefix
-        hits ``computed_blocks`` (only for a request that holds no blocks). Returns the block ids
-        appended to the block table, or None, changing nothing, when too few blocks are free."""
+        """Makes room for ``num_new_tokens`` after the computed ones and those of steps in
+        flight, first taking the prefix hits ``computed_blocks`` (only for a request that holds
+        no blocks). Returns the block ids appended to the block table, or None, changing
+        nothing, when too few blocks are free."""
         if computed_blocks:
             assert not request.block_ids and request.num_computed_tokens == 0
+        elif request.num_scheduled_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            return []  # most decode steps: the last block has room
         num_hit_tokens = len(computed_blocks) * self.block_size
-        total = self.blocks_for(request.num_computed_tokens + num_hit_tokens + num_new_tokens)
+        total = self.blocks_for(request.num_scheduled_tokens + num_hit_tokens + num_new_tokens)
         num_fresh = max(0, total - len(request.block_ids) - len(computed_blocks))
         # A hit on a free cached block takes it out of the free queue as well.
         num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)

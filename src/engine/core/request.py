@@ -99,6 +99,12 @@ class Request:
 
         # KV-cache state, reset by preemption (recompute).
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (including prefix hits)
+        # Of the steps planned but not yet come back (async scheduling): the tokens they feed,
+        # and the tokens they sample, which the next plan feeds before they are known.
+        self.num_in_flight_tokens = 0
+        self.num_in_flight_samples = 0
+        # Bumped by every reset: a result for an earlier incarnation of the sequence is ignored.
+        self.incarnation = 0
         self.block_ids: list[int] = []  # the block table
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_released_blocks = 0  # leading blocks freed as outside every layer's window
@@ -122,6 +128,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose KV is computed or being computed by a step in flight."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -187,6 +198,9 @@ class Request:
         """Forgets the KV cache (preemption or worker restart). The caller frees the blocks."""
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_in_flight_samples = 0
+        self.incarnation += 1
         self.block_ids = []
         self.num_cached_blocks = 0
         self.num_released_blocks = 0

@@ -13,15 +13,23 @@ The most important sequence is never the victim while another runs, and each one
 the oldest request is never starved. Under the priority policy a stream of more important
 requests may delay a less important one indefinitely, as priorities intend.
 
-One plan is in flight at a time: ``schedule()``, then ``update_from_output()`` with its result
-(or ``requeue_all_running()`` if the worker died). Sequence state advances only when the result
-arrives, so a lost step leaves nothing half-applied.
+Up to ``max_steps_in_flight`` plans are out at once: one, or two with async scheduling, where
+step N+1 is planned while step N runs. A plan made ahead counts the tokens of the step in
+flight as scheduled: a prefill continues with its next chunk, and a sequence whose token is
+being sampled is fed that token, which the plan leaves to be filled in from step N's result
+(``ScheduledChunk.sampled_input``, ``with_sampled_inputs``). Sequence state advances only when
+a result arrives, in plan order (``update_from_output``; ``requeue_all_running()`` if the
+worker died), so a lost step leaves nothing half-applied. A sequence that finishes, is
+aborted or is preempted while a later step for it is out has that step's work ignored (its
+``incarnation`` tells a recomputed sequence from the one planned for).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import attrs
 
@@ -39,12 +47,18 @@ from engine.worker_messages import (
 )
 
 
-@attrs.frozen
-class _InFlight:
+class _InFlight(NamedTuple):  # one per sequence and step: a tuple is the cheapest record
     request: Request
+    incarnation: int
     start: int
     num_tokens: int
     sample: bool
+
+
+@attrs.frozen
+class _PlannedStep:
+    step_id: int
+    chunks: dict[str, _InFlight]
 
 
 class Scheduler:
@@ -56,9 +70,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int | None = None,
         scheduling_policy: str = "fcfs",
+        max_steps_in_flight: int = 1,
     ) -> None:
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
+        if max_steps_in_flight not in (1, 2):
+            raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
+        self.max_steps_in_flight = max_steps_in_flight
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -71,19 +89,22 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_order = 0
         self._step_id = 0
-        self._in_flight: dict[str, _InFlight] | None = None
+        self._in_flight: collections.deque[_PlannedStep] = collections.deque()  # plan order
         self._finished_seq_ids: list[str] = []  # the worker must forget these
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None) -> Scheduler:
+    def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None,
+                         worker_device: str = "cpu") -> Scheduler:
         """``kv_window``: the model's sliding window when every layer has one (its blocks
-        behind the window are freed as sequences advance)."""
+        behind the window are freed as sequences advance); ``worker_device``: where the
+        workers run (async scheduling's default depends on it)."""
         return cls(
             BlockManager(num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=kv_window),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
+            max_steps_in_flight=2 if args.async_scheduling_on(worker_device) else 1,
         )
 
     def _key(self, request: Request) -> tuple[float, ...]:
@@ -184,7 +205,7 @@ class Scheduler:
             self.block_manager.free(request)
             request.reset_for_recompute()
             self._enqueue(request)
-        self._in_flight = None
+        self._in_flight.clear()
         self._finished_seq_ids = []
         self.block_manager.reset_prefix_cache()
         return requeued
@@ -194,8 +215,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan. A plan without chunks needs no result and need not be sent:
         its ``finished_seq_ids`` are repeated in the next plan that has chunks."""
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called while a step is in flight")
+        if len(self._in_flight) >= self.max_steps_in_flight:
+            raise RuntimeError(f"schedule() called with {len(self._in_flight)} steps in flight")
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold or budget
@@ -207,13 +228,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, threshold, budget)
+            num_new = self._num_to_schedule(request, min(threshold, budget))
+            if num_new == 0:
+                i += 1
+                continue
             while bm.allocate_slots(request, num_new) is None:
                 victim = max(self.running, key=self._key)
                 position = self.running.index(victim)
                 del self.running[position]
                 if victim.request_id in chunks:
-                    budget += len(chunks.pop(victim.request_id).token_ids)
+                    budget += chunks.pop(victim.request_id).num_tokens
                 self._preempt(victim)
                 self.num_preemptions += 1
                 preempted = True
@@ -259,12 +283,12 @@ class Scheduler:
         finished = tuple(self._finished_seq_ids)
         if chunks:
             self._finished_seq_ids = []
-            self._in_flight = {
-                seq_id: _InFlight(
-                    self.requests[seq_id], chunk.start_position, len(chunk.token_ids), chunk.sample
-                )
-                for seq_id, chunk in chunks.items()
-            }
+            planned = {}
+            for seq_id, chunk in chunks.items():
+                request = self.requests[seq_id]
+                planned[seq_id] = _InFlight(request, request.incarnation, chunk.start_position,
+                                            chunk.num_tokens, chunk.sample)
+            self._in_flight.append(_PlannedStep(self._step_id, planned))
         return StepPlan(
             step_id=self._step_id,
             new_sequences=tuple(new_sequences),
@@ -272,16 +296,31 @@ class Scheduler:
             finished_seq_ids=finished,
         )
 
+    @staticmethod
+    def _num_to_schedule(request: Request, limit: int) -> int:
+        """The tokens to feed a running sequence now, at most ``limit``: the rest of those it
+        has (with the one a step in flight samples), or none if that step ends it by length."""
+        pending = request.num_in_flight_samples
+        if pending and request.num_tokens + pending >= request.max_num_tokens:
+            return 0
+        return min(request.num_tokens + pending - request.num_scheduled_tokens, limit)
+
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
+        start = request.num_scheduled_tokens
+        end = start + num_new
+        sampled_input = end > request.num_tokens  # the token a step in flight samples
         new_block_ids = tuple(request.block_ids[request.num_blocks_sent :])
         request.num_blocks_sent = len(request.block_ids)
+        sample = end == request.num_tokens + request.num_in_flight_samples
+        request.num_in_flight_tokens += num_new
+        request.num_in_flight_samples += sample
         return ScheduledChunk(
             seq_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=tuple(request.all_token_ids[start:end]),
             start_position=start,
             new_block_ids=new_block_ids,
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
+            sampled_input=sampled_input,
         )
 
     def _sibling_is_prefilling(self, request: Request) -> bool:
@@ -304,27 +343,30 @@ class Scheduler:
         """Applies a step's result: advances computed tokens, caches newly full blocks, appends
         sampled tokens and runs the token-id stop checks. Finished sequences are freed and
         listed in the next plan's ``finished_seq_ids``. Sequences aborted while the step ran are
-        skipped."""
-        in_flight = self._in_flight
-        if in_flight is None and result.step_id == self._step_id and not result.sampled:
-            return []  # the result of a plan without chunks, sent anyway
-        if in_flight is None or result.step_id != self._step_id:
-            raise RuntimeError(f"result of step {result.step_id} does not match the plan in flight")
-        self._in_flight = None
+        skipped, as are those preempted (their recompute is another incarnation)."""
+        if not self._in_flight or self._in_flight[0].step_id != result.step_id:
+            if result.step_id == self._step_id and not result.sampled:
+                return []  # the result of a plan without chunks, sent anyway
+            expected = self._in_flight[0].step_id if self._in_flight else None
+            raise RuntimeError(f"result of step {result.step_id} does not match the next step in flight "
+                               f"({expected})")
+        in_flight = self._in_flight.popleft().chunks
         sampled = {token.seq_id: token for token in result.sampled}
         prompt_logprobs = dict(result.prompt_logprobs)
         updates = []
         for seq_id, step in in_flight.items():
             request = step.request
-            if self.requests.get(seq_id) is not request:
-                continue  # finished or aborted after the plan was made
+            if self.requests.get(seq_id) is not request or request.incarnation != step.incarnation:
+                continue  # finished, aborted or preempted after the plan was made
             request.num_computed_tokens += step.num_tokens
+            request.num_in_flight_tokens -= step.num_tokens
             self.block_manager.cache_computed_blocks(request)
             self.block_manager.release_outside_window(request)
             plp = request.unsent_prompt_logprobs(step.start, prompt_logprobs.get(seq_id, ()))
             new_token_ids: tuple[int, ...] = ()
             logprobs: tuple[TokenLogprobs | None, ...] = ()
             if step.sample:
+                request.num_in_flight_samples -= 1
                 token = sampled.get(seq_id)
                 if token is None:
                     raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
@@ -355,6 +397,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def statistics(self) -> SchedulerStats:
         bm = self.block_manager

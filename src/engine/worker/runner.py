@@ -25,6 +25,7 @@ from engine.model_files.layout import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import Rendezvous
 from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
+from engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from engine.worker.models.llama import checkpoint_slices
@@ -90,6 +91,14 @@ class _Sequence:
     eos_token_ids: tuple[int, ...]
     block_table: list[int] = attrs.Factory(list)
 
+    def samples_as_before(self) -> bool:
+        """Whether its row of the sampler's tensors is the same as in the step before: no
+        seed (a seeded draw depends on the token's index), no penalties (they count the
+        output), and no tokens banned any more (min_tokens is reached)."""
+        params = self.params
+        return (params.seed is None and params.repetition_penalty == 1.0 and not params.frequency_penalty
+                and not params.presence_penalty and len(self.output_token_ids) > params.min_tokens)
+
 
 class ModelRunner:
     """One rank's model and KV cache. Without ``rendezvous`` the runner is the whole model
@@ -105,7 +114,11 @@ class ModelRunner:
         rendezvous: Rendezvous | None = None,
         store=None,
         local_rank: int | None = None,
+        decode_graph_capture: GraphCapture | None = None,
     ) -> None:
+        """``decode_graph_capture``: how decode graphs are captured (tests pass ``EagerReplay``
+        to run the captured path on a CPU); by default CUDA graphs on a GPU unless
+        ``enforce_eager``, none elsewhere."""
         path = Path(model_path)
         self.device = resolve_device(args.device)
         if rendezvous is not None and self.device.type == "cuda":
@@ -120,7 +133,13 @@ class ModelRunner:
         self.parallel: TensorParallelGroup | None = None
         kv_heads = self.config.num_kv_heads
         select = None
-        if rendezvous is not None and rendezvous.world_size > 1:
+        tensor_parallel = rendezvous is not None and rendezvous.world_size > 1
+        # Decode graphs keep one KV block for their padding rows. Not under tensor
+        # parallelism: every rank would have to replay in lockstep (not built yet).
+        wants_graphs = not tensor_parallel and (
+            decode_graph_capture is not None or (self.device.type == "cuda" and not args.enforce_eager))
+        self._reserved_blocks = int(wants_graphs)
+        if tensor_parallel:
             partition = Partition.of(self.config, rank, rendezvous.world_size)
             # Budget errors first: a rank that fails before joining fails the group at once.
             self.num_blocks = self._num_blocks(args.kv_cache_memory, partition.max_kv_heads)
@@ -142,7 +161,7 @@ class ModelRunner:
         # Peak resident memory once the weights are in (before the KV cache): what loading
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()
-        shape = (self.num_blocks, self.block_size, kv_heads, self.config.head_dim)
+        shape = (self.num_blocks + self._reserved_blocks, self.block_size, kv_heads, self.config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -154,12 +173,24 @@ class ModelRunner:
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
                                          reasoning_parser=args.reasoning_parser) if rank == 0 else None
         self._grammar_seconds = 0.0
+        self.graphs: DecodeGraphs | None = None
+        if wants_graphs:
+            self.graphs = capture_decode_graphs(
+                self._logits_of_step, max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                block_size=self.block_size, scratch_block=self.num_blocks, device=self.device,
+                capture=decode_graph_capture,
+            )
+        elif self.device.type == "cuda" and tensor_parallel and not args.enforce_eager:
+            logger.info("decode steps run eagerly under tensor parallelism (no CUDA graphs)")
+        # The sampler's tensors of the last step, kept while the same sequences sample alike
+        # (most decode steps): (their ids, the batch).
+        self._sampling: tuple[tuple[str, ...], SamplingBatch] | None = None
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_token = 2 * self.config.num_layers * kv_heads * self.config.head_dim
         per_block = self.block_size * per_token * element
-        num_blocks = budget_bytes // per_block
+        num_blocks = budget_bytes // per_block - self._reserved_blocks
         # One sequence of max_model_len must fit; with a window on every layer, only the part
         # of it the scheduler keeps at once (its blocks behind the window are freed).
         needed = blocks_in_use_at_most(self.max_model_len, self.block_size, sliding_window=self.config.kv_window,
@@ -190,20 +221,26 @@ class ModelRunner:
                                     new.output_token_ids)
                 self._grammar_seconds += time.perf_counter() - grammar_started
         # Decodes (one query token) go first: the attention ops batch them together.
-        chunks = sorted(plan.chunks, key=lambda chunk: len(chunk.token_ids) != 1)
+        order = sorted(zip(plan.chunks, plan.chunk_token_ids(), strict=True), key=lambda pair: len(pair[1]) != 1)
+        chunks = [chunk for chunk, _ in order]
         for chunk in chunks:
             self.sequences[chunk.seq_id].block_table.extend(chunk.new_block_ids)
         if not chunks:
             return StepResult(step_id=plan.step_id)
         inputs = StepInputs.build(
-            chunks, [self.sequences[c.seq_id].block_table for c in chunks],
+            chunks, [tokens for _, tokens in order], [self.sequences[c.seq_id].block_table for c in chunks],
             block_size=self.block_size, device=self.device,
         )
         if self.parallel is not None:
             self.parallel.collective_seconds = 0.0
-        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        sampled = self._sample(chunks, inputs, hidden)
-        prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
+        self._prepare_seconds = time.perf_counter() - started
+        if self._replays(chunks, inputs):
+            logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
+            sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits), ()
+        else:
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            sampled = self._sample(chunks, inputs, hidden=hidden)
+            prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
         return StepResult(
             step_id=plan.step_id,
             sampled=sampled,
@@ -211,29 +248,42 @@ class ModelRunner:
             execute_seconds=time.perf_counter() - started,
             grammar_seconds=self._grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
+            prepare_seconds=self._prepare_seconds,
         )
 
-    def _sample(self, chunks, inputs: StepInputs, hidden: torch.Tensor) -> tuple[SampledToken, ...]:
+    def _logits_of_step(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+        """Every row's logits: what a decode graph captures."""
+        return self.model.compute_logits(self.model(token_ids, positions, self.kv_caches, metadata))
+
+    def _replays(self, chunks: list[ScheduledChunk], inputs: StepInputs) -> bool:
+        """Whether a decode graph runs this step: only decodes (one token each), as many as
+        a captured batch holds, and none that wants prompt logprobs (they need the hidden
+        states, which the graph does not keep)."""
+        metadata = inputs.metadata
+        return (self.graphs is not None and metadata.num_decodes == metadata.num_seqs
+                and self.graphs.bucket_for(metadata.num_seqs) is not None
+                and all(self.sequences[c.seq_id].params.prompt_logprobs is None for c in chunks))
+
+    def _sample(self, chunks, inputs: StepInputs, *, hidden: torch.Tensor | None = None,
+                logits: torch.Tensor | None = None) -> tuple[SampledToken, ...]:
+        """Samples the chunks that sample, from the step's ``hidden`` states, or from ``logits``
+        of every row (a decode graph's)."""
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not sampling:
             return ()
         rows_index = torch.tensor([inputs.last_token_rows[i] for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows_index))
+        if logits is not None:
+            logits = logits if len(sampling) == logits.shape[0] else logits.index_select(0, rows_index)
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, rows_index))
         if logits is None:
             return ()  # a tensor-parallel rank other than 0: rank 0 samples
         seq_ids = [chunks[i].seq_id for i in sampling]
         sequences = [self.sequences[seq_id] for seq_id in seq_ids]
         constrained = self._constrain_(logits, seq_ids)
-        rows = [
-            SamplingRow(
-                params=seq.params,
-                prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                banned_token_ids=self._banned(seq, seq_id),
-            )
-            for seq_id, seq in zip(seq_ids, sequences, strict=True)
-        ]
-        batch = SamplingBatch.build(rows, vocab_size=self.config.vocab_size, device=self.device)
+        prepare_started = time.perf_counter()
+        batch = self._sampling_batch(seq_ids, sequences)
+        self._prepare_seconds += time.perf_counter() - prepare_started
         output = self.sampler.sample(logits, batch)
         results = []
         for index, seq, token_id, logprobs in zip(
@@ -244,6 +294,24 @@ class ModelRunner:
                 self.grammars.accept(chunks[index].seq_id, token_id)
             results.append(SampledToken(seq_id=chunks[index].seq_id, token_id=token_id, logprobs=logprobs))
         return tuple(results)
+
+    def _sampling_batch(self, seq_ids: list[str], sequences: list[_Sequence]) -> SamplingBatch:
+        key = tuple(seq_ids)
+        reusable = all(seq.samples_as_before() for seq in sequences)
+        if reusable and self._sampling is not None and self._sampling[0] == key:
+            return self._sampling[1]
+        rows = [
+            SamplingRow(
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                banned_token_ids=self._banned(seq, seq_id),
+            )
+            for seq_id, seq in zip(seq_ids, sequences, strict=True)
+        ]
+        batch = SamplingBatch.build(rows, vocab_size=self.config.vocab_size, device=self.device)
+        self._sampling = (key, batch) if reusable else None
+        return batch
 
     def _constrain_(self, logits: torch.Tensor, seq_ids: list[str]) -> set[str]:
         """Masks, in place, the logits of the rows whose sequence follows a grammar (before
@@ -278,7 +346,7 @@ class ModelRunner:
                 continue
             prompt = seq.prompt_token_ids
             # Row p predicts prompt[p + 1]; only positions inside the prompt have a target.
-            end = min(chunk.start_position + len(chunk.token_ids), len(prompt) - 1)
+            end = min(chunk.start_position + chunk.num_tokens, len(prompt) - 1)
             if end <= chunk.start_position:
                 continue
             first_row = inputs.first_token_rows[index]

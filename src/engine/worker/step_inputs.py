@@ -23,35 +23,37 @@ class StepInputs:
     def build(
         cls,
         chunks: Sequence[ScheduledChunk],
+        chunk_token_ids: Sequence[Sequence[int]],
         block_tables: Sequence[Sequence[int]],
         *,
         block_size: int,
         device: torch.device,
     ) -> StepInputs:
-        """``chunks`` must be ordered decodes (one token) first; ``block_tables[i]`` is chunk
-        i's full block table, already extended by this step's new blocks."""
+        """``chunks`` must be ordered decodes (one token) first; ``chunk_token_ids[i]`` is
+        chunk i's input tokens (``StepPlan.chunk_token_ids``), ``block_tables[i]`` its full
+        block table, already extended by this step's new blocks."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        for chunk, table in zip(chunks, block_tables, strict=True):
+        for chunk, chunk_tokens, table in zip(chunks, chunk_token_ids, block_tables, strict=True):
             first = chunk.start_position
-            last = first + len(chunk.token_ids)
+            last = first + len(chunk_tokens)
             if last > len(table) * block_size:
                 raise ValueError(
                     f"sequence {chunk.seq_id!r}: {last} tokens need more than its "
                     f"{len(table)} blocks of {block_size}"
                 )
-            token_ids.extend(chunk.token_ids)
+            token_ids.extend(chunk_tokens)
             span = range(first, last)
             positions.extend(span)
             slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-            starts.append(starts[-1] + len(chunk.token_ids))
+            starts.append(starts[-1] + len(chunk_tokens))
             seq_lens.append(last)
         width = max(len(table) for table in block_tables)
         padded = [list(table) + [0] * (width - len(table)) for table in block_tables]
-        num_decodes = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
+        num_decodes = next((i for i, t in enumerate(chunk_token_ids) if len(t) != 1), len(chunks))
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -62,7 +64,7 @@ class StepInputs:
             seq_lens=tensor(seq_lens, torch.int32),
             block_tables=tensor(padded, torch.int32),
             num_decodes=num_decodes,
-            max_query_len=max(len(c.token_ids) for c in chunks),
+            max_query_len=max(len(t) for t in chunk_token_ids),
             max_seq_len=max(seq_lens),
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
