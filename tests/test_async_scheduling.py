@@ -23,7 +23,14 @@ from engine.core.scheduler import Scheduler
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.worker_messages import SampledToken, StepPlan, StepResult, with_sampled_inputs
-from tests.test_core_scheduler import EOS, FakeWorker, check_invariants, check_plan, make_scheduler
+from tests.test_core_scheduler import (
+    ADD_OP,
+    EOS,
+    FakeWorker,
+    check_invariants,
+    check_plan,
+    make_scheduler,
+)
 
 
 def _greedy_token(tokens: list[int], vocab: int) -> int:
@@ -211,19 +218,9 @@ def test_a_preemption_while_a_step_is_out_recomputes_without_its_token():
 
 # ---- random workloads: async = sync -------------------------------------------------------
 
-_add = st.tuples(
-    st.just("add"),
-    st.integers(0, 2),  # which shared prompt base
-    st.integers(2, 8),  # prompt length
-    st.integers(1, 10),  # max_tokens
-    st.sampled_from([1, 1, 2, 3]),  # n
-    st.integers(0, 2),  # priority
-    st.sampled_from([True, False]),  # ignore_eos
-    st.integers(0, 3),  # min_tokens (capped by max_tokens)
-)
 _ops = st.lists(
     st.one_of(
-        _add, _add, _add,
+        ADD_OP, ADD_OP, ADD_OP,
         st.tuples(st.just("plan")), st.tuples(st.just("plan")),
         st.tuples(st.just("complete")), st.tuples(st.just("complete")),
         st.tuples(st.just("abort"), st.integers(0, 99)),
@@ -280,25 +277,21 @@ def _run_workload(ops, *, steps_in_flight: int, num_blocks: int, block_size: int
     return {seq_id: (tuple(r.all_token_ids), r.status) for seq_id, r in accepted.items()}, pipeline
 
 
+# The engine's shape: a cache of 8 tokens' blocks and up to 3 more, small budgets and batches.
+_SHAPES = dict(extra_blocks=st.integers(0, 3), block_size=st.integers(1, 4), max_num_seqs=st.integers(1, 6),
+               budget=st.integers(1, 16), threshold=st.one_of(st.none(), st.integers(1, 6)),
+               prefix_caching=st.booleans(), seed=st.integers(0, 2**16))
+
+
+def _options(extra_blocks: int, block_size: int, **shape) -> dict:
+    return dict(num_blocks=-(-8 // block_size) + extra_blocks, block_size=block_size, **shape)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    ops=_ops,
-    extra_blocks=st.integers(0, 3),
-    block_size=st.integers(1, 4),
-    max_num_seqs=st.integers(1, 6),
-    budget=st.integers(1, 16),
-    threshold=st.one_of(st.none(), st.integers(1, 6)),
-    policy=st.sampled_from(["fcfs", "priority"]),
-    prefix_caching=st.booleans(),
-    seed=st.integers(0, 2**16),
-    window=st.one_of(st.none(), st.integers(1, 6)),
-)
-def test_random_workloads_planned_ahead_keep_invariants_and_finish(
-    ops, extra_blocks, block_size, max_num_seqs, budget, threshold, policy, prefix_caching, seed, window
-):
-    num_blocks = -(-8 // block_size) + extra_blocks
-    options = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, budget=budget,
-                   threshold=threshold, policy=policy, prefix_caching=prefix_caching, window=window, seed=seed)
+@given(ops=_ops, policy=st.sampled_from(["fcfs", "priority"]), window=st.one_of(st.none(), st.integers(1, 6)),
+       **_SHAPES)
+def test_random_workloads_planned_ahead_keep_invariants_and_finish(ops, **shape):
+    options = _options(**shape)
     outputs, pipeline = _run_workload(ops, steps_in_flight=2, **options)
     event(f"plans made ahead: {min(pipeline.plans_ahead, 3)}")
     event(f"preemptions: {min(pipeline.scheduler.num_preemptions, 3)}")
@@ -308,29 +301,16 @@ def test_random_workloads_planned_ahead_keep_invariants_and_finish(
             assert len(tokens) <= 16
 
 
-_plain_ops = st.lists(st.one_of(_add, _add, st.tuples(st.just("plan")), st.tuples(st.just("complete"))),
+_plain_ops = st.lists(st.one_of(ADD_OP, ADD_OP, st.tuples(st.just("plan")), st.tuples(st.just("complete"))),
                       min_size=5, max_size=40)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    ops=_plain_ops,
-    extra_blocks=st.integers(0, 3),
-    block_size=st.integers(1, 4),
-    max_num_seqs=st.integers(1, 6),
-    budget=st.integers(1, 16),
-    threshold=st.one_of(st.none(), st.integers(1, 6)),
-    prefix_caching=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_async_scheduling_gives_the_tokens_of_sync_scheduling(
-    ops, extra_blocks, block_size, max_num_seqs, budget, threshold, prefix_caching, seed
-):
+@given(ops=_plain_ops, **_SHAPES)
+def test_async_scheduling_gives_the_tokens_of_sync_scheduling(ops, **shape):
     """Greedy outputs (tokens and finish) do not depend on planning ahead: chunked prefill,
     EOS, stop ids, n > 1 and preemption under a small cache included."""
-    num_blocks = -(-8 // block_size) + extra_blocks
-    options = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, budget=budget,
-                   threshold=threshold, policy="fcfs", prefix_caching=prefix_caching, window=None, seed=seed)
+    options = _options(policy="fcfs", window=None, **shape)
     # Both runs see requests arrive at the same points of the token stream: sync runs every
     # "plan" then "complete" as one step, async keeps a step out between them.
     sync, _ = _run_workload(ops, steps_in_flight=1, **options)

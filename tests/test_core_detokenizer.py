@@ -111,6 +111,38 @@ def test_random_ids_stream_prefixes_of_the_one_shot_decode(name, data, skip_spec
 
 
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), skip_special_tokens=st.booleans(), group=st.integers(1, 3),
+       stop_terminated=st.booleans(), include_stop=st.booleans())
+def test_deferred_decoding_gives_the_incremental_text(name, data, skip_special_tokens, group, stop_terminated,
+                                                      include_stop):
+    """``final_text_only`` (a FINAL_ONLY request without stop strings) decodes once at the end:
+    the same final text as token by token, after any prompt context."""
+    tokenizer = TOKENIZERS[name]
+    vocab = backend(tokenizer).get_vocab_size()
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=8))
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24))
+    params = SamplingParams(skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include_stop)
+    texts = []
+    for deferred in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, params, prompt, final_text_only=deferred)
+        body = ids[:-1]
+        deltas = [detok.update(body[i : i + group]) for i in range(0, len(body), group)]
+        deltas.append(detok.update(ids[-1:], finished=True, stop_terminated=stop_terminated))
+        if deferred:
+            assert deltas[:-1] == [""] * (len(deltas) - 1)  # nothing until the end
+        texts.append(("".join(deltas), detok.output_text, detok.output_token_ids))
+    assert texts[1] == texts[0]
+
+
+def test_deferred_decoding_does_not_apply_with_stop_strings():
+    tokenizer = TOKENIZERS["byte_level"]
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["fox"]), final_text_only=True)
+    stream(detok, encode(tokenizer, "the quick brown fox jumps"))
+    assert detok.stop_string == "fox" and detok.output_text == "the quick brown "
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(alphabet=ALPHABET, max_size=40))
 def test_valid_text_never_streams_a_replacement_character(name, text):

@@ -219,7 +219,7 @@ def drain(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 3000) -> No
 
 # ---- property test over random workloads ---------------------------------------------------
 
-_add = st.tuples(
+ADD_OP = st.tuples(
     st.just("add"),
     st.integers(0, 2),  # which shared prompt base
     st.integers(2, 8),  # prompt length
@@ -231,9 +231,9 @@ _add = st.tuples(
 )
 _ops = st.lists(
     st.one_of(
-        _add,
-        _add,
-        _add,
+        ADD_OP,
+        ADD_OP,
+        ADD_OP,
         st.tuples(st.just("step")),
         st.tuples(st.just("step")),
         st.tuples(st.just("step"), st.just("abort_in_flight"), st.integers(0, 99)),

@@ -5,10 +5,15 @@ A plan carries only what changed since the previous step: the worker keeps each 
 token history and block table, so nothing grows with the length of a conversation. Every
 message is pickled on each step, so they hold plain Python values, never tensors, and this
 module imports neither torch nor trio: both sides import it, and the engine process stays
-free of torch through it.
+free of torch through it. The per-sequence records (``ScheduledChunk``, ``SampledToken``) are
+named tuples, and a plan's chunks and a result's tokens travel as columns (a tuple per
+field): at 64 sequences a plan then pickles and unpickles in about 45 us, where records as
+attrs classes took 274 (measured on this project's 2-core CPU).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import attrs
 
@@ -29,10 +34,11 @@ class NewSequence:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@attrs.frozen(kw_only=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """The work for one sequence in one step: ``token_ids`` are fed at positions
-    ``start_position ..``; ``new_block_ids`` extend its block table first."""
+    ``start_position ..``; ``new_block_ids`` extend its block table first. A named tuple,
+    as ``SampledToken``: there is one per sequence and step, and tuples are the cheapest
+    records to build and to pickle."""
 
     seq_id: str
     token_ids: tuple[int, ...]
@@ -84,6 +90,16 @@ class StepPlan:
         return [(*chunk.token_ids, next(filled)) if chunk.sampled_input else chunk.token_ids
                 for chunk in self.chunks]
 
+    def __reduce__(self):
+        return _plan_from_columns, (self.step_id, self.new_sequences, self.finished_seq_ids,
+                                    self.sampled_inputs, tuple(zip(*self.chunks, strict=True)))
+
+
+def _plan_from_columns(step_id, new_sequences, finished_seq_ids, sampled_inputs, columns) -> StepPlan:
+    chunks = tuple(map(ScheduledChunk._make, zip(*columns, strict=True)))
+    return StepPlan(step_id=step_id, new_sequences=new_sequences, chunks=chunks,
+                    finished_seq_ids=finished_seq_ids, sampled_inputs=sampled_inputs)
+
 
 @attrs.frozen(kw_only=True)
 class TokenLogprobs:
@@ -95,8 +111,7 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@attrs.frozen(kw_only=True)
-class SampledToken:
+class SampledToken(NamedTuple):
     seq_id: str
     token_id: int
     logprobs: TokenLogprobs | None = None
@@ -117,6 +132,15 @@ class StepResult:
     # Filled in by the worker group from every rank's result (rank order); empty for one rank.
     rank_execute_seconds: tuple[float, ...] = ()
     rank_collective_seconds: tuple[float, ...] = ()
+
+    def __reduce__(self):
+        fields = {field.name: getattr(self, field.name) for field in attrs.fields(StepResult)
+                  if field.name != "sampled"}
+        return _result_from_columns, (fields, tuple(zip(*self.sampled, strict=True)))
+
+
+def _result_from_columns(fields: dict, columns: tuple) -> StepResult:
+    return StepResult(sampled=tuple(map(SampledToken._make, zip(*columns, strict=True))), **fields)
 
 
 @attrs.frozen(kw_only=True)

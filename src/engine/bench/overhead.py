@@ -1,6 +1,7 @@
 """`triode bench step --overhead`: what a decode step costs besides the model's arithmetic.
 
-The real sync engine (``LLMEngine``, which ``LLM.generate`` drives) runs decode steps on a
+The real sync engine (``LLMEngine``, which ``LLM.generate`` drives; final outputs only, as
+``generate`` asks for them) runs decode steps on a
 model whose compute is negligible (two layers, hidden size 64, a few hundred tokens of
 vocabulary, random weights) and on the default model, at each batch size, with asynchronous
 scheduling off and on. Per step it reports the wall time and where it went:
@@ -32,7 +33,7 @@ from engine.config import EngineArgs
 from engine.engine_stats import EngineStatistics
 from engine.llm_engine import LLMEngine
 from engine.model_files.resolve import resolve_model
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import OutputKind, SamplingParams
 
 PROMPT_TOKENS = 8
 WARMUP_STEPS = 3  # the prefill and the first decodes (where the worker builds its caches)
@@ -71,7 +72,9 @@ def _per_step(before: EngineStatistics, after: EngineStatistics, steps: int, sec
 def time_decode_steps(engine: LLMEngine, batch: int, steps: int, vocab: int, *, seed: int) -> dict:
     """Per-step figures of ``steps`` decode steps with ``batch`` running sequences."""
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_STEPS + steps + 2, ignore_eos=True)
+    # Final outputs only, as LLM.generate asks for them.
+    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_STEPS + steps + 2, ignore_eos=True,
+                            output_kind=OutputKind.FINAL_ONLY)
     for i in range(batch):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
         engine.add_request(f"overhead-{seed}-{i}", {"prompt_token_ids": prompt}, params)

@@ -17,6 +17,11 @@ deltas equal the one-shot ``decode(ids)``:
 The window slides forward only onto tokens that decode to some text, so its first token never
 loses a leading space to a decoder's strip step while that space belongs to later text.
 
+A caller that reads the text only once the request has finished (``final_text_only``, as
+``OutputKind.FINAL_ONLY``) and has no stop strings gets the same text from one decode of the
+window at the end, where the window's text starts with the context's (otherwise the steps are
+replayed): a decode step then costs nothing per token.
+
 Stop strings are searched in the decoded text. Unless ``include_stop_str_in_output``, the last
 ``len(longest stop) - 1`` characters are held back until the request finishes, so no part of a
 stop string is ever streamed; on a match the output ends before (or after) it.
@@ -50,6 +55,8 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         params: SamplingParams,
         prompt_token_ids: Sequence[int] = (),
+        *,
+        final_text_only: bool = False,
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._backend = backend
@@ -62,6 +69,7 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._hold = 0 if self._include_stop or not self._stops else max(map(len, self._stops)) - 1
+        self._deferred = final_text_only and not self._stops
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_token_ids else []
         self._ids = context  # the window source: a little prompt context, then output ids
         self._prefix_offset = 0
@@ -99,11 +107,15 @@ class IncrementalDetokenizer:
             if stop_terminated and i == len(new_token_ids) - 1 and not self._include_stop:
                 break
             self._ids.append(token_id)
+            if self._deferred:
+                continue
             self._advance(final=False)
             if self._check_stop():
                 finished = True
                 break
         if finished and self.stop_string is None:
+            if self._deferred:
+                self._catch_up()
             self._advance(final=True)
             self._check_stop()
         self.finished = finished
@@ -133,6 +145,20 @@ class IncrementalDetokenizer:
         else:
             self._prefix_text = new_text
         self._read_offset = len(self._ids)
+
+    def _catch_up(self) -> None:
+        """Settles every unread id at once (deferred decoding): one decode of the window, or,
+        where its text does not start with the prefix's, the steps one id at a time."""
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if new_text.startswith(self._prefix_text):
+            self._text += new_text[len(self._prefix_text) :]
+            self._read_offset = len(self._ids)
+            return
+        unread = self._ids[self._read_offset :]
+        del self._ids[self._read_offset :]
+        for token_id in unread:
+            self._ids.append(token_id)
+            self._advance(final=False)
 
     def _ends_in_byte_token(self) -> bool:
         for i in range(len(self._ids) - 1, self._prefix_offset - 1, -1):

@@ -103,7 +103,8 @@ class OutputProcessor:
         samples = [
             _Sample(
                 seq_id=seq_id,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids,
+                                                   final_text_only=params.output_kind == OutputKind.FINAL_ONLY),
                 logprobs=None if params.logprobs is None else [],
                 cumulative_logprob=None if params.logprobs is None else 0.0,
             )

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import attrs
 
 from engine.worker_messages import TokenLogprobs
 
 
-@attrs.frozen(kw_only=True)
-class SequenceUpdate:
-    """What one step did to one sequence, for the output side (detokenizer, streams)."""
+class SequenceUpdate(NamedTuple):
+    """What one step did to one sequence, for the output side (detokenizer, streams). A named
+    tuple: there is one per sequence and step."""
 
     seq_id: str
     request_id: str  # the user's request id (the parent of an n > 1 sequence)
