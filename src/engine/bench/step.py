@@ -135,7 +135,7 @@ def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eag
     vocab = first.config.vocab_size
     labels = {key: _label(runner, settings[key]) for key, runner in runners.items()}
     for key, runner in runners.items():
-        labels[key] += ", eager" if runner.graphs is None else ", CUDA graphs"
+        labels[key] += ", --enforce-eager" if key == "eager" else ", eager" if runner.graphs is None else ", CUDA graphs"
     read_limit_ms = None
     if compare_eager:
         read_limit_ms = weight_bytes(resolved.path) / copy_bandwidth(first.device) * 1e3
