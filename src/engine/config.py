@@ -120,7 +120,7 @@ class EngineArgs:
     step_timeout: float = attrs.field(default=60.0, validator=_positive)  # seconds
     # Plan step N+1 while step N runs on the workers (vLLM's --async-scheduling). None: on
     # when the workers run on a GPU; off on a CPU, where the workers use every core and the
-    # engine's work beside them slowed W1 by 8% (docs/benchmarks.md).
+    # engine's work beside them gained nothing on W1 and once cost 8% (docs/benchmarks.md).
     async_scheduling: bool | None = None
     # No CUDA graphs: every decode step runs kernel by kernel (vLLM's --enforce-eager).
     enforce_eager: bool = False

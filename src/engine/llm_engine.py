@@ -3,7 +3,7 @@
 It drives the same ``EngineCore`` as the async engine's scheduler actor, with the same
 ``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
 through a private trio loop. ``step`` is schedule -> run -> postprocess; with async
-scheduling (the default) it also plans the next step before it waits, and hands that plan to
+scheduling (by default on GPU workers) it also plans the next step before it waits, hands it to
 the trio loop, which starts it the moment the current step's result is in (``StepPipeline``),
 so the result's postprocessing here overlaps the next step on the workers. A step the caller
 stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
