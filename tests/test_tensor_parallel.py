@@ -280,15 +280,17 @@ def test_engine_tp2_matches_tp1_with_prompt_logprobs(tiny_model_factory, prompts
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
                             prompt_logprobs=3)
     results = {}
-    for size in (1, 2):
+    # With async scheduling every rank gets the plan made ahead with its sampled tokens filled in.
+    for size, ahead in ((1, False), (2, False), (2, True)):
         before = alive_children()
-        with LLM(str(path), tensor_parallel_size=size, kv_cache_memory="16MiB", max_model_len=256) as llm:
+        with LLM(str(path), tensor_parallel_size=size, kv_cache_memory="16MiB", max_model_len=256,
+                 async_scheduling=ahead) as llm:
             completions, outputs = _engine_outputs(llm, prompts, params)
             stats = llm.llm_engine.statistics()
             pids = stats.worker_pids
         assert not (set(pids) & alive_children()), "a rank outlived the engine"
         assert alive_children() <= before
-        results[size] = (
+        results[size, ahead] = (
             [(list(c.token_ids), list(c.logprobs)) for c in completions],
             [(o.prompt_token_ids, o.prompt_logprobs) for o in outputs],
         )
@@ -298,8 +300,9 @@ def test_engine_tp2_matches_tp1_with_prompt_logprobs(tiny_model_factory, prompts
         if size == 2:
             assert all(0 < c < s for c, s in zip(stats.rank_collective_seconds_total,
                                                   stats.rank_step_seconds_total, strict=True))
-    assert_same_generation(results[2][0], results[1][0], label="engine")
-    for (prompt, got), (_, want) in zip(results[2][1], results[1][1], strict=True):
+    assert_same_generation(results[2, False][0], results[1, False][0], label="engine")
+    assert_same_generation(results[2, True][0], results[1, False][0], label="engine, async scheduling")
+    for (prompt, got), (_, want) in zip(results[2, False][1], results[1, False][1], strict=True):
         assert got[0] is None and want[0] is None and len(got) == len(want) == len(prompt)
         for token, a, b in zip(prompt[1:], got[1:], want[1:], strict=True):
             assert abs(a[token].logprob - b[token].logprob) < ATOL

@@ -8,7 +8,7 @@ safetensors file. Tensors of a block type the CPU kernels run
 (:data:`KERNEL_TYPES`) stay in GGUF's blocks, as uint8 rows listed in the file's metadata
 (:mod:`engine.model_files.tensor_writer`); every other type is dequantized to
 float32 here, and the log says which. The worker decides at load whether a quantized tensor
-runs as it is or is dequantized (:func:`engine.worker.runner.kept_quantized`).
+runs as it is or is dequantized (:func:`engine.worker.placement.kept_quantized`).
 
 It runs in the engine process, while it resolves the model. The tensors take numpy and the
 ``gguf`` package, and memory of one tensor at a time on top of the mapped file; transformers,

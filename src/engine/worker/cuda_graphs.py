@@ -141,11 +141,15 @@ class DecodeGraphs:
                 return batch
         return None
 
+    def takes(self, metadata: AttentionMetadata) -> bool:
+        """Whether a step is one a graph runs: only decodes, as many as a captured batch holds."""
+        return metadata.num_decodes == metadata.num_seqs and self.bucket_for(metadata.num_seqs) is not None
+
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Logits [n, vocab] of a pure-decode step of n <= ``max_batch`` sequences."""
         n = metadata.num_seqs
         batch = self.bucket_for(n)
-        if batch is None or metadata.num_decodes != n:
+        if not self.takes(metadata):
             raise ValueError(f"a captured decode step takes up to {self.max_batch} decodes, got "
                              f"{metadata.num_decodes} decodes of {n} sequences")
         self._token_ids[:n].copy_(token_ids)

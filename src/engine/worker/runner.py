@@ -19,7 +19,7 @@ import torch
 import kernels
 from engine.config import EngineArgs
 from engine.core.kv_blocks import blocks_in_use_at_most
-from engine.errors import InvalidRequestError, KVCacheTooSmallError, ModelLoadError
+from engine.errors import KVCacheTooSmallError
 from engine.model_config import ModelConfig
 from engine.model_files.layout import load_hf_config
 from engine.sampling_params import SamplingParams
@@ -30,58 +30,23 @@ from engine.worker.distributed import Partition, TensorParallelGroup, peak_resid
 from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
+from engine.worker.placement import (
+    kept_quantized,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
 from engine.worker.sampler import Sampler, compute_logprobs
-from engine.worker.sampling_batch import SamplingBatch, SamplingRow
+from engine.worker.sampling_batch import (
+    SamplingBatch,
+    SamplingBatchCache,
+    SamplingRow,
+    samples_as_before,
+)
 from engine.worker.step_inputs import StepInputs
 from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    # CPU defaults to fp32: correctness is defined against Hugging Face in fp32, and bf16
-    # speed depends on the CPU's bf16 instructions (measured here, with avx512_bf16: a
-    # 64-sequence decode step took 178 ms in bf16 and 275-302 ms in fp32).
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device) -> dict[str, str]:
-    """The checkpoint's quantized tensors that the model keeps as they are: all of them on a
-    CPU with the quantized kernels when ``--dtype`` is auto (the activations are then
-    float32), none elsewhere (they are dequantized to the model's dtype as they load)."""
-    if args.quantization and (device.type != "cpu" or not kernels.quantized_kernels_available()):
-        raise ModelLoadError(f"--quantization {args.quantization} runs on the quantized CPU kernels, which "
-                             f"need a CPU with AVX2 and a C compiler; this worker is on {device}")
-    if device.type != "cpu" or args.dtype != "auto" or not kinds:
-        return {}
-    if not kernels.quantized_kernels_available():
-        logger.warning("this CPU has no quantized kernels (they need AVX2 and a C compiler): "
-                       "%d quantized tensors are dequantized to float32", len(kinds))
-        return {}
-    return kinds
-
-
-def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
-    limit = config.max_positions
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise InvalidRequestError(
-            f"max_model_len {requested} exceeds the model's limit of {limit} positions",
-            field="max_model_len",
-        )
-    return requested
-
 
 @attrs.define
 class _Sequence:
@@ -90,14 +55,6 @@ class _Sequence:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     block_table: list[int] = attrs.Factory(list)
-
-    def samples_as_before(self) -> bool:
-        """Whether its row of the sampler's tensors is the same as in the step before: no
-        seed (a seeded draw depends on the token's index), no penalties (they count the
-        output), and no tokens banned any more (min_tokens is reached)."""
-        params = self.params
-        return (params.seed is None and params.repetition_penalty == 1.0 and not params.frequency_penalty
-                and not params.presence_penalty and len(self.output_token_ids) > params.min_tokens)
 
 
 class ModelRunner:
@@ -182,9 +139,7 @@ class ModelRunner:
             )
         elif self.device.type == "cuda" and tensor_parallel and not args.enforce_eager:
             logger.info("decode steps run eagerly under tensor parallelism (no CUDA graphs)")
-        # The sampler's tensors of the last step, kept while the same sequences sample alike
-        # (most decode steps): (their ids, the batch).
-        self._sampling: tuple[tuple[str, ...], SamplingBatch] | None = None
+        self._sampling = SamplingBatchCache(vocab_size=self.config.vocab_size, device=self.device)
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -256,12 +211,9 @@ class ModelRunner:
         return self.model.compute_logits(self.model(token_ids, positions, self.kv_caches, metadata))
 
     def _replays(self, chunks: list[ScheduledChunk], inputs: StepInputs) -> bool:
-        """Whether a decode graph runs this step: only decodes (one token each), as many as
-        a captured batch holds, and none that wants prompt logprobs (they need the hidden
-        states, which the graph does not keep)."""
-        metadata = inputs.metadata
-        return (self.graphs is not None and metadata.num_decodes == metadata.num_seqs
-                and self.graphs.bucket_for(metadata.num_seqs) is not None
+        """Whether a decode graph runs this step; not for prompt logprobs, which need the
+        hidden states the graph does not keep."""
+        return (self.graphs is not None and self.graphs.takes(inputs.metadata)
                 and all(self.sequences[c.seq_id].params.prompt_logprobs is None for c in chunks))
 
     def _sample(self, chunks, inputs: StepInputs, *, hidden: torch.Tensor | None = None,
@@ -296,22 +248,13 @@ class ModelRunner:
         return tuple(results)
 
     def _sampling_batch(self, seq_ids: list[str], sequences: list[_Sequence]) -> SamplingBatch:
-        key = tuple(seq_ids)
-        reusable = all(seq.samples_as_before() for seq in sequences)
-        if reusable and self._sampling is not None and self._sampling[0] == key:
-            return self._sampling[1]
-        rows = [
-            SamplingRow(
-                params=seq.params,
-                prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                banned_token_ids=self._banned(seq, seq_id),
-            )
-            for seq_id, seq in zip(seq_ids, sequences, strict=True)
-        ]
-        batch = SamplingBatch.build(rows, vocab_size=self.config.vocab_size, device=self.device)
-        self._sampling = (key, batch) if reusable else None
-        return batch
+        def rows() -> list[SamplingRow]:
+            return [SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
+                                output_token_ids=seq.output_token_ids, banned_token_ids=self._banned(seq, seq_id))
+                    for seq_id, seq in zip(seq_ids, sequences, strict=True)]
+
+        reusable = all(samples_as_before(seq.params, len(seq.output_token_ids)) for seq in sequences)
+        return self._sampling.batch(seq_ids, rows, reusable=reusable)
 
     def _constrain_(self, logits: torch.Tensor, seq_ids: list[str]) -> set[str]:
         """Masks, in place, the logits of the rows whose sequence follows a grammar (before

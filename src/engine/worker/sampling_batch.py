@@ -6,7 +6,7 @@ vocabulary entry), built once per step in the worker.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -153,3 +153,32 @@ class SamplingBatch:
             logprob_rows=_index(logprob_rows, device),
             num_logprobs=tuple(p.logprobs for p in params),
         )
+
+
+def samples_as_before(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a sequence's row is the same as in the step before: no seed (a seeded draw
+    depends on the token's index), no penalties (they count the output), and no tokens banned
+    any more (min_tokens was reached before this token)."""
+    return (params.seed is None and params.repetition_penalty == 1.0 and not params.frequency_penalty
+            and not params.presence_penalty and num_output_tokens > params.min_tokens)
+
+
+class SamplingBatchCache:
+    """The last step's batch, kept while the same sequences sample alike: most decode steps
+    then build none."""
+
+    def __init__(self, *, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._last: tuple[tuple[str, ...], SamplingBatch] | None = None
+
+    def batch(self, seq_ids: Sequence[str], rows: Callable[[], Sequence[SamplingRow]], *,
+              reusable: bool) -> SamplingBatch:
+        """The batch of ``rows()`` for these sequences; ``reusable``: every row is as in the
+        step before (``samples_as_before``), so the last batch serves if it had these ids."""
+        key = tuple(seq_ids)
+        if reusable and self._last is not None and self._last[0] == key:
+            return self._last[1]
+        batch = SamplingBatch.build(rows(), vocab_size=self.vocab_size, device=self.device)
+        self._last = (key, batch) if reusable else None
+        return batch
