@@ -13,11 +13,13 @@ import pytest
 import trio
 import trio.testing
 
+from engine.actors.step_pipeline import StepPipeline
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFull
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFull, WorkerFailure
 from engine.inputs import ChatOptions
 from engine.sampling_params import OutputKind, SamplingParams
+from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
 from tests.fake_workers import FakeWorkerGroup, fake_token
 
 
@@ -143,6 +145,57 @@ async def test_each_step_is_planned_while_the_one_before_runs(model_dir, autojum
         assert all(len(plan.sampled_inputs) == 2 for plan in group.plans[1:])
     else:
         assert not any(planned_ahead)
+
+
+class _RecordingSupervisor:
+    """Stands in for the worker-supervisor: each step takes simulated time, then samples a
+    token per sampling chunk; a step can be made to fail."""
+
+    def __init__(self, failing: set[int] = frozenset()) -> None:
+        self.ran: list[StepPlan] = []
+        self.failing = failing
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        await trio.sleep(0.1)
+        if plan.step_id in self.failing:
+            raise WorkerFailure(f"step {plan.step_id} lost")
+        self.ran.append(plan)
+        return StepResult(step_id=plan.step_id, sampled=tuple(
+            SampledToken(seq_id=c.seq_id, token_id=100 + plan.step_id) for c in plan.chunks if c.sample))
+
+
+@pytest.mark.parametrize("first_step", [0, 7])
+@pytest.mark.parametrize("handed_over", ["while it runs", "after it ran"])
+@pytest.mark.parametrize("fails", [False, True])
+async def test_the_pipeline_fills_a_plan_made_ahead_and_drops_it_after_a_failure(
+    autojump_clock, first_step, handed_over, fails
+):
+    first = StepPlan(step_id=first_step, chunks=(ScheduledChunk(seq_id="a", token_ids=(1, 2, 3), start_position=0),))
+    ahead = StepPlan(step_id=first_step + 1,
+                     chunks=(ScheduledChunk(seq_id="a", token_ids=(), start_position=3, sampled_input=True),))
+    supervisor = _RecordingSupervisor({first_step} if fails else set())
+    pipeline = StepPipeline(supervisor)
+    outcomes = {}
+
+    async def run(plan, after):
+        try:
+            outcomes[plan.step_id] = await pipeline.execute(plan, after=after)
+        except WorkerFailure as error:
+            outcomes[plan.step_id] = error
+
+    with trio.fail_after(1):
+        if handed_over == "while it runs":
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, ahead, first_step)  # started first: it must still wait
+                nursery.start_soon(run, first, None)
+        else:
+            await run(first, None)
+            await run(ahead, first_step)
+    if fails:
+        assert supervisor.ran == [] and all(isinstance(o, WorkerFailure) for o in outcomes.values())
+    else:
+        assert [p.step_id for p in supervisor.ran] == [first_step, first_step + 1]
+        assert supervisor.ran[1].sampled_inputs == (100 + first_step,)
 
 
 async def test_flood_gets_queue_full_at_once(model_dir, autojump_clock):

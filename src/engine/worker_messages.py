@@ -7,7 +7,7 @@ message is pickled on each step, so they hold plain Python values, never tensors
 module imports neither torch nor trio: both sides import it, and the engine process stays
 free of torch through it. The per-sequence records (``ScheduledChunk``, ``SampledToken``) are
 named tuples, and a plan's chunks and a result's tokens travel as columns (a tuple per
-field): at 64 sequences a plan then pickles and unpickles in about 45 us, where records as
+field): at 64 sequences a plan then pickles and unpickles in about 33 us, where records as
 attrs classes took 274 (measured on this project's 2-core CPU).
 """
 

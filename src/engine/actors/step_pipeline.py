@@ -39,7 +39,9 @@ class StepPipeline:
         of, while it ran; the plan runs only once that step succeeded, with its sampled tokens
         filled in."""
         handoff = self._handoff(plan.step_id)
-        for step_id in [k for k, h in self._handoffs.items() if k < (after or plan.step_id) and h.done.is_set()]:
+        # Steps before the one this follows are never read again (0 is a step id too).
+        oldest_read = plan.step_id if after is None else after
+        for step_id in [k for k, h in self._handoffs.items() if k < oldest_read and h.done.is_set()]:
             del self._handoffs[step_id]
         try:
             if after is not None:

@@ -19,6 +19,7 @@ so the padding and buffer logic is checked on every machine.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -109,9 +110,9 @@ class DecodeGraphs:
         a KV block no sequence is given, which the padding rows write and read."""
         self.buckets = tuple(sorted(buckets))
         self.max_batch = self.buckets[-1]
-        self.block_size = block_size
         width = -(-max_model_len // block_size)
         rows = self.max_batch
+        self._scratch_block = scratch_block
         self._scratch_slot = scratch_block * block_size
         self._token_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self._positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -136,10 +137,8 @@ class DecodeGraphs:
 
     def bucket_for(self, num_decodes: int) -> int | None:
         """The smallest captured batch that holds ``num_decodes`` sequences, or None."""
-        for batch in self.buckets:
-            if batch >= num_decodes:
-                return batch
-        return None
+        index = bisect.bisect_left(self.buckets, num_decodes)
+        return self.buckets[index] if index < len(self.buckets) else None
 
     def takes(self, metadata: AttentionMetadata) -> bool:
         """Whether a step is one a graph runs: only decodes, as many as a captured batch holds."""
@@ -149,7 +148,7 @@ class DecodeGraphs:
         """Logits [n, vocab] of a pure-decode step of n <= ``max_batch`` sequences."""
         n = metadata.num_seqs
         batch = self.bucket_for(n)
-        if not self.takes(metadata):
+        if batch is None or metadata.num_decodes != n:
             raise ValueError(f"a captured decode step takes up to {self.max_batch} decodes, got "
                              f"{metadata.num_decodes} decodes of {n} sequences")
         self._token_ids[:n].copy_(token_ids)
@@ -158,12 +157,12 @@ class DecodeGraphs:
         self._seq_lens[:n].copy_(metadata.seq_lens)
         width = metadata.block_tables.shape[1]
         self._tables[:n, :width].copy_(metadata.block_tables[:n])
-        # Rows past n keep what the last larger step left: make them padding again.
-        self._token_ids[n:batch].zero_()
-        self._positions[n:batch].zero_()
-        self._slots[n:batch].fill_(self._scratch_slot)
-        self._seq_lens[n:batch].fill_(1)
-        self._tables[n:batch, 0].fill_(self._scratch_slot // self.block_size)
+        if n < batch:  # rows past n keep what the last larger step left: padding again
+            self._token_ids[n:batch].zero_()
+            self._positions[n:batch].zero_()
+            self._slots[n:batch].fill_(self._scratch_slot)
+            self._seq_lens[n:batch].fill_(1)
+            self._tables[n:batch, 0].fill_(self._scratch_block)
         graph, logits = self._graphs[batch]
         graph.replay()
         return logits[:n]
