@@ -4,6 +4,7 @@ consumers, overload, watchdog restarts and the restart budget."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import threading
@@ -196,6 +197,25 @@ async def test_the_pipeline_fills_a_plan_made_ahead_and_drops_it_after_a_failure
     else:
         assert [p.step_id for p in supervisor.ran] == [first_step, first_step + 1]
         assert supervisor.ran[1].sampled_inputs == (100 + first_step,)
+
+
+async def test_the_pipeline_keeps_a_finished_steps_handoff_for_a_follower_started_late(autojump_clock):
+    # Three steps submitted together (a plan that only lists finished sequences, then two with
+    # chunks): the first has finished, and trio starts the third's task before the second's.
+    finished_only = StepPlan(step_id=4, finished_seq_ids=("z",))
+    first = StepPlan(step_id=5, chunks=(ScheduledChunk(seq_id="a", token_ids=(1, 2, 3), start_position=0),))
+    ahead = StepPlan(step_id=6,
+                     chunks=(ScheduledChunk(seq_id="a", token_ids=(), start_position=3, sampled_input=True),))
+    supervisor = _RecordingSupervisor()
+    pipeline = StepPipeline(supervisor)
+    with trio.fail_after(1):
+        await pipeline.execute(finished_only)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(pipeline.execute, ahead, after=5))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(functools.partial(pipeline.execute, first, after=4))
+    assert [p.step_id for p in supervisor.ran] == [4, 5, 6]
+    assert supervisor.ran[2].sampled_inputs == (105,)
 
 
 async def test_flood_gets_queue_full_at_once(model_dir, autojump_clock):

@@ -2,7 +2,8 @@
 
 LLMEngine and LLM drive the sans-IO core from the caller's thread; the worker-supervisor
 actor (worker processes, watchdog, restarts) needs trio, so it lives in this loop and the
-caller reaches it with ``submit``, which hands back a ``concurrent.futures.Future``: a
+caller reaches it with ``submit``, which queues the call without waiting for the loop and
+hands back a ``concurrent.futures.Future``: a
 caller interrupted while it waits (KeyboardInterrupt) leaves the call running, and can
 collect its result later instead of losing a step the workers already ran.
 
@@ -74,10 +75,18 @@ class TrioThread:
             else:
                 future.set_result(result)
 
+        def start(nursery: trio.Nursery) -> None:
+            try:
+                nursery.start_soon(run)
+            except RuntimeError:  # the nursery closed after the call was queued
+                future.set_exception(EngineShutdownError("the engine is closed"))
+
         if self._nursery is None or not self._thread.is_alive():
             raise EngineShutdownError("the engine is closed")
+        # Queued without waiting for the loop to take it: a blocking hand-over (wake the loop,
+        # wait for its reply) cost a step 0.2-0.7 ms of the caller's time on two cores.
         try:
-            trio.from_thread.run_sync(self._nursery.start_soon, run, trio_token=self._token)
+            self._token.run_sync_soon(start, self._nursery)
         except trio.RunFinishedError:
             raise EngineShutdownError("the engine is closed") from None
         return future

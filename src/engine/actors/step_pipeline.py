@@ -39,10 +39,13 @@ class StepPipeline:
         of, while it ran; the plan runs only once that step succeeded, with its sampled tokens
         filled in."""
         handoff = self._handoff(plan.step_id)
-        # Steps before the one this follows are never read again (0 is a step id too).
-        oldest_read = plan.step_id if after is None else after
-        for step_id in [k for k, h in self._handoffs.items() if k < oldest_read and h.done.is_set()]:
-            del self._handoffs[step_id]
+        if after is None:
+            # A driver names no step only when none is out, so every earlier step has finished
+            # and no later one reads their hand-offs. Pruning by step id alone would be wrong:
+            # trio may start the tasks of steps submitted together in any order, and a step
+            # must not drop the hand-off of one whose follower has not started yet.
+            for step_id in [k for k, h in self._handoffs.items() if h is not handoff and h.done.is_set()]:
+                del self._handoffs[step_id]
         try:
             if after is not None:
                 previous = self._handoff(after)
