@@ -58,15 +58,19 @@ def greedy_params(max_tokens: int) -> SamplingParams:
 
 
 def make_driver(path: Path, *, dtype: str = "auto", device: str = "auto", max_model_len: int = 512,
-                enforce_eager: bool = False, decode_graph_capture=None) -> Driver:
+                enforce_eager: bool = False, decode_graph_capture=None,
+                quantized_activations: str = "float32") -> Driver:
+    """Quantized weights multiply float32 activations here unless asked otherwise: the tight
+    comparisons with HF are of that arithmetic (int8 activations have tests of their own)."""
     args = EngineArgs(model=str(path), kv_cache_memory=64 << 20, max_model_len=max_model_len, dtype=dtype,
-                      device=device, enforce_eager=enforce_eager)
+                      device=device, enforce_eager=enforce_eager, quantized_activations=quantized_activations)
     return Driver(ModelRunner(args, path, decode_graph_capture=decode_graph_capture))
 
 
 def ours_greedy(path: Path, prompts, max_tokens: int, *, dtype: str = "auto", device: str = "auto",
-                max_model_len: int = 512, **driver_options):
-    driver = make_driver(path, dtype=dtype, device=device, max_model_len=max_model_len)
+                max_model_len: int = 512, quantized_activations: str = "float32", **driver_options):
+    driver = make_driver(path, dtype=dtype, device=device, max_model_len=max_model_len,
+                         quantized_activations=quantized_activations)
     return driver.generate(prompts, greedy_params(max_tokens), **driver_options)
 
 

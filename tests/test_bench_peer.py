@@ -42,3 +42,26 @@ def test_decode_weight_bytes_and_the_eos_bias(tmp_path, tiny_tokenizer):
     embedding = next(t for t in tensors if t.name == "token_embd.weight")
     assert decode_weight_bytes(path) == sum(int(t.n_bytes) for t in tensors) - int(embedding.n_bytes)
     assert no_eos_bias(path) == {"logit_bias": {str(tiny_tokenizer.eos_token_id): -100}}
+
+
+def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path):
+    import argparse
+
+    from engine.bench.synthetic_gguf import command
+
+    target = tmp_path / "new" / "model.bin"
+    with pytest.raises(SystemExit, match=r"writes a \.gguf file"):
+        command(argparse.Namespace(path=str(target), shape="smollm2-135m", file_type="Q8_0", seed=0))
+    assert not target.parent.exists()
+
+
+def test_the_peer_is_built_without_amx_where_the_cpu_reports_it(tmp_path):
+    """llama.cpp's AMX matmul died of a general protection fault on such a CPU here."""
+    from frontend.bench_peer import llama_cpp_build_flags
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni amx_tile amx_int8\n")
+    assert "-mno-amx-int8" in llama_cpp_build_flags(cpuinfo)
+    cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni\n")
+    assert llama_cpp_build_flags(cpuinfo) == ""
+    assert llama_cpp_build_flags(tmp_path / "missing") == ""

@@ -1,7 +1,8 @@
 """contract: the decode stack (every decoder layer of a decode step in one C call,
 ``kernels.DecodeStack``) against the model's own modules, on real runners of tiny quantized
-models: the same tokens and bit for bit the same logprobs, with float32 and int8 activations,
-for a batch of one (attention split by KV head) and a batch of several, for matrices of one
+models: the same tokens and bit for bit the same logprobs, with float32, int8 and (on CPUs with
+the interleaved kernels) int16 activations, for a batch of one (attention split by KV head)
+and a batch of several (past FUSED_ROWS with interleaved weights), for matrices of one
 block type and for q / k / v in three, for teams of one to three threads, and with attention
 biases (Qwen2). Models and steps
 it does not compute exactly as the modules do run the modules; bad step metadata fails with
@@ -22,7 +23,12 @@ from engine.model_files.resolve import resolve_model
 from engine.worker.models.cpu_decode import decode_stack_supported
 from engine.worker.runner import ModelRunner
 from kernels.decode_stack import DecodeStack
-from kernels.quant_linear import quantized_kernels_available, set_quantized_activations
+from kernels.quant_linear import (
+    FUSED_ROWS,
+    interleaved_kernels_available,
+    quantized_kernels_available,
+    set_quantized_activations,
+)
 from tests.driver import Driver
 from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
 from tests.hf_compare import TINY_MODEL_TEXTS, greedy_params
@@ -31,6 +37,8 @@ pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AV
 
 MAX_TOKENS = 12
 MIXED = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q6_K", "ffn_down": "Q4_K"}
+INT16 = pytest.param("int16", marks=pytest.mark.skipif(not interleaved_kernels_available(),
+                                                         reason="this CPU has no AVX-512 VNNI"))
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "mixed"])
@@ -80,7 +88,7 @@ def _float32_activations_after():
     set_quantized_activations("float32")
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "int8", INT16])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_stack_gives_the_modules_results_bit_for_bit(gguf_entry, tiny_tokenizer, stack_calls, activations, batch):
     runner = _runner(gguf_entry, activations)
@@ -90,6 +98,18 @@ def test_stack_gives_the_modules_results_bit_for_bit(gguf_entry, tiny_tokenizer,
     assert stack_calls == [batch] * (MAX_TOKENS - 1), "every decode step, no prefill step"
     assert _generate(runner, prompts, stack=False) == with_stack
     assert len(stack_calls) == MAX_TOKENS - 1
+
+
+@pytest.mark.parametrize("activations", ["int8", INT16])
+def test_interleaved_weights_take_batches_past_fused_rows(gguf_entry, tiny_tokenizer, stack_calls, activations):
+    runner = _runner(gguf_entry, activations)
+    if not any(part.interleaved for m in runner.model.modules() for part in getattr(m, "parts", None) or ()):
+        pytest.skip("this CPU keeps GGUF's layout (no interleaved kernels)")
+    batch = FUSED_ROWS + 3
+    prompts = [[*tiny_tokenizer.encode(TINY_MODEL_TEXTS[i % len(TINY_MODEL_TEXTS)]), i + 3] for i in range(batch)]
+    with_stack = _generate(runner, prompts, stack=True)
+    assert stack_calls == [batch] * (MAX_TOKENS - 1)
+    assert _generate(runner, prompts, stack=False) == with_stack
 
 
 @pytest.mark.parametrize("threads", [1, 3])

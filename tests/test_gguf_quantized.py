@@ -22,6 +22,7 @@ from engine.worker.checkpoint import iter_safetensors, quantized_tensors
 from engine.worker.runner import ModelRunner
 from kernels.quant_linear import (
     QuantizedWeight,
+    interleaved_kernels_available,
     quantized_activations,
     quantized_kernels_available,
     set_quantized_activations,
@@ -92,17 +93,25 @@ def test_quantized_and_dequantized_runs_match_hf_on_the_same_file(quantized_gguf
     assert agree >= 0.9 * MAX_TOKENS * len(prompts), f"{kind}: only {agree} tokens agree"
 
 
-def test_int8_activations_follow_hf_within_the_top5_rule(quantized_gguf, prompts):
+@pytest.mark.parametrize(("activations", "logprob_atol"), [
+    ("int8", 0.25),
+    pytest.param("int16", 2e-3, marks=pytest.mark.skipif(not interleaved_kernels_available(),
+                                                          reason="this CPU has no AVX-512 VNNI")),
+])
+def test_integer_activations_follow_hf_within_the_top5_rule(quantized_gguf, prompts, activations, logprob_atol):
     """--quantized-activations int8 (llama.cpp's arithmetic): the tokens hold to HF reading
     the same file by vLLM's rule, logprobs within 0.25 (measured at most 0.12, on the K
-    types, whose activations share one scale per 256)."""
+    types, whose activations share one scale per 256); int16 (15-bit, on interleaved weights)
+    as close as float32 activations are held to."""
     _, path, entry = quantized_gguf
     reference = hf_greedy(path.parent, prompts, MAX_TOKENS)
-    args = EngineArgs(model=str(entry), kv_cache_memory=64 << 20, max_model_len=512, quantized_activations="int8")
+    args = EngineArgs(model=str(entry), kv_cache_memory=64 << 20, max_model_len=512,
+                      quantized_activations=activations)
     try:
         driver = Driver(ModelRunner(args, entry))
-        assert quantized_activations() == "int8"
-        assert_close_to_hf(driver.generate(prompts, greedy_params(MAX_TOKENS)), reference, logprob_atol=0.25)
+        assert quantized_activations() == activations
+        assert_close_to_hf(driver.generate(prompts, greedy_params(MAX_TOKENS)), reference,
+                           logprob_atol=logprob_atol)
     finally:
         set_quantized_activations("float32")
 

@@ -9,7 +9,9 @@ with this CPU's widest vectors and with the AVX2 build (``TRIODE_CPU_ISA=avx2``)
 The int8-activation loop (csrc/quant_linear_int8.c) is held to the same reference exactly on
 rows that int8 represents without loss (integers times a power of two per 32 values, or per
 256 for the K types, each 32 reaching 127), which checks its integer arithmetic bit for bit,
-and within the quantization error of the activations on random rows.
+and within the quantization error of the activations on random rows. Weights interleaved 16
+rows at a time (csrc/quant_x16.h, on CPUs with AVX-512 VNNI) are held to the same reference
+and to the same matrix in GGUF's layout: the same rows back, the same integer sums.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from kernels.quant_linear import (
     FUSED_ROWS,
     QUANT_TYPES,
     QuantizedWeight,
+    interleaved_kernels_available,
+    interleaving,
     quantized_activations,
     quantized_kernels_available,
     set_quantized_activations,
@@ -80,6 +84,14 @@ def int8_activations():
     set_quantized_activations(previous)
 
 
+@pytest.fixture
+def int16_activations():
+    previous = quantized_activations()
+    set_quantized_activations("int16")
+    yield
+    set_quantized_activations(previous)
+
+
 def representable_rows(rows: int, columns: int, span: int, seed: int) -> torch.Tensor:
     """Rows that the int8 activations hold exactly: integers in [-127, 127] with a 127 in every
     32, times a power of two per ``span`` values (the kernels' scale: 32, or 256 for K types)."""
@@ -120,6 +132,155 @@ def test_int8_activations_stay_within_their_rounding(kind, int8_activations, tmp
     step = x.reshape(3, -1, weights).abs().amax(-1, keepdim=True).double() / 254
     bound = (reference_weight.abs().reshape(1, 64, -1, weights).sum(-1) * step.reshape(3, 1, -1)).sum(-1)
     assert ((weight.linear(x).double() - expected).abs() <= bound + 1e-5).all(), kind
+
+
+needs_interleaved = pytest.mark.skipif(not interleaved_kernels_available(),
+                                       reason="this CPU has no AVX-512 VNNI (the interleaved kernels)")
+
+
+def _interleaved(kind: str, rows: int, in_features: int, seed: int, tmp_path) -> tuple[QuantizedWeight, np.ndarray]:
+    blocks = through_a_gguf_file(tmp_path / "w.gguf", kind, random_blocks(kind, rows, in_features, seed))
+    return QuantizedWeight.from_bytes(kind, torch.from_numpy(blocks)), blocks
+
+
+@needs_interleaved
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_interleaved_rows_are_the_same_rows(kind, tmp_path):
+    weight, _ = _interleaved(kind, 48, 2 * QUANT_TYPES[kind][1], 8, tmp_path)
+    interleaved = weight.interleave()
+    assert interleaved.interleaved and interleaved.shape == weight.shape
+    assert interleaved.data.shape == weight.data.shape and not torch.equal(interleaved.data, weight.data)
+    assert torch.equal(interleaved.dequantize(), weight.dequantize())
+    ids = torch.tensor([47, 0, 16, 15, 31, 31])
+    assert torch.equal(interleaved.dequantize(ids), weight.dequantize(ids))
+
+
+@needs_interleaved
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_interleaved_int8_computes_exactly_what_it_holds(kind, int8_activations, tmp_path):
+    weights = QUANT_TYPES[kind][1]
+    in_features = 3 * weights if weights == 256 else 7 * weights
+    weight, blocks = _interleaved(kind, 64, in_features, 9, tmp_path)
+    interleaved = weight.interleave()
+    reference_weight = torch.from_numpy(dequantize(blocks, T[kind])).double()
+    bias = torch.randn(64)
+    for rows in (1, 2, 3, 4, 5, 13, FUSED_ROWS + 16, 200):  # every row count, two row blocks of 128
+        x = representable_rows(rows, in_features, weights, rows)
+        expected = x.double() @ reference_weight.T + bias.double()
+        got = interleaved.linear(x, bias)
+        scale = expected.abs().max().item()
+        assert (got.double() - expected).abs().max().item() <= 4 * TOLERANCE[kind] * scale, (kind, rows)
+
+
+@needs_interleaved
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_interleaved_int8_matches_the_gguf_layout(kind, int8_activations, tmp_path):
+    """Random rows: the same integer sums and activation scales as the row-by-row int8 loop
+    (which takes up to FUSED_ROWS rows), float sums in another order."""
+    weights = QUANT_TYPES[kind][1]
+    weight, _ = _interleaved(kind, 96, 2 * weights, 10, tmp_path)
+    interleaved = weight.interleave()
+    for rows in (1, 3, 8, FUSED_ROWS):
+        x = torch.randn(rows, 2 * weights)
+        expected = weight.linear(x)
+        scale = expected.abs().max().item()
+        assert (interleaved.linear(x) - expected).abs().max().item() <= 1e-5 * scale, (kind, rows)
+
+
+@needs_interleaved
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_int16_activations_stay_within_their_rounding(kind, int16_activations, tmp_path):
+    """15-bit activations on the same scales as int8 ones: each moves by at most half of
+    max |x| / 16319 over its 32 (or 256), so each output by at most sum(|w| * step); checked
+    at every row count (one tile, several, two blocks of 128 rows), the features of a matrix
+    of 96 cut into 6 tiles of 16."""
+    weights = QUANT_TYPES[kind][1]
+    weight, blocks = _interleaved(kind, 96, 2 * weights, 13, tmp_path)
+    interleaved = weight.interleave()
+    reference_weight = torch.from_numpy(dequantize(blocks, T[kind])).double()
+    bias = torch.randn(96)
+    for rows in (1, 2, 7, 8, FUSED_ROWS + 16, 200, 512):
+        x = torch.randn(rows, 2 * weights)
+        expected = x.double() @ reference_weight.T + bias.double()
+        step = x.reshape(rows, -1, weights).abs().amax(-1, keepdim=True).double() / (2 * 16319)
+        bound = (reference_weight.abs().reshape(1, 96, -1, weights).sum(-1) * step.reshape(rows, 1, -1)).sum(-1)
+        error = (interleaved.linear(x, bias).double() - expected).abs()
+        assert (error <= bound + 1e-5 * expected.abs().max()).all(), (kind, rows)
+
+
+@needs_interleaved
+def test_int16_activations_are_far_closer_than_int8(tmp_path):
+    weight, blocks = _interleaved("Q4_1", 64, 512, 14, tmp_path)
+    reference_weight = torch.from_numpy(dequantize(blocks, T.Q4_1)).double()
+    x = torch.randn(5, 512) * torch.where(torch.rand(512) < 0.02, 50.0, 1.0)  # a few outlier channels
+    expected = x.double() @ reference_weight.T
+    errors = {}
+    for name in ("int8", "int16"):
+        previous = quantized_activations()
+        set_quantized_activations(name)
+        try:
+            errors[name] = (weight.interleave().linear(x).double() - expected).abs().max().item()
+        finally:
+            set_quantized_activations(previous)
+    assert errors["int16"] * 50 < errors["int8"], errors
+
+
+@needs_interleaved
+def test_interleaved_features_may_start_and_end_inside_a_tile():
+    """The decode stack's entry takes any range of output features of an interleaved matrix."""
+    import ctypes
+
+    from kernels.native import bind
+
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    quantize = bind("triode_q8_quantize", i32, pointer, i64, i64, i32, pointer)
+    q8_bytes = bind("triode_q8_bytes", i64, i32)
+    q8_bytes.restype = ctypes.c_int64
+    linear_q8 = bind("triode_quant_linear_q8", i32, pointer, i64, i32, pointer, i64, pointer, pointer, i64, i64, i64)
+    weight = QuantizedWeight.from_bytes("Q4_K", torch.from_numpy(random_blocks("Q4_K", 48, 256, 11))).interleave()
+    x, bias = torch.randn(2, 256), torch.randn(48)
+    buffer = torch.empty(q8_bytes(2, 256), dtype=torch.uint8)
+    assert quantize(weight.type_id, x.data_ptr(), 256, 2, 256, buffer.data_ptr()) == 0
+    previous = quantized_activations()
+    set_quantized_activations("int8")
+    try:
+        expected = weight.linear(x, bias)
+    finally:
+        set_quantized_activations(previous)
+    y = torch.full((2, 48), 7.0)
+    for first, last in ((5, 21), (21, 32), (0, 5), (40, 48)):
+        assert linear_q8(weight.type_id, buffer.data_ptr(), 2, 256, weight.data.data_ptr(), weight.data.shape[1],
+                         bias.data_ptr(), y.data_ptr(), 48, first, last - first) == 0
+    assert torch.equal(y[:, 5:32], expected[:, 5:32]) and torch.equal(y[:, :5], expected[:, :5])
+    assert torch.equal(y[:, 40:], expected[:, 40:]) and (y[:, 32:40] == 7).all()
+
+
+@needs_interleaved
+def test_only_whole_tiles_of_rows_interleave(int8_activations):
+    weight = QuantizedWeight.from_bytes("Q8_0", torch.from_numpy(random_blocks("Q8_0", 40, 64, 12)))
+    assert interleaving() and not weight.can_interleave()
+    with pytest.raises(ValueError, match="multiple of 16 rows; got 40"):
+        weight.interleave()
+    interleaved = weight.rows(0, 32).interleave()
+    assert not interleaved.can_interleave()  # already
+    with pytest.raises(ValueError, match="interleaved Q8_0 matrix"):
+        interleaved.rows(0, 16)
+    with pytest.raises(ValueError, match="interleaved Q8_0 matrix"):
+        interleaved.columns(0, 32)
+
+
+def test_interleaving_follows_the_activation_type():
+    previous = quantized_activations()
+    try:
+        set_quantized_activations("float32")
+        assert not interleaving()
+        set_quantized_activations("int8")
+        assert interleaving() == interleaved_kernels_available()
+        if interleaved_kernels_available():
+            set_quantized_activations("int16")
+            assert interleaving()
+    finally:
+        set_quantized_activations(previous)
 
 
 def test_every_kernel_type_is_kept_by_the_converter():
@@ -180,12 +341,18 @@ def test_activation_types_are_the_engine_settings():
     from engine.config import QUANTIZED_ACTIVATIONS
     from kernels.quant_linear import ACTIVATIONS
 
-    assert ACTIVATIONS == QUANTIZED_ACTIVATIONS
+    assert QUANTIZED_ACTIVATIONS == ("auto", *ACTIVATIONS)
 
 
 def test_an_unknown_activation_type_is_refused():
-    with pytest.raises(ValueError, match="one of float32, int8; got 'int4'"):
+    with pytest.raises(ValueError, match="one of float32, int8, int16; got 'int4'"):
         set_quantized_activations("int4")
+
+
+@pytest.mark.skipif(interleaved_kernels_available(), reason="this CPU has the interleaved kernels")
+def test_int16_activations_need_the_interleaved_kernels():
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        set_quantized_activations("int16")
 
 
 def test_bad_shapes_are_refused():

@@ -36,7 +36,7 @@ from engine.tensor_parallel import (
 from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
 from engine.worker.distributed import Partition
 from engine.worker.models.llama import checkpoint_slices
-from kernels.quant_linear import quantized_kernels_available
+from kernels.quant_linear import interleaved_kernels_available, quantized_kernels_available
 from tests.hf_compare import greedy_params, ours_greedy
 from tests.tp_ranks import Job, run_sharded
 
@@ -82,7 +82,9 @@ def tiny_path(factory, name: str) -> Path:
 
 
 def runner_args(path: Path) -> EngineArgs:
-    return EngineArgs(model=str(path), kv_cache_memory=16 << 20, max_model_len=256)
+    # float32 activations, as ours_greedy's reference: a Q4_K shard that loads dequantized runs
+    # float32 arithmetic, which integer activations on the other side would part from.
+    return EngineArgs(model=str(path), kv_cache_memory=16 << 20, max_model_len=256, quantized_activations="float32")
 
 
 def _chosen_and_top(token_id: int, entry) -> tuple[float, dict[int, float]]:
@@ -92,8 +94,8 @@ def _chosen_and_top(token_id: int, entry) -> tuple[float, dict[int, float]]:
     return entry.logprob, dict(entry.top)
 
 
-def assert_same_generation(ours, reference, *, label: str = "") -> None:
-    """Token ids identical; each step's chosen and top logprobs within ATOL."""
+def assert_same_generation(ours, reference, *, label: str = "", atol: float = ATOL) -> None:
+    """Token ids identical; each step's chosen and top logprobs within ``atol``."""
     for index, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
         zip(ours, reference, strict=True)
     ):
@@ -101,10 +103,10 @@ def assert_same_generation(ours, reference, *, label: str = "") -> None:
         for step, (token, got, want) in enumerate(zip(tokens, logprobs, ref_logprobs, strict=True)):
             got_chosen, got_top = _chosen_and_top(token, got)
             want_chosen, want_top = _chosen_and_top(token, want)
-            assert abs(got_chosen - want_chosen) < ATOL, (label, index, step, got, want)
+            assert abs(got_chosen - want_chosen) < atol, (label, index, step, got, want)
             for top_token, value in got_top.items():
                 if top_token in want_top:
-                    assert abs(value - want_top[top_token]) < ATOL, (label, index, step, top_token)
+                    assert abs(value - want_top[top_token]) < atol, (label, index, step, top_token)
 
 
 def alive_children() -> set[int]:
@@ -401,7 +403,9 @@ def default_prompts(default_path):
 
 @pytest.fixture(scope="module")
 def default_reference(default_path, default_prompts):
-    return ours_greedy(default_path, default_prompts, MAX_TOKENS)
+    # The engine's default activations (int16 on CPUs with AVX-512 VNNI, float32 elsewhere),
+    # as default_tp2 runs: TP=2 against TP=1 of the same arithmetic.
+    return ours_greedy(default_path, default_prompts, MAX_TOKENS, quantized_activations="auto")
 
 
 @pytest.fixture(scope="module")
@@ -414,7 +418,12 @@ def default_tp2():
 def test_default_model_tp2_matches_tp1(default_tp2, default_prompts, default_reference):
     completions, _ = _engine_outputs(default_tp2, default_prompts, greedy_params(MAX_TOKENS))
     ours = [(list(c.token_ids), list(c.logprobs)) for c in completions]
-    assert_same_generation(ours, default_reference, label="default model")
+    # Integer activations round each layer's input: a sum in another order (a row-parallel
+    # matrix's two halves) may round an activation the other way, a step of 1 / 32638 of its
+    # group's largest, where float32 ones move by their last bit (measured in int16: 1.9e-4 on
+    # chosen tokens, 2.3e-3 on an alternative at -12.5).
+    atol = 5e-3 if interleaved_kernels_available() else ATOL  # auto: int16 where they run
+    assert_same_generation(ours, default_reference, label="default model", atol=atol)
 
 
 @pytest.mark.default_model

@@ -13,7 +13,8 @@ from engine.errors import InvalidRequestError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZED_ACTIVATIONS = ("float32", "int8")  # kernels.quant_linear.ACTIVATIONS
+# auto, then kernels.quant_linear.ACTIVATIONS (the worker resolves auto: engine.worker.placement)
+QUANTIZED_ACTIVATIONS = ("auto", "float32", "int8", "int16")
 GiB = 1 << 30
 
 
@@ -105,8 +106,11 @@ class EngineArgs:
     # and run by the CPU kernels (engine.model_files.quantize).
     quantization: str | None = attrs.field(default=None, validator=_quantization)
     # What quantized weights multiply on a CPU: float32 activations (closest to the
-    # dequantized model), or int8 ones per 32 values as llama.cpp does (faster decode steps).
-    quantized_activations: str = attrs.field(default="float32", validator=_one_of(QUANTIZED_ACTIVATIONS))
+    # dequantized model), int8 ones per 32 values as llama.cpp does (fastest, and lossy: the
+    # default model's answers change), or 15-bit integer ones (int16: interleaved weights on
+    # CPUs with AVX-512 VNNI, logprobs within 1e-3 of float32's). auto: int16 where the CPU
+    # has those kernels, float32 elsewhere (docs/benchmarks.md).
+    quantized_activations: str = attrs.field(default="auto", validator=_one_of(QUANTIZED_ACTIVATIONS))
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)

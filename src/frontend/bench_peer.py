@@ -104,7 +104,8 @@ def peer_gguf(model: str | None, cache_dir: str) -> Path:
 
 def ensure_llama_cpp(cache_dir: Path) -> Path:
     """The Python of the environment holding llama.cpp's server, built on first use."""
-    venv = cache_dir / "peers" / LLAMA_CPP_PYTHON.replace("==", "-")
+    build_flags = llama_cpp_build_flags()
+    venv = cache_dir / "peers" / (LLAMA_CPP_PYTHON.replace("==", "-") + ("-no-amx" if build_flags else ""))
     python = venv / "bin" / "python"
     probe = [str(python), "-c", "import llama_cpp.server"]
     if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
@@ -115,11 +116,32 @@ def ensure_llama_cpp(cache_dir: Path) -> Path:
           flush=True)
     with log.open("w") as out:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=subprocess.STDOUT)
-        built = subprocess.run([str(python), "-m", "pip", "install", _LLAMA_CPP_REQUIREMENT],
-                               stdout=out, stderr=subprocess.STDOUT)
+        environment = dict(os.environ)
+        if build_flags:
+            environment["CMAKE_ARGS"] = " ".join(filter(None, (environment.get("CMAKE_ARGS"), build_flags)))
+        # No cache: pip would reuse a wheel built before with other CMAKE_ARGS.
+        built = subprocess.run([str(python), "-m", "pip", "install", "--no-cache-dir", _LLAMA_CPP_REQUIREMENT],
+                               stdout=out, stderr=subprocess.STDOUT, env=environment)
     if built.returncode != 0:
         raise SystemExit(f"triode: error: building {LLAMA_CPP_PYTHON} failed; see {log}")
     return python
+
+
+def llama_cpp_build_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """CMake flags for llama.cpp on this CPU. Its build targets ``-march=native``; on a CPU with
+    AMX that compiles its AMX matmuls, which died of a general protection fault in
+    ``ggml_backend_amx_mul_mat`` (at its ``ldtilecfg``) on the first request here (an Intel
+    Xeon under KVM with AMX flags, llama-cpp-python 0.3.36), while a correctly configured
+    tile load runs on the same machine. Those CPUs get a build without AMX; AVX-512 and VNNI
+    stay."""
+    try:
+        flags = cpuinfo.read_text().split()
+    except OSError:
+        return ""
+    if "amx_tile" not in flags:
+        return ""
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return f"-DCMAKE_C_FLAGS='{no_amx}' -DCMAKE_CXX_FLAGS='{no_amx}'"
 
 
 def start_llama_cpp(python: Path, gguf_path: Path, ns: argparse.Namespace,

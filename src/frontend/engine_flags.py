@@ -17,7 +17,9 @@ _HELP = {
     "quantization": "quantize a float checkpoint's weights at load (cached) and run them with the CPU "
                     "kernels: int8 (Q8_0 blocks) or int4 (Q4_1 layers, Q8_0 embedding and LM head)",
     "quantized_activations": "what quantized weights multiply on a CPU: float32 activations (closest to "
-                             "the dequantized model) or int8 per 32 values, as llama.cpp (faster)",
+                             "the dequantized model), int8 per 32 values as llama.cpp (fastest, lossy) or "
+                             "15-bit integers (int16: AVX-512 VNNI CPUs); auto: int16 where the CPU has "
+                             "AVX-512 VNNI, float32 elsewhere",
     "kv_cache_memory": "KV-cache budget per rank, bytes or with a unit (e.g. 2GiB)",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "max_num_seqs": "most sequences in one step",

@@ -50,6 +50,8 @@ from kernels.paged_attention import (
 )
 from kernels.quant_linear import (
     QuantizedWeight,
+    interleaved_kernels_available,
+    quantized_activations,
     quantized_kernels_available,
     set_quantized_activations,
 )
@@ -69,10 +71,12 @@ __all__ = [
     "fused_experts",
     "gelu_tanh_and_mul",
     "get_backend",
+    "interleaved_kernels_available",
     "linear",
     "pack_linear_weight",
     "paged_attention",
     "prepare",
+    "quantized_activations",
     "quantized_kernels_available",
     "rms_norm",
     "rotary_embedding",

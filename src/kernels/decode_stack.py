@@ -7,7 +7,8 @@ to the step. :class:`DecodeStack` describes the layers to the C side once (weigh
 cache addresses) and checks a step's metadata once; the C side runs the same kernels in the
 same order into the same kind of buffers as the Python path, so the hidden states are bit for
 bit the same (``tests/test_decode_stack.py``). Steps it does not take (a prefill chunk, more
-than :data:`kernels.quant_linear.FUSED_ROWS` rows) run the Python path.
+than :data:`kernels.quant_linear.FUSED_ROWS` rows, unless every weight is interleaved) run
+the Python path.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from kernels import quant_linear
 from kernels.metadata import AttentionMetadata
 from kernels.native import bind
 from kernels.paged_attention import check_decode_metadata
-from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
+from kernels.quant_linear import QuantizedWeight
 
 MAX_PARTS = 3  # as in the C source
 _OPS = {1: "linear", 3: "rotary", 4: "write_kv", 5: "decode attention"}  # as in csrc/decode_stack.h
 _OUT_OF_MEMORY = -5
+_ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}  # csrc/decode_stack.h's ACTIVATIONS_*
 
 __all__ = ["DecodeLayerWeights", "DecodeStack", "decode_stack_available"]
 
@@ -50,7 +52,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
-        "int8_activations")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        "activations")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
                                 ("num_slots", ctypes.c_int64), ("max_positions", ctypes.c_int64),
                                 ("cos_sin", ctypes.c_void_p)]
 
@@ -91,7 +93,7 @@ def _matrix(parts: Sequence[tuple[QuantizedWeight, torch.Tensor | None]], in_fea
         if bias is not None:
             bias = bias.detach().contiguous()
             keep.append(bias)
-        slot.type, slot.out = QUANT_TYPES[weight.kind][0], weight.out_features
+        slot.type, slot.out = weight.type_id, weight.out_features
         slot.row_bytes, slot.data = weight.data.shape[1], weight.data.data_ptr()
         slot.bias = None if bias is None else bias.data_ptr()
         keep.append(weight.data)
@@ -139,6 +141,10 @@ class DecodeStack:
         )
         self.hidden_size = hidden
         self.kv_caches = kv_caches  # the caches it writes: a step over others takes the Python path
+        # Interleaved weights run any number of rows (their kernel has no panel path).
+        self.max_rows = None if all(weight.interleaved for layer in layers for matrix in
+                                    (layer.qkv, layer.o, layer.gate_up, layer.down)
+                                    for weight, _ in matrix) else quant_linear.FUSED_ROWS
         self._num_blocks = num_blocks
         self._entry = _entry()
 
@@ -146,7 +152,7 @@ class DecodeStack:
         """Whether a step is one this stack runs: decodes only, few enough rows, its caches."""
         return (
             metadata.num_decodes == metadata.num_seqs == tokens
-            and 0 < tokens <= quant_linear.FUSED_ROWS
+            and 0 < tokens <= (self.max_rows or tokens)
             and kv_caches is self.kv_caches
         )
 
@@ -167,7 +173,7 @@ class DecodeStack:
         tables, seq_lens = metadata.block_tables, metadata.seq_lens
         if positions.shape != (tokens,) or slots.shape != (tokens,) or slots.dtype != torch.int64:
             raise ValueError("positions and slot_mapping: one int64 entry per token")
-        self._model.int8_activations = quant_linear.quantized_activations() == "int8"
+        self._model.activations = _ACTIVATIONS[quant_linear.quantized_activations()]
         failed = ctypes.c_int(0)
         status = self._entry(
             ctypes.byref(self._model), self._layers, hidden.data_ptr(), residual.data_ptr(), tokens,

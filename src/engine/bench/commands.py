@@ -108,8 +108,10 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--repeats", type=int, default=3, help="with --overhead: best of this many runs")
     step.add_argument("--dtypes", nargs="+", default=["auto"],
                       help="one runner per dtype (auto keeps quantized weights on a CPU)")
-    step.add_argument("--quantized-activations", nargs="+", default=["float32"], choices=QUANTIZED_ACTIVATIONS,
-                      help="one runner per activation type, for runners that keep quantized weights")
+    step.add_argument("--quantized-activations", nargs="+", default=["auto"], choices=QUANTIZED_ACTIVATIONS,
+                      help="one runner per activation type, for runners that keep quantized weights (each "
+                           "loaded with its own: integer activations interleave the weights on CPUs with "
+                           "AVX-512 VNNI)")
     step.add_argument("--output-dir", default="bench-results")
     step.set_defaults(handler=_step)
 

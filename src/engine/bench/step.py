@@ -32,6 +32,7 @@ from engine.model_files.resolve import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.worker.runner import ModelRunner
 from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
+from kernels.quant_linear import QuantizedWeight
 
 
 def _context(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -91,7 +92,11 @@ def _label(runner: ModelRunner, activation: str) -> str:
     """What a runner computes with: its dtype, and the block types it keeps quantized."""
     kinds = sorted(set(runner.quantized.values()))
     dtype = str(runner.dtype).removeprefix("torch.")
-    return f"{'+'.join(kinds)} weights, {activation} activations" if kinds else dtype
+    if not kinds:
+        return dtype
+    interleaved = any(isinstance(p, QuantizedWeight) and p.interleaved for m in runner.model.modules()
+                      for p in getattr(m, "parts", None) or ())
+    return f"{'+'.join(kinds)} weights{' interleaved' if interleaved else ''}, {activation} activations"
 
 
 def run(
@@ -118,19 +123,24 @@ def run(
 def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eager, output_dir) -> list[dict]:
     args = EngineArgs.from_env(model=model, kv_cache_memory="2GiB", max_num_seqs=max(256, *batch_sizes))
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-    # One runner per dtype; one that keeps quantized weights is timed once per activation type
-    # (a process-wide kernel setting, so the same loaded model serves each).
+    # One runner per dtype; one that keeps quantized weights, one per activation type (loaded
+    # with it: integer activations may interleave the weights). The activation type is a
+    # process-wide kernel setting, set again before each runner is timed.
     runners: dict[str, ModelRunner] = {}
     settings: dict[str, str] = {}
     for dtype in dtypes:
-        runner = ModelRunner(attrs.evolve(args, dtype=dtype), resolved.path)
-        for activation in activations if runner.quantized else activations[:1]:
-            key = dtype if len(activations) == 1 or not runner.quantized else f"{dtype}_{activation}"
-            runners[key], settings[key] = runner, activation
+        for activation in activations:
+            runner = ModelRunner(attrs.evolve(args, dtype=dtype, quantized_activations=activation), resolved.path)
+            if not runner.quantized:
+                runners[dtype], settings[dtype] = runner, kernels.quantized_activations()
+                break
+            key = dtype if len(activations) == 1 else f"{dtype}_{activation}"
+            runners[key], settings[key] = runner, kernels.quantized_activations()
     first = next(iter(runners.values()))
     if compare_eager:
-        runners["eager"] = ModelRunner(attrs.evolve(args, dtype=dtypes[0], enforce_eager=True), resolved.path)
-        settings["eager"] = activations[0]
+        runners["eager"] = ModelRunner(attrs.evolve(args, dtype=dtypes[0], enforce_eager=True,
+                                                    quantized_activations=activations[0]), resolved.path)
+        settings["eager"] = kernels.quantized_activations()
     hf_model = load_hf_reference(resolved.path, first.dtype, first.device)
     vocab = first.config.vocab_size
     labels = {key: _label(runner, settings[key]) for key, runner in runners.items()}

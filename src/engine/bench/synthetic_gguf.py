@@ -169,6 +169,9 @@ def _cache_dir() -> str:
 
 def command(namespace: Any) -> int:
     path = Path(namespace.path)
+    if path.suffix.lower() != ".gguf":
+        raise SystemExit(f"triode: error: write-gguf writes a .gguf file; got {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # /tmp/syn/... as the docs write it
     started = time.monotonic()
     size = write_synthetic_gguf(path, namespace.shape, namespace.file_type, seed=namespace.seed)
     print(f"wrote {path}: random {namespace.shape} weights in {namespace.file_type}, {size / 1e9:.2f} GB "

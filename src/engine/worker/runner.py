@@ -35,6 +35,7 @@ from engine.worker.placement import (
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
+    resolve_quantized_activations,
 )
 from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.sampling_batch import (
@@ -106,7 +107,7 @@ class ModelRunner:
         else:
             self.num_blocks = self._num_blocks(args.kv_cache_memory, kv_heads)
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
-        kernels.set_quantized_activations(args.quantized_activations)
+        kernels.set_quantized_activations(resolve_quantized_activations(args.quantized_activations))
         self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
         if select is not None:
             self.quantized = blocks_kept_by_shards(self.quantized, select)
@@ -115,6 +116,10 @@ class ModelRunner:
             device=self.device, max_positions=self.max_model_len, source=str(path),
             parallel=self.parallel, quantized=self.quantized,
         )
+        if self.quantized:
+            logger.info("%d quantized tensors kept as blocks, %s activations%s", len(self.quantized),
+                        kernels.quantized_activations(),
+                        " over rows interleaved 16 at a time" if kernels.quant_linear.interleaving() else "")
         # Peak resident memory once the weights are in (before the KV cache): what loading
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()

@@ -29,6 +29,7 @@
 
 #include "decode_stack.h"
 #include "exports.h"
+#include "quant_x16.h"
 #include "team.h"
 
 #define OUT_OF_MEMORY -5
@@ -68,10 +69,17 @@ static void *quantized_input(const step_state *st, thread_state *own, int type, 
     int i = 0;
     while (i < MAX_PARTS - 1 && own->q8_type[i] != type && own->q8_type[i] >= 0) i++;
     if (own->q8_type[i] != type) {
-        triode_q8_quantize(type, x, in, st->rows, in, own->q8[i]);
+        if (st->m->activations == ACTIVATIONS_WIDE) triode_q8_quantize_wide(type, x, in, st->rows, in, own->q8[i]);
+        else triode_q8_quantize(type, x, in, st->rows, in, own->q8[i]);
         own->q8_type[i] = type;
     }
     return own->q8[i];
+}
+
+/* Whether a part runs on float32 activations: all of them when the step's are, and with wide
+ * ones the parts kept in GGUF's layout (the wide kernels read interleaved ones only). */
+static int float_part(const decode_model *m, const quant_part *part) {
+    return m->activations == ACTIVATIONS_FLOAT32 || (m->activations == ACTIVATIONS_WIDE && !(part->type & TYPE_X16));
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -86,15 +94,19 @@ static void linear_columns(const step_state *st, thread_state *own, const quant_
         const quant_part *part = &w->parts[p];
         const int64_t from = first > base ? first : base, to = min64(last, base + part->out);
         if (from >= to) continue;
-        const uint8_t *rows = part->data + (from - base) * part->row_bytes;
-        const float *bias = part->bias ? part->bias + (from - base) : NULL;
-        if (!st->m->int8_activations) {
-            triode_quant_linear_serial(part->type, x, in, rows, part->row_bytes, bias, y + from, y_stride,
-                                       st->rows, in, to - from);
+        if (float_part(st->m, part)) {
+            const float *bias = part->bias ? part->bias + (from - base) : NULL;
+            triode_quant_linear_serial(part->type, x, in, part->data + (from - base) * part->row_bytes,
+                                       part->row_bytes, bias, y + from, y_stride, st->rows, in, to - from);
             continue;
         }
-        triode_quant_linear_q8(part->type, quantized_input(st, own, part->type, x, in), st->rows, in, rows,
-                               part->row_bytes, bias, y + from, y_stride, to - from);
+        void *input = quantized_input(st, own, part->type & ~TYPE_X16, x, in);
+        if (st->m->activations == ACTIVATIONS_WIDE)
+            triode_quant_x16_linear_q8(part->type, 1, input, st->rows, in, part->data, part->row_bytes, part->bias,
+                                       y + base, y_stride, from - base, to - base);
+        else
+            triode_quant_linear_q8(part->type, input, st->rows, in, part->data, part->row_bytes, part->bias,
+                                   y + base, y_stride, from - base, to - from);
     }
 }
 
@@ -219,8 +231,11 @@ static int check_step(const decode_model *m, const decode_layer *layers, int64_t
         for (int i = 0; i < 4; i++)
             for (int p = 0; p < matrices[i]->count; p++) {
                 const quant_part *part = &matrices[i]->parts[p];
-                status = triode_quant_linear_serial(part->type, NULL, 0, part->data, part->row_bytes, NULL, NULL,
-                                                    0, rows, inputs[i], 0);
+                status = float_part(m, part)
+                    ? triode_quant_linear_serial(part->type, NULL, 0, part->data, part->row_bytes, NULL, NULL,
+                                                 0, rows, inputs[i], 0)
+                    : triode_quant_linear_q8(part->type, NULL, rows, inputs[i], part->data, part->row_bytes, NULL,
+                                             NULL, 0, 0, 0);
                 if (status) return *failed_op = OP_LINEAR, status;
             }
     }
@@ -242,7 +257,9 @@ int triode_decode_stack(const decode_model *m, const decode_layer *layers, float
     const int qkv_width = q_size + 2 * kv_size, max_threads = omp_get_max_threads();
     const int widest_input = max_int(max_int(m->hidden, q_size), m->intermediate);
     const size_t floats = (size_t)rows * ((size_t)m->hidden + qkv_width + q_size + 3 * (size_t)m->intermediate);
-    const size_t q8_bytes = m->int8_activations ? ((size_t)triode_q8_bytes(rows, widest_input) + 63) / 64 * 64 : 0;
+    const int64_t input_bytes = m->activations == ACTIVATIONS_WIDE ? triode_q8_wide_bytes(rows, widest_input)
+                                : m->activations == ACTIVATIONS_INT8 ? triode_q8_bytes(rows, widest_input) : 0;
+    const size_t q8_bytes = ((size_t)input_bytes + 63) / 64 * 64;
     const size_t counters = (size_t)m->layers * OPS_PER_LAYER * (size_t)max_threads;
     float *normed = malloc(floats * sizeof(float));
     counter *claims = aligned_alloc(sizeof(counter), counters * sizeof(counter));

@@ -29,8 +29,11 @@ typedef struct {
     int32_t window; /* the keys a query sees, itself included; 0: all */
 } decode_layer;
 
+/* What the quantized matrices multiply (decode_model.activations). */
+enum { ACTIVATIONS_FLOAT32 = 0, ACTIVATIONS_INT8 = 1, ACTIVATIONS_WIDE = 2 };
+
 typedef struct {
-    int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, int8_activations;
+    int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, activations;
     float eps, scale;
     int64_t num_slots, max_positions;
     const float *cos_sin;

@@ -8,10 +8,20 @@
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                                int64_t rows, int in, int64_t out);
+int triode_quant_x16_linear(int type, int wide, const float *x, int64_t x_stride, const uint8_t *w,
+                            int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t rows, int in,
+                            int64_t out);
+int triode_quant_x16_linear_q8(int type, int wide, void *buffer, int64_t rows, int in, const uint8_t *w,
+                               int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t first,
+                               int64_t last);
+void triode_quant_x16_row(int type, const uint8_t *w, int64_t row_bytes, int block, int64_t row, uint8_t *out);
 int64_t triode_q8_bytes(int64_t rows, int in);
 int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer);
+int64_t triode_q8_wide_bytes(int64_t rows, int in);
+int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer);
 int triode_quant_linear_q8(int type, void *buffer, int64_t rows, int in, const uint8_t *w,
-                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t out);
+                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t first,
+                           int64_t out);
 int triode_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
                         const float *weight, float *out, float *residual_out, int64_t rows, int hidden,
                         float eps);

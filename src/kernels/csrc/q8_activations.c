@@ -3,14 +3,19 @@
  * scale, max |x| / 127, and the integer sums of every 32 and every 16 are kept for the
  * weights' offsets and Q6_K's correction. Compiled with -O3 -march=native -ffast-math.
  */
+#include <math.h>
 #include <stdint.h>
 
 #include "exports.h"
+#include "quant_x16.h"
 
 #define NOT_BUILT -4
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "q8_activations.h"
+
+/* The largest wide activation: 128 * 127 + 63, so that q stays in [-127, 127]. */
+#define WIDE_TOP 16319.0f
 
 static int check_q8(int type, int64_t rows, int in) {
     if (!block_bytes(type)) return -1;
@@ -55,6 +60,55 @@ static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, in
         }
 }
 
+/* The wide activations (q8_activations.h): x_q = round(x * 16319 / max |x|) over each span,
+ * split into 128 * q + lo. Scalar C: they feed the interleaved kernels, which spend far
+ * longer per activation. */
+static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int in, int span, rows_q8 out)
+{
+    int8_t *q = (int8_t *)out.q, *lo = (int8_t *)out.lo;
+    float *scale = (float *)out.scale;
+    int32_t *sum = (int32_t *)out.sum;
+    int16_t *sum16 = (int16_t *)out.sum16, *sum16_lo = (int16_t *)out.sum16_lo;
+    for (int r = 0; r < rows; r++)
+        for (int s = 0; s < in / span; s++) {
+            const float *src = x + r * x_stride + s * span;
+            float amax = 0.0f;
+            for (int i = 0; i < span; i++) amax = fmaxf(amax, fabsf(src[i]));
+            const float inverse = amax > 0.0f ? WIDE_TOP / amax : 0.0f;
+            scale[(int64_t)r * (in / span) + s] = amax / WIDE_TOP;
+            for (int i = 0; i < span; i += 16) {
+                const int64_t at = (int64_t)r * in + s * span + i;
+                int32_t total_q = 0, total_lo = 0, total = 0;
+                for (int k = 0; k < 16; k++) {
+                    const int32_t value = (int32_t)nearbyintf(src[i + k] * inverse);
+                    const int32_t high = (value + 64) >> 7;  /* floor: lo = value - 128 high in [-64, 63] */
+                    q[at + k] = (int8_t)high;
+                    lo[at + k] = (int8_t)(value - 128 * high);
+                    total_q += high;
+                    total_lo += value - 128 * high;
+                    total += value;
+                }
+                sum16[at / 16] = (int16_t)total_q;
+                sum16_lo[at / 16] = (int16_t)total_lo;
+                if (i % 32 == 0) sum[at / 32] = total;
+                else sum[at / 32] += total;
+            }
+        }
+}
+
+int64_t triode_q8_wide_bytes(int64_t rows, int in) { return q8_wide_bytes(rows, in); }
+
+/* x [rows, in] as wide activations for weights of `type`, into a buffer of
+ * triode_q8_wide_bytes; returns as triode_q8_quantize. */
+int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
+{
+    type &= ~TYPE_X16;
+    const int status = check_q8(type, rows, in);
+    if (status) return status;
+    quantize_wide_rows(x, x_stride, (int)rows, in, q8_span(type), q8_wide_rows(buffer, rows, in, q8_span(type), 0));
+    return 0;
+}
+
 /* x [rows, in] quantized for weights of `type` into a buffer of triode_q8_bytes: 0, or -1 for
  * a type not decoded, -2 for in not a whole number of spans, -3 for rows < 1. A caller that
  * runs its own team (decode_stack.c) quantizes a matrix's input once this way, then takes
@@ -63,6 +117,7 @@ int64_t triode_q8_bytes(int64_t rows, int in) { return q8_bytes(rows, in); }
 
 int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
 {
+    type &= ~TYPE_X16; /* the interleaved layout takes the same activations */
     const int status = check_q8(type, rows, in);
     if (status) return status;
     const rows_q8 q = q8_rows(buffer, rows, in, q8_span(type), 0);
@@ -74,6 +129,13 @@ int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows,
 #else
 
 int64_t triode_q8_bytes(int64_t rows, int in) { return 0; }
+
+int64_t triode_q8_wide_bytes(int64_t rows, int in) { return 0; }
+
+int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
+{
+    return NOT_BUILT;
+}
 
 int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
 {

@@ -10,12 +10,22 @@
 
 /* Row r's activations: int8 values, one scale per span of them (32 for the 32-weight block
  * types, 256 for the K types, whose integer sums then run over a whole block as llama.cpp's
- * Q8_K does), and the integer sum of every 32. */
+ * Q8_K does), and the integer sum of every 32.
+ *
+ * The interleaved kernels (quant_x16.c) also take 15-bit activations, x_q = 128 * q + lo with
+ * q in [-127, 127] and lo in [-64, 63] (q8_wide_rows; lo non-NULL): two int8 products per
+ * weight byte instead of one, and activations 128 times finer. Per 32 values int8 loses what
+ * a few large activations leave of the small ones: SmolLM2-135M answered "What is the
+ * capital of France?" with "L'Étoile, la Marseillaise, la femme, ..." on int8 activations
+ * (as llama.cpp's server does on the same file) and "The capital of France is Paris." on
+ * float32 ones or on these, whose logprobs stayed within 1e-3 of float32's. */
 typedef struct {
-    const int8_t *q;
+    const int8_t *q;       /* int8 values; of the wide ones, the multiples of 128 */
+    const int8_t *lo;      /* the wide ones' remainders, or NULL */
     const float *scale;
-    const int32_t *sum;
-    const int16_t *sum16;  /* the integer sum of every 16 (Q6_K's scales are per 16) */
+    const int32_t *sum;    /* the integer sum of every 32 (of x_q, for the wide ones) */
+    const int16_t *sum16;  /* the integer sum of every 16 of q (Q6_K's scales are per 16) */
+    const int16_t *sum16_lo;  /* the same of lo */
 } rows_q8;
 
 static inline int32_t hsum8i(__m256i v) {
@@ -38,8 +48,22 @@ static inline rows_q8 q8_rows(void *buffer, int64_t rows, int in, int span, int6
     float *scale = (float *)(q + rows * in);
     int32_t *sum = (int32_t *)(scale + rows * (in / 32));
     int16_t *sum16 = (int16_t *)(sum + rows * (in / 32));
-    return (rows_q8){q + first_row * in, scale + first_row * (in / span), sum + first_row * (in / 32),
-                     sum16 + first_row * (in / 16)};
+    return (rows_q8){q + first_row * in, NULL, scale + first_row * (in / span), sum + first_row * (in / 32),
+                     sum16 + first_row * (in / 16), NULL};
+}
+
+/* The wide activations' buffer: q8_rows' layout, then lo and its sums of 16. */
+static inline int64_t q8_wide_bytes(int64_t rows, int in) {
+    return q8_bytes(rows, in) + rows * in + (int64_t)sizeof(int16_t) * rows * (in / 16);
+}
+
+static inline rows_q8 q8_wide_rows(void *buffer, int64_t rows, int in, int span, int64_t first_row) {
+    rows_q8 x = q8_rows(buffer, rows, in, span, first_row);
+    int8_t *lo = (int8_t *)buffer + q8_bytes(rows, in);
+    int16_t *sum16_lo = (int16_t *)(lo + rows * in);
+    x.lo = lo + first_row * in;
+    x.sum16_lo = sum16_lo + first_row * (in / 16);
+    return x;
 }
 
 #endif

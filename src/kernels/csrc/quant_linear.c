@@ -16,8 +16,10 @@
  * the panels, loading for a model that runs unquantized).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "exports.h"
+#include "quant_x16.h"
 
 /* Returned by every entry point of a build for a CPU without AVX2: the kernels need it. */
 #define NOT_BUILT -4
@@ -164,16 +166,43 @@ static inline __attribute__((always_inline)) void dequantize_row(
                            out + i * out_stride);                                               \
         break;
 
-/* out[i, :] = row (ids ? ids[i] : first + i) of w, dequantized, for i < count. Row ids are
- * not checked here (the caller did). Returns 0, or -1 / -2 as triode_quant_linear. */
+/* An interleaved matrix's rows (quant_x16.h): each taken back into GGUF's layout, then decoded. */
+#define DEQUANTIZE_X16_CASE(TYPE, SUFFIX)                                                       \
+    case TYPE:                                                                                  \
+        _Pragma("omp parallel if (parallel)")                                                   \
+        {                                                                                       \
+            uint8_t *row = malloc((size_t)row_bytes);                                           \
+            _Pragma("omp for schedule(static)")                                                 \
+            for (int64_t i = 0; i < count; i++) {                                               \
+                if (!row) continue;                                                             \
+                triode_quant_x16_row(TYPE, w, row_bytes, block_bytes(TYPE), ids ? ids[i] : first + i, row); \
+                dequantize_row(TYPE, row, in, out + i * out_stride);                            \
+            }                                                                                   \
+            if (!row) {                                                                         \
+                _Pragma("omp atomic write")                                                     \
+                failed = 1;                                                                     \
+            }                                                                                   \
+            free(row);                                                                          \
+        }                                                                                       \
+        break;
+
+/* out[i, :] = row (ids ? ids[i] : first + i) of w, dequantized, for i < count; w is in GGUF's
+ * layout, or interleaved (type | TYPE_X16). Row ids are not checked here (the caller did).
+ * Returns 0, or -1 / -2 as triode_quant_linear, -5 when a scratch row cannot be allocated. */
 int triode_quant_dequantize(int type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
                             int64_t first, int64_t count, int in, float *out, int64_t out_stride)
 {
-    if (!block_bytes(type)) return -1;
-    if (!valid_shape(type, row_bytes, in)) return -2;
+    const int base = type & ~TYPE_X16;
+    if (!block_bytes(base)) return -1;
+    if (!valid_shape(base, row_bytes, in)) return -2;
     const int parallel = (int64_t)in * count >= PARALLEL_MIN_WEIGHTS;
-    switch (type) { FOR_EACH_QUANT_TYPE(DEQUANTIZE_CASE) }
-    return 0;
+    int failed = 0;
+    if (type & TYPE_X16) {
+        switch (base) { FOR_EACH_QUANT_TYPE(DEQUANTIZE_X16_CASE) }
+    } else {
+        switch (type) { FOR_EACH_QUANT_TYPE(DEQUANTIZE_CASE) }
+    }
+    return failed ? -5 : 0;
 }
 
 #else

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "exports.h"
+#include "quant_x16.h"
 
 #define NOT_BUILT -4
 
@@ -265,6 +266,8 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
                              int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                              int64_t rows, int in, int64_t out)
 {
+    if (type & TYPE_X16)
+        return triode_quant_x16_linear(type, 0, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out);
     if (!block_bytes(type)) return -1;
     if (!valid_shape(type, row_bytes, in)) return -2;
     if (rows < 1) return -3;
@@ -279,10 +282,18 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
 
 /* y = x @ w^T from x quantized by triode_q8_quantize (q8_activations.c) for weights of this
  * type, on the calling thread: a share of the output features for a caller that runs its own
- * team (decode_stack.c). out = 0 checks the type and shape. */
+ * team (decode_stack.c). out = 0 checks the type and shape. An interleaved matrix's share is
+ * given as the whole matrix and the features [first, first + out) (tiles are 16 rows). */
 int triode_quant_linear_q8(int type, void *buffer, int64_t rows, int in, const uint8_t *w,
-                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t out)
+                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t first,
+                           int64_t out)
 {
+    if (type & TYPE_X16)
+        return triode_quant_x16_linear_q8(type, 0, buffer, rows, in, w, row_bytes, bias, y, y_stride, first,
+                                          first + out);
+    w += first * row_bytes;
+    bias = bias ? bias + first : NULL;
+    y += first;
     if (!block_bytes(type)) return -1;
     if (!valid_shape(type, row_bytes, in)) return -2;
     if (rows < 1) return -3;
@@ -300,7 +311,8 @@ int triode_quant_linear_int8(int type, const float *x, int64_t x_stride, const u
 }
 
 int triode_quant_linear_q8(int type, void *buffer, int64_t rows, int in, const uint8_t *w,
-                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t out)
+                           int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t first,
+                           int64_t out)
 {
     return NOT_BUILT;
 }

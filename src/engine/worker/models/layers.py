@@ -16,7 +16,7 @@ from torch import nn
 import kernels
 from engine.worker.host_memory import weight_tensor
 
-__all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm", "joined_parts"]
+__all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm", "interleaved_parts", "joined_parts"]
 
 
 class QuantizedParts:
@@ -41,6 +41,15 @@ def joined_parts(parts: list[kernels.QuantizedWeight]) -> list[kernels.Quantized
     return [kernels.QuantizedWeight(parts[0].kind, rows, parts[0].in_features)]
 
 
+def interleaved_parts(parts: list[kernels.QuantizedWeight]) -> list[kernels.QuantizedWeight]:
+    """The parts interleaved 16 rows at a time for the integer-activation kernels
+    (kernels.interleaving()), when every part can be (a matrix is read as a whole, its parts'
+    tiles must line up); otherwise as they are."""
+    if not all(part.can_interleave() for part in parts):
+        return parts
+    return [part.interleave(weight_tensor) for part in parts]
+
+
 class Linear(QuantizedParts, nn.Linear):
     """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
     gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
@@ -53,7 +62,7 @@ class Linear(QuantizedParts, nn.Linear):
         if self.parts is None:
             self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
         else:
-            self.parts = joined_parts(self.parts)
+            self.parts = interleaved_parts(joined_parts(self.parts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is None:

@@ -30,7 +30,7 @@ import kernels
 from engine.model_config import ModelConfig
 from engine.worker.distributed import TensorParallelGroup
 from engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
-from engine.worker.models.layers import Embedding, Linear, RMSNorm
+from engine.worker.models.layers import Embedding, Linear, RMSNorm, interleaved_parts
 from engine.worker.models.moe import SparseMoE
 from engine.worker.models.rope import cos_sin_cache
 from engine.worker.models.weight_loading import CheckpointLoading, checkpoint_slices
@@ -176,6 +176,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 module.pack()
         if self.lm_head is None and self.embed_tokens.parts is None:
             self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
+        elif self.lm_head is None:
+            # The table is the LM head too: interleaved for its matmul; lookups read any layout.
+            self.embed_tokens.parts = interleaved_parts(self.embed_tokens.parts)
 
     def init_rope(self) -> None:
         config = self.config
