@@ -168,7 +168,7 @@ def _decode_step(runner, tiny_tokenizer):
                                          new_block_ids=driver._blocks_for("a", len(prompt) + 1))],
                          [_new("a", prompt)])
     chunk = ScheduledChunk(seq_id="a", token_ids=(sampled["a"][0],), start_position=len(prompt))
-    inputs = StepInputs.build([chunk], [chunk.token_ids], [driver.tables["a"]],
+    inputs = StepInputs.build([chunk], [chunk.token_ids], runner.block_tables,
                               block_size=runner.block_size, device=runner.device)
     stack = runner.model._decode_stack_for(runner.kv_caches)
     assert stack is not None and stack.takes(1, inputs.metadata, runner.kv_caches)

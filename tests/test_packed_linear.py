@@ -11,6 +11,7 @@ import kernels
 from engine.worker.models.llama import Linear
 from kernels.native import native_library
 from kernels.packed_linear import (
+    PACK_MIN_WEIGHTS,
     onednn_packs,
     pack_linear_weight,
     packed_linear,
@@ -92,11 +93,17 @@ def test_dispatch_one_row_to_the_loop_more_to_onednn(monkeypatch):
 
 
 @needs_onednn
-def test_the_model_packs_every_linear_weight(tiny_model_factory):
-    tied = make_driver(tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4))
+def test_the_model_packs_every_linear_weight_worth_it(tiny_model_factory):
+    """Weights of PACK_MIN_WEIGHTS elements or more are packed, smaller ones left to torch
+    (oneDNN's per-call cost is more than their multiply): an MLP of 1024 packs, the 64-wide
+    attention matrices do not."""
+    tied = make_driver(tiny_model_factory("llama", tie_word_embeddings=True, num_key_value_heads=4,
+                                          intermediate_size=1024, vocab_size=1024))
     untied = make_driver(tiny_model_factory("qwen2"))
     for model in (tied.runner.model, untied.runner.model):
         layers = [m for m in model.modules() if isinstance(m, Linear)]
-        assert layers and all(m.packed_weight is not None for m in layers)
+        assert layers and all((m.packed_weight is not None) == (m.weight.numel() >= PACK_MIN_WEIGHTS) for m in layers)
+    tied_layers = [m for m in tied.runner.model.modules() if isinstance(m, Linear)]
+    assert {m.packed_weight is None for m in tied_layers} == {True, False}
     assert tied.runner.model.lm_head is None and tied.runner.model.tied_head_packed is not None
     assert untied.runner.model.tied_head_packed is None

@@ -24,6 +24,7 @@ from engine.model_config import ModelConfig
 from engine.model_files.layout import load_hf_config
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import Rendezvous
+from engine.worker.block_tables import BlockTables
 from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
 from engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
@@ -55,7 +56,6 @@ class _Sequence:
     output_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    block_table: list[int] = attrs.Factory(list)
 
 
 class ModelRunner:
@@ -131,6 +131,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
+        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), rows=args.max_num_seqs)
         # Only rank 0 samples, so only it follows grammars (built on first use).
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
                                          reasoning_parser=args.reasoning_parser) if rank == 0 else None
@@ -168,6 +169,7 @@ class ModelRunner:
         started = time.perf_counter()
         for seq_id in plan.finished_seq_ids:
             self.sequences.pop(seq_id, None)
+            self.block_tables.remove(seq_id)
             if self.grammars is not None:
                 self.grammars.forget(seq_id)
         self._grammar_seconds = 0.0
@@ -175,6 +177,7 @@ class ModelRunner:
             self.sequences[new.seq_id] = _Sequence(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids
             )
+            self.block_tables.add(new.seq_id)
             if self.grammars is not None and new.params.structured_outputs is not None:
                 grammar_started = time.perf_counter()
                 self.grammars.start(new.seq_id, new.params.structured_outputs, new.eos_token_ids,
@@ -184,13 +187,11 @@ class ModelRunner:
         order = sorted(zip(plan.chunks, plan.chunk_token_ids(), strict=True), key=lambda pair: len(pair[1]) != 1)
         chunks = [chunk for chunk, _ in order]
         for chunk in chunks:
-            self.sequences[chunk.seq_id].block_table.extend(chunk.new_block_ids)
+            self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
         if not chunks:
             return StepResult(step_id=plan.step_id)
-        inputs = StepInputs.build(
-            chunks, [tokens for _, tokens in order], [self.sequences[c.seq_id].block_table for c in chunks],
-            block_size=self.block_size, device=self.device,
-        )
+        inputs = StepInputs.build(chunks, [tokens for _, tokens in order], self.block_tables,
+                                  block_size=self.block_size, device=self.device)
         if self.parallel is not None:
             self.parallel.collective_seconds = 0.0
         self._prepare_seconds = time.perf_counter() - started

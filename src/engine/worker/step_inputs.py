@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
 import torch
 
+from engine.worker.block_tables import BlockTables
 from engine.worker_messages import ScheduledChunk
 from kernels import AttentionMetadata
 
@@ -24,54 +26,56 @@ class StepInputs:
         cls,
         chunks: Sequence[ScheduledChunk],
         chunk_token_ids: Sequence[Sequence[int]],
-        block_tables: Sequence[Sequence[int]],
+        tables: BlockTables,
         *,
         block_size: int,
         device: torch.device,
     ) -> StepInputs:
         """``chunks`` must be ordered decodes (one token) first; ``chunk_token_ids[i]`` is
-        chunk i's input tokens (``StepPlan.chunk_token_ids``), ``block_tables[i]`` its full
-        block table, already extended by this step's new blocks."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        for chunk, chunk_tokens, table in zip(chunks, chunk_token_ids, block_tables, strict=True):
-            first = chunk.start_position
-            last = first + len(chunk_tokens)
-            if last > len(table) * block_size:
-                raise ValueError(
-                    f"sequence {chunk.seq_id!r}: {last} tokens need more than its "
-                    f"{len(table)} blocks of {block_size}"
-                )
-            token_ids.extend(chunk_tokens)
-            span = range(first, last)
-            positions.extend(span)
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-            starts.append(starts[-1] + len(chunk_tokens))
-            seq_lens.append(last)
-        width = max(len(table) for table in block_tables)
-        padded = [list(table) + [0] * (width - len(table)) for table in block_tables]
-        num_decodes = next((i for i, t in enumerate(chunk_token_ids) if len(t) != 1), len(chunks))
+        chunk i's input tokens (``StepPlan.chunk_token_ids``); ``tables`` holds every chunk's
+        sequence, its table already extended by this step's new blocks. The per-sequence work
+        is a few list comprehensions; slots and tables are gathered with tensor indexing."""
+        rows = [tables.row(chunk.seq_id) for chunk in chunks]
+        firsts = [chunk.start_position for chunk in chunks]
+        counts = [len(tokens) for tokens in chunk_token_ids]
+        ends = [first + count for first, count in zip(firsts, counts, strict=True)]
+        capacity = [tables.lengths[row] * block_size for row in rows]
+        if any(end > room for end, room in zip(ends, capacity, strict=True)):
+            index = next(i for i, (end, room) in enumerate(zip(ends, capacity, strict=True)) if end > room)
+            raise ValueError(f"sequence {chunks[index].seq_id!r}: {ends[index]} tokens need more than its "
+                             f"{capacity[index] // block_size} blocks of {block_size}")
+        num_decodes = next((i for i, count in enumerate(counts) if count != 1), len(chunks))
+        row_ids = torch.tensor(rows, dtype=torch.int64)
+        if num_decodes == len(chunks):  # the common step: one token per sequence
+            token_ids = [tokens[0] for tokens in chunk_token_ids]
+            positions = torch.tensor(firsts, dtype=torch.int64)
+            token_rows = row_ids
+        else:
+            token_ids = [token for tokens in chunk_token_ids for token in tokens]
+            positions = torch.cat([torch.arange(first, end) for first, end in zip(firsts, ends, strict=True)])
+            token_rows = row_ids.repeat_interleave(torch.tensor(counts))
+        table = tables.table
+        slots = table[token_rows, positions // block_size].to(torch.int64) * block_size + positions % block_size
+        starts = list(itertools.accumulate(counts, initial=0))
+        width = max(tables.lengths[row] for row in rows)
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def on_device(values: torch.Tensor) -> torch.Tensor:
+            return values.to(device, non_blocking=True)
 
         metadata = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(starts, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(padded, torch.int32),
+            slot_mapping=on_device(slots),
+            query_start_loc=on_device(torch.tensor(starts, dtype=torch.int32)),
+            seq_lens=on_device(torch.tensor(ends, dtype=torch.int32)),
+            block_tables=on_device(table[row_ids, :width]),
             num_decodes=num_decodes,
-            max_query_len=max(len(t) for t in chunk_token_ids),
-            max_seq_len=max(seq_lens),
+            max_query_len=max(counts),
+            max_seq_len=max(ends),
             query_start_loc_host=tuple(starts),
-            seq_lens_host=tuple(seq_lens),
+            seq_lens_host=tuple(ends),
         )
         return cls(
-            token_ids=tensor(token_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            token_ids=on_device(torch.tensor(token_ids, dtype=torch.int64)),
+            positions=on_device(positions),
             metadata=metadata,
             first_token_rows=tuple(starts[:-1]),
             last_token_rows=tuple(s - 1 for s in starts[1:]),

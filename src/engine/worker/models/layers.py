@@ -15,6 +15,7 @@ from torch import nn
 
 import kernels
 from engine.worker.host_memory import weight_tensor
+from kernels.packed_linear import PACK_MIN_WEIGHTS
 
 __all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm", "interleaved_parts", "joined_parts"]
 
@@ -60,7 +61,7 @@ class Linear(QuantizedParts, nn.Linear):
 
     def pack(self) -> None:
         if self.parts is None:
-            self.packed_weight = kernels.pack_linear_weight(self.weight.detach())
+            self.packed_weight = kernels.pack_linear_weight(self.weight.detach(), min_weights=PACK_MIN_WEIGHTS)
         else:
             self.parts = interleaved_parts(joined_parts(self.parts))
 

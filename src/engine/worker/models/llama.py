@@ -34,6 +34,7 @@ from engine.worker.models.layers import Embedding, Linear, RMSNorm, interleaved_
 from engine.worker.models.moe import SparseMoE
 from engine.worker.models.rope import cos_sin_cache
 from engine.worker.models.weight_loading import CheckpointLoading, checkpoint_slices
+from kernels.packed_linear import PACK_MIN_WEIGHTS
 
 __all__ = [
     "MLP",
@@ -175,7 +176,8 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
             if isinstance(module, Linear | SparseMoE):
                 module.pack()
         if self.lm_head is None and self.embed_tokens.parts is None:
-            self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach())
+            self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach(),
+                                                                min_weights=PACK_MIN_WEIGHTS)
         elif self.lm_head is None:
             # The table is the LM head too: interleaved for its matmul; lookups read any layout.
             self.embed_tokens.parts = interleaved_parts(self.embed_tokens.parts)

@@ -24,6 +24,7 @@ from engine.model_config import ModelConfig
 from engine.worker.distributed import TensorParallelGroup
 from engine.worker.models.layers import joined_parts
 from kernels.moe import fused_experts_reference
+from kernels.packed_linear import PACK_MIN_WEIGHTS
 
 # layers.N.(mlp|block_sparse_moe).experts.E.(w1|w3|gate_proj|up_proj|w2|down_proj).weight
 _EXPERT_TENSOR = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -67,8 +68,8 @@ class SparseMoE(nn.Module):
         if self.quantized is not None:
             self.quantized = [[*joined_parts([gate, up]), down] for gate, up, down in self.quantized]
             return
-        gate_up = [kernels.pack_linear_weight(w.detach()) for w in self.w_gate_up]
-        down = [kernels.pack_linear_weight(w.detach()) for w in self.w_down]
+        gate_up = [kernels.pack_linear_weight(w.detach(), min_weights=PACK_MIN_WEIGHTS) for w in self.w_gate_up]
+        down = [kernels.pack_linear_weight(w.detach(), min_weights=PACK_MIN_WEIGHTS) for w in self.w_down]
         self.packed = None if any(p is None for p in gate_up + down) else (gate_up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

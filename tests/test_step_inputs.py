@@ -1,0 +1,85 @@
+"""unit: the worker's block tables (one tensor row per sequence) and the step inputs gathered
+from them, against the slots and tables computed position by position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.worker.block_tables import BlockTables
+from engine.worker.step_inputs import StepInputs
+from engine.worker_messages import ScheduledChunk
+
+BLOCK = 4
+
+
+def _tables(sequences: dict[str, list[int]], rows: int = 2) -> BlockTables:
+    tables = BlockTables(8, rows=rows)
+    for seq_id, blocks in sequences.items():
+        tables.add(seq_id)
+        tables.extend(seq_id, blocks[:1])
+        tables.extend(seq_id, blocks[1:])  # a table grows over several plans
+    return tables
+
+
+def test_rows_are_reused_and_the_tensor_grows():
+    tables = _tables({"a": [3, 9], "b": [1], "c": [5, 6, 7]})  # three sequences in two rows: grown
+    assert tables.table.shape[0] == 4
+    assert tables.table[tables.row("c"), :3].tolist() == [5, 6, 7] and tables.lengths[tables.row("c")] == 3
+    row = tables.row("a")
+    tables.remove("a")
+    assert "a" not in tables
+    tables.add("d")
+    assert tables.row("d") == row and tables.lengths[row] == 0 and not tables.table[row].any()
+    tables.add("d")  # a sequence that restarts starts with an empty table
+    assert tables.lengths[tables.row("d")] == 0
+
+
+def test_a_table_longer_than_the_longest_sequence_is_refused():
+    tables = _tables({"a": list(range(8))})
+    with pytest.raises(ValueError, match="'a': 9 blocks, more than the 8"):
+        tables.extend("a", [8])
+
+
+def _expected(chunks, tokens, sequences):
+    slots, positions = [], []
+    for chunk, ids in zip(chunks, tokens, strict=True):
+        table = sequences[chunk.seq_id]
+        for position in range(chunk.start_position, chunk.start_position + len(ids)):
+            positions.append(position)
+            slots.append(table[position // BLOCK] * BLOCK + position % BLOCK)
+    return slots, positions
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_inputs_match_the_tables_position_by_position(prefill):
+    sequences = {"a": [3, 9, 4], "b": [1], "c": [5, 6]}
+    tables = _tables(sequences)
+    chunks = [ScheduledChunk("a", (11,), 9), ScheduledChunk("b", (12,), 2)]
+    tokens = [(11,), (12,)]
+    if prefill:
+        chunks.append(ScheduledChunk("c", (1, 2, 3, 4, 5), 2))
+        tokens.append((1, 2, 3, 4, 5))
+    inputs = StepInputs.build(chunks, tokens, tables, block_size=BLOCK, device=torch.device("cpu"))
+    slots, positions = _expected(chunks, tokens, sequences)
+    md = inputs.metadata
+    assert md.slot_mapping.tolist() == slots and inputs.positions.tolist() == positions
+    assert inputs.token_ids.tolist() == [t for ids in tokens for t in ids]
+    assert md.num_decodes == 2 and md.max_query_len == (5 if prefill else 1)
+    ends = [c.start_position + len(t) for c, t in zip(chunks, tokens, strict=True)]
+    assert md.seq_lens.tolist() == ends and md.seq_lens_host == tuple(ends) and md.max_seq_len == max(ends)
+    width = 3
+    assert md.block_tables.shape == (len(chunks), width)
+    for row, chunk in enumerate(chunks):
+        table = sequences[chunk.seq_id]
+        assert md.block_tables[row, :len(table)].tolist() == table
+        assert not md.block_tables[row, len(table):].any()  # padding: block 0
+    assert inputs.last_token_rows == ((0, 1, 6) if prefill else (0, 1))
+    assert md.query_start_loc.tolist() == list(md.query_start_loc_host)
+
+
+def test_a_chunk_past_its_blocks_is_refused_naming_the_sequence():
+    tables = _tables({"a": [3]})
+    with pytest.raises(ValueError, match="'a': 5 tokens need more than its 1 blocks of 4"):
+        StepInputs.build([ScheduledChunk("a", (1,), 4)], [(1,)], tables, block_size=BLOCK,
+                         device=torch.device("cpu"))
