@@ -4,7 +4,6 @@ consumers, overload, watchdog restarts and the restart budget."""
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import threading
@@ -14,13 +13,11 @@ import pytest
 import trio
 import trio.testing
 
-from engine.actors.step_pipeline import StepPipeline
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFull, WorkerFailure
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFull
 from engine.inputs import ChatOptions
 from engine.sampling_params import OutputKind, SamplingParams
-from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
 from tests.fake_workers import FakeWorkerGroup, fake_token
 
 
@@ -140,82 +137,32 @@ async def test_each_step_is_planned_while_the_one_before_runs(model_dir, autojum
     # After the prefill every plan was made ahead: it feeds each sequence the token the step
     # before it sampled (filled in from that step's result, which the fake checks). None goes
     # past max_tokens, so the last step has no plan behind it.
-    planned_ahead = [bool(plan.sampled_inputs) for plan in group.plans]
+    planned_ahead = [any(chunk.sampled_input for chunk in plan.chunks) for plan in group.plans]
     if async_scheduling:
         assert planned_ahead == [False] + [True] * 5
-        assert all(len(plan.sampled_inputs) == 2 for plan in group.plans[1:])
+        assert all(sum(c.sampled_input for c in plan.chunks) == 2 for plan in group.plans[1:])
+        assert len(group.fed) == 10  # fed by the worker, which the fake checks
     else:
         assert not any(planned_ahead)
 
 
-class _RecordingSupervisor:
-    """Stands in for the worker-supervisor: each step takes simulated time, then samples a
-    token per sampling chunk; a step can be made to fail."""
+@pytest.mark.parametrize("failure", ["crash", "raise", "hang"])
+async def test_steps_sent_ahead_of_a_failed_one_are_lost_with_it(model_dir, autojump_clock, failure):
+    """With async scheduling the step after a failed one is already on the workers: the
+    restart loses it too, once, and every sequence is recomputed from the tokens it had."""
+    group = FakeWorkerGroup(step_seconds=0.05)
+    async with open_engine(model_dir, group, async_scheduling=True) as llm:
+        async def fail_third_step() -> None:
+            for _ in range(2):
+                await group.next_step()
+            group.faults.append(failure)
 
-    def __init__(self, failing: set[int] = frozenset()) -> None:
-        self.ran: list[StepPlan] = []
-        self.failing = failing
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        await trio.sleep(0.1)
-        if plan.step_id in self.failing:
-            raise WorkerFailure(f"step {plan.step_id} lost")
-        self.ran.append(plan)
-        return StepResult(step_id=plan.step_id, sampled=tuple(
-            SampledToken(seq_id=c.seq_id, token_id=100 + plan.step_id) for c in plan.chunks if c.sample))
-
-
-@pytest.mark.parametrize("first_step", [0, 7])
-@pytest.mark.parametrize("handed_over", ["while it runs", "after it ran"])
-@pytest.mark.parametrize("fails", [False, True])
-async def test_the_pipeline_fills_a_plan_made_ahead_and_drops_it_after_a_failure(
-    autojump_clock, first_step, handed_over, fails
-):
-    first = StepPlan(step_id=first_step, chunks=(ScheduledChunk(seq_id="a", token_ids=(1, 2, 3), start_position=0),))
-    ahead = StepPlan(step_id=first_step + 1,
-                     chunks=(ScheduledChunk(seq_id="a", token_ids=(), start_position=3, sampled_input=True),))
-    supervisor = _RecordingSupervisor({first_step} if fails else set())
-    pipeline = StepPipeline(supervisor)
-    outcomes = {}
-
-    async def run(plan, after):
-        try:
-            outcomes[plan.step_id] = await pipeline.execute(plan, after=after)
-        except WorkerFailure as error:
-            outcomes[plan.step_id] = error
-
-    with trio.fail_after(1):
-        if handed_over == "while it runs":
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run, ahead, first_step)  # started first: it must still wait
-                nursery.start_soon(run, first, None)
-        else:
-            await run(first, None)
-            await run(ahead, first_step)
-    if fails:
-        assert supervisor.ran == [] and all(isinstance(o, WorkerFailure) for o in outcomes.values())
-    else:
-        assert [p.step_id for p in supervisor.ran] == [first_step, first_step + 1]
-        assert supervisor.ran[1].sampled_inputs == (100 + first_step,)
-
-
-async def test_the_pipeline_keeps_a_finished_steps_handoff_for_a_follower_started_late(autojump_clock):
-    # Three steps submitted together (a plan that only lists finished sequences, then two with
-    # chunks): the first has finished, and trio starts the third's task before the second's.
-    finished_only = StepPlan(step_id=4, finished_seq_ids=("z",))
-    first = StepPlan(step_id=5, chunks=(ScheduledChunk(seq_id="a", token_ids=(1, 2, 3), start_position=0),))
-    ahead = StepPlan(step_id=6,
-                     chunks=(ScheduledChunk(seq_id="a", token_ids=(), start_position=3, sampled_input=True),))
-    supervisor = _RecordingSupervisor()
-    pipeline = StepPipeline(supervisor)
-    with trio.fail_after(1):
-        await pipeline.execute(finished_only)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(pipeline.execute, ahead, after=5))
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(functools.partial(pipeline.execute, first, after=4))
-    assert [p.step_id for p in supervisor.ran] == [4, 5, 6]
-    assert supervisor.ran[2].sampled_inputs == (105,)
+            nursery.start_soon(fail_third_step)
+            output = await collect(llm, [1, 2, 3], greedy(8), request_id="a")
+        assert output.outputs[0].token_ids == expected_tokens("a", 3, 8)
+        stats = llm.statistics()
+        assert stats.worker_restarts == 1 and group.loads == 2
 
 
 async def test_flood_gets_queue_full_at_once(model_dir, autojump_clock):

@@ -1,8 +1,8 @@
 """Unit tests: async scheduling in the sans-IO scheduler and engine core (no event loop).
 
-Plans are made while the step before them is out, filled in from its result
-(``with_sampled_inputs``) and checked by the simulated worker of test_core_scheduler, which
-holds every plan against the KV it wrote. A deterministic fake model (each token a function
+Plans are made while the step before them is out, fed the token that step sampled by the
+simulated worker of test_core_scheduler (as the real worker feeds them), which holds every
+plan against the KV it wrote. A deterministic fake model (each token a function
 of the sequence so far, as greedy decoding is) makes outputs comparable across sync and async
 runs: they must be identical, aborts, stop strings, EOS, preemption and restarts included.
 """
@@ -22,7 +22,7 @@ from engine.core.request import Request, RequestStatus, make_requests
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.worker_messages import SampledToken, StepPlan, StepResult, with_sampled_inputs
+from engine.worker_messages import SampledToken, StepPlan, StepResult
 from tests.test_core_scheduler import (
     ADD_OP,
     EOS,
@@ -39,7 +39,7 @@ def _greedy_token(tokens: list[int], vocab: int) -> int:
 
 class Pipeline:
     """Drives a scheduler as the engine does: at most ``max_steps_in_flight`` plans out, each
-    run in order, a plan made ahead filled from the result of the step before it."""
+    run in order by the worker, which feeds a plan made ahead the tokens it sampled."""
 
     def __init__(self, scheduler: Scheduler, worker: FakeWorker) -> None:
         self.scheduler = scheduler
@@ -66,9 +66,7 @@ class Pipeline:
         return True
 
     def complete(self) -> None:
-        plan, ahead = self.out.popleft()
-        if ahead:
-            plan = with_sampled_inputs(plan, self.last_result)
+        plan, _ = self.out.popleft()
         self.last_result = self.worker.run(plan)
         self.scheduler.update_from_output(self.last_result)
         check_invariants(self.scheduler)
@@ -105,11 +103,13 @@ def greedy_worker(num_blocks: int, block_size: int, *, window: int | None = None
         histories = {}
         for new in plan.new_sequences:
             histories[new.seq_id] = [*new.prompt_token_ids, *new.output_token_ids]
-        for chunk, tokens in zip(plan.chunks, plan.chunk_token_ids(), strict=True):
+        for chunk in plan.chunks:
             if chunk.sample:
                 seq = worker.seqs.get(chunk.seq_id)
                 known = histories.get(chunk.seq_id, seq.tokens if seq is not None else [])
-                history = [*known[: chunk.start_position], *tokens]
+                end = chunk.start_position + len(chunk.token_ids)
+                fed = known[end:end + 1] if chunk.sampled_input else []  # what the worker feeds
+                history = [*known[: chunk.start_position], *chunk.token_ids, *fed]
                 worker.forced[chunk.seq_id] = [_greedy_token(history, worker.vocab)]
         return run(plan)
 
@@ -137,13 +137,10 @@ def test_a_plan_made_ahead_feeds_the_token_in_flight():
         scheduler.schedule()  # two out at most
     worker = FakeWorker(8, 4, max_discarded=1)
     first_result = worker.run(first)
-    with pytest.raises(ValueError, match="sampled input"):
-        worker.run(ahead)  # never sent unfilled
-    filled = with_sampled_inputs(ahead, first_result)
-    assert filled.sampled_inputs == (first_result.sampled[0].token_id,)
-    assert filled.chunk_token_ids() == [(first_result.sampled[0].token_id,)]
+    second_result = worker.run(ahead)  # fed the token the worker sampled in the first step
+    assert worker.seqs["a"].tokens[3] == first_result.sampled[0].token_id
     scheduler.update_from_output(first_result)
-    scheduler.update_from_output(worker.run(filled))
+    scheduler.update_from_output(second_result)
     assert scheduler.requests["a"].num_output_tokens == 2
 
 

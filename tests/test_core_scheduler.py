@@ -70,7 +70,11 @@ class FakeWorker:
             self.history[new.seq_id] = list(tokens)
             self.seqs[new.seq_id] = _WorkerSeq(tokens)
         assert len({c.seq_id for c in plan.chunks}) == len(plan.chunks)
-        chunk_tokens = dict(zip((c.seq_id for c in plan.chunks), plan.chunk_token_ids(), strict=True))
+        # A chunk planned ahead (async scheduling) is fed the token this worker sampled last,
+        # as the real worker does: it must have sampled one there.
+        chunk_tokens = {
+            c.seq_id: (*c.token_ids, self.seqs[c.seq_id].tokens[c.start_position + len(c.token_ids)])
+            if c.sampled_input else c.token_ids for c in plan.chunks}
         for chunk in plan.chunks:
             self.seqs[chunk.seq_id].table.extend(chunk.new_block_ids)
         owners: dict[int, set[str]] = {}

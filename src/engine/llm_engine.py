@@ -3,9 +3,9 @@
 It drives the same ``EngineCore`` as the async engine's scheduler actor, with the same
 ``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
 through a private trio loop. ``step`` is schedule -> run -> postprocess; with async
-scheduling (by default on GPU workers) it also plans the next step before it waits, hands it to
-the trio loop, which starts it the moment the current step's result is in (``StepPipeline``),
-so the result's postprocessing here overlaps the next step on the workers. A step the caller
+scheduling (by default on GPU workers) it also plans the next step before it waits and sends
+it to the workers at once, where it starts the moment the current step is done, so the
+result's postprocessing here overlaps the next step on the workers. A step the caller
 stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
 next ``step``, so the core and the workers never disagree about what ran. Making and
 handing over a plan, and applying a result, hold a KeyboardInterrupt off until they are
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import time
 import weakref
 from collections.abc import Iterable
@@ -26,7 +25,6 @@ from typing import Any
 
 import attrs
 
-from engine.actors.step_pipeline import StepPipeline
 from engine.actors.supervisor import WorkerSupervisor
 from engine.config import EngineArgs
 from engine.core.engine_core import EngineCore
@@ -59,7 +57,6 @@ class LLMEngine:
         # Holds the loop, not the engine: a dropped engine is collected, and its workers stop.
         self._finalizer = weakref.finalize(self, self._loop.close)
         self.supervisor: WorkerSupervisor = self._loop.handle
-        self._pipeline = StepPipeline(self.supervisor)
         info = self.supervisor.info
         self.max_model_len = info.max_model_len
         self.core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
@@ -115,8 +112,7 @@ class LLMEngine:
                 plan = self.core.schedule(time.monotonic())
                 if plan is None:
                     break
-                after = self._in_flight[-1].plan.step_id if self._in_flight else None
-                future = self._loop.submit(functools.partial(self._pipeline.execute, plan, after=after))
+                future = self._loop.submit(lambda plan=plan: self.supervisor.submit(plan).result)
                 self._in_flight.append(_StepInFlight(plan, time.monotonic(), future))
             self._engine_seconds += time.perf_counter() - started
         if not self._in_flight:
@@ -145,8 +141,8 @@ class LLMEngine:
         return processed.outputs
 
     def _drop_steps_in_flight(self) -> None:
-        """After a failed step: the steps planned behind it fail at once without running
-        (``StepPipeline``); their outcomes are collected and dropped."""
+        """After a failed step: the steps planned behind it were lost with the restarted
+        workers and fail at once; their outcomes are collected and dropped."""
         for step in self._in_flight:
             concurrent.futures.wait([step.result])
         self._in_flight.clear()

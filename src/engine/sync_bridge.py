@@ -60,13 +60,16 @@ class TrioThread:
             self.handle = await nursery.start(self._actor_run)
             self._ready.set()
 
-    def submit(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
-        """Starts ``async_fn(*args)`` on the loop; its outcome arrives in the future."""
+    def submit(self, begin: Callable[[], Callable[[], Awaitable[T]]]) -> concurrent.futures.Future[T]:
+        """Calls ``begin()`` on the loop, in the order of the ``submit`` calls, then awaits the
+        async function it returns in a task of its own; the outcome arrives in the future.
+        (``begin`` runs in order and at once, where tasks would start in any order: a driver
+        sends its plans there.)"""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-        async def run() -> None:
+        async def run(async_fn: Callable[[], Awaitable[T]]) -> None:
             try:
-                result = await async_fn(*args)
+                result = await async_fn()
             except Exception as e:
                 future.set_exception(e)
             except BaseException:  # cancelled: the loop is closing
@@ -77,7 +80,12 @@ class TrioThread:
 
         def start(nursery: trio.Nursery) -> None:
             try:
-                nursery.start_soon(run)
+                async_fn = begin()
+            except Exception as e:
+                future.set_exception(e)
+                return
+            try:
+                nursery.start_soon(run, async_fn)
             except RuntimeError:  # the nursery closed after the call was queued
                 future.set_exception(EngineShutdownError("the engine is closed"))
 

@@ -13,11 +13,16 @@ attrs classes took 274 (measured on this project's 2-core CPU).
 
 from __future__ import annotations
 
+import struct
 from typing import NamedTuple
 
 import attrs
 
 from engine.sampling_params import SamplingParams
+
+# The step channel's framing (engine.actors.step_channel, engine.worker.step_server): a
+# message is its pickle's length in 8 little-endian bytes, then the pickle.
+STEP_FRAME = struct.Struct("<Q")
 
 
 @attrs.frozen(kw_only=True)
@@ -46,28 +51,13 @@ class ScheduledChunk(NamedTuple):
     new_block_ids: tuple[int, ...] = ()
     sample: bool = True  # False for a prefill chunk that does not reach the end of the prompt
     # Async scheduling: one more input token after ``token_ids``, the one the step before
-    # samples for this sequence; the plan's ``sampled_inputs`` holds it once that step's
-    # result is back (``with_sampled_inputs``).
+    # samples for this sequence. The engine sends the plan before it knows that token; the
+    # worker, which sampled it and runs steps in plan order, feeds it.
     sampled_input: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.sampled_input
-
-
-def with_sampled_inputs(plan: StepPlan, previous: StepResult) -> StepPlan:
-    """``plan``, made while the step of ``previous`` ran, with the tokens that step sampled for
-    its chunks' ``sampled_input`` (as ``sampled_inputs``; the chunks are left as they are, so
-    this costs a lookup per chunk). Raises ``ValueError`` if one is missing."""
-    waiting = [chunk.seq_id for chunk in plan.chunks if chunk.sampled_input]
-    if not waiting:
-        return plan
-    sampled = {token.seq_id: token.token_id for token in previous.sampled}
-    missing = [seq_id for seq_id in waiting if seq_id not in sampled]
-    if missing:
-        raise ValueError(f"step {plan.step_id} feeds {missing[0]!r} the token step {previous.step_id} "
-                         f"sampled, but that step sampled none for it")
-    return attrs.evolve(plan, sampled_inputs=tuple(sampled[seq_id] for seq_id in waiting))
 
 
 @attrs.frozen(kw_only=True)
@@ -76,29 +66,15 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...] = ()
     chunks: tuple[ScheduledChunk, ...] = ()
     finished_seq_ids: tuple[str, ...] = ()  # forget these before running the step
-    # the last input token of each chunk with ``sampled_input``, in chunk order
-    sampled_inputs: tuple[int, ...] = ()
-
-    def chunk_token_ids(self) -> list[tuple[int, ...]]:
-        """Every chunk's input tokens, its ``sampled_input`` included. Raises ``ValueError``
-        if the plan lacks some of those (it was sent before they were filled in)."""
-        waiting = sum(chunk.sampled_input for chunk in self.chunks)
-        if waiting != len(self.sampled_inputs):
-            raise ValueError(f"step {self.step_id}: {waiting} chunks wait for a sampled input token, "
-                             f"the plan has {len(self.sampled_inputs)}")
-        filled = iter(self.sampled_inputs)
-        return [(*chunk.token_ids, next(filled)) if chunk.sampled_input else chunk.token_ids
-                for chunk in self.chunks]
 
     def __reduce__(self):
         return _plan_from_columns, (self.step_id, self.new_sequences, self.finished_seq_ids,
-                                    self.sampled_inputs, tuple(zip(*self.chunks, strict=True)))
+                                    tuple(zip(*self.chunks, strict=True)))
 
 
-def _plan_from_columns(step_id, new_sequences, finished_seq_ids, sampled_inputs, columns) -> StepPlan:
+def _plan_from_columns(step_id, new_sequences, finished_seq_ids, columns) -> StepPlan:
     chunks = tuple(map(ScheduledChunk._make, zip(*columns, strict=True)))
-    return StepPlan(step_id=step_id, new_sequences=new_sequences, chunks=chunks,
-                    finished_seq_ids=finished_seq_ids, sampled_inputs=sampled_inputs)
+    return StepPlan(step_id=step_id, new_sequences=new_sequences, chunks=chunks, finished_seq_ids=finished_seq_ids)
 
 
 @attrs.frozen(kw_only=True)

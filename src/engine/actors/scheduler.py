@@ -5,9 +5,9 @@ Two tasks share the actor's state (one trio thread, so they interleave only at a
 - the inbox task takes every message as it comes, a step in flight or not: new requests are
   admitted, aborts and stop-string finishes applied to the core at once (an idle scheduler
   wakes for them), and what the output actor must hear is queued in order;
-- the step task keeps a step on the workers (through the ``StepPipeline``; with async
-  scheduling the next step is planned and handed over while the current one runs), and as
-  each result comes in sends that queue, then the step's updates, to the output actor.
+- the step task keeps a step on the workers (with async scheduling two: the next one is
+  planned and sent while the current one runs, and waits on the workers), and as each result
+  comes in sends that queue, then the step's updates, to the output actor.
 
 So the inbox is drained while the worker computes and never fills behind a long step, and
 the inbox task never waits on the output actor (which sends stop strings back here): the
@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import time
 
-import outcome
+import attrs
 import trio
 
 from engine.actors.messages import (
@@ -33,27 +33,15 @@ from engine.actors.messages import (
     StepUpdates,
     StopStringFound,
 )
-from engine.actors.step_pipeline import StepPipeline
-from engine.actors.supervisor import WorkerSupervisor
+from engine.actors.supervisor import SupervisedStep, WorkerSupervisor
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError, WorkerFailure
-from engine.worker_messages import StepPlan, StepResult
 
 
+@attrs.frozen
 class _SubmittedStep:
-    def __init__(self, plan: StepPlan, started: float) -> None:
-        self.plan = plan
-        self.started = started
-        self.done = trio.Event()
-        self.outcome: outcome.Outcome[StepResult] | None = None
-
-    async def run(self, pipeline: StepPipeline, after: int | None) -> None:
-        try:
-            self.outcome = outcome.Value(await pipeline.execute(self.plan, after=after))
-        except Exception as error:
-            self.outcome = outcome.Error(error)
-        finally:
-            self.done.set()
+    step: SupervisedStep
+    started: float
 
 
 class SchedulerActor:
@@ -66,7 +54,6 @@ class SchedulerActor:
     ) -> None:
         self.core = core
         self.supervisor = supervisor
-        self.pipeline = StepPipeline(supervisor)
         self._inbox = inbox
         self._to_output = to_output
         self._outbox: collections.deque[OutputMessage] = collections.deque()
@@ -121,60 +108,47 @@ class SchedulerActor:
             await self._to_output.send(self._outbox.popleft())
 
     async def _run_steps(self) -> None:
-        async with trio.open_nursery() as nursery:
-            in_flight: collections.deque[_SubmittedStep] = collections.deque()  # plan order
-            while True:
+        in_flight: collections.deque[_SubmittedStep] = collections.deque()  # plan order
+        while True:
+            await self._flush()
+            self._submit_steps(in_flight)
+            if not in_flight:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            submitted = in_flight.popleft()
+            try:
+                result = await submitted.step.result()
+            except WorkerFailure:
+                in_flight.clear()  # sent to the workers that were restarted: lost with them
+                self.core.step_failed()
+                continue
+            except EngineDeadError as error:
+                in_flight.clear()
+                self.dead = error
                 await self._flush()
-                self._submit_steps(nursery, in_flight)
-                if not in_flight:
-                    await self._work.wait()
-                    self._work = trio.Event()
-                    continue
-                step = in_flight[0]
-                await step.done.wait()
-                in_flight.popleft()
-                try:
-                    result = step.outcome.unwrap()
-                except WorkerFailure:
-                    await self._drop(in_flight)
-                    self.core.step_failed()
-                    continue
-                except EngineDeadError as error:
-                    await self._drop(in_flight)
-                    self.dead = error
-                    await self._flush()
-                    await self._to_output.send(EngineFailed(error=error))
-                    return
-                now = trio.current_time()
-                timer = time.perf_counter()
-                updates = self.core.update_from_output(result, now)
-                self.engine_seconds += time.perf_counter() - timer
-                await self._flush()  # registrations and aborts first: they came before this result
-                await self._to_output.send(StepUpdates(
-                    updates=tuple(updates), time=now, started=step.started,
-                    scheduled=tuple(s.seq_id for s in step.plan.new_sequences),
-                ))
+                await self._to_output.send(EngineFailed(error=error))
+                return
+            now = trio.current_time()
+            timer = time.perf_counter()
+            updates = self.core.update_from_output(result, now)
+            self.engine_seconds += time.perf_counter() - timer
+            await self._flush()  # registrations and aborts first: they came before this result
+            await self._to_output.send(StepUpdates(
+                updates=tuple(updates), time=now, started=submitted.started,
+                scheduled=tuple(s.seq_id for s in submitted.step.plan.new_sequences),
+            ))
 
-    def _submit_steps(self, nursery: trio.Nursery, in_flight: collections.deque[_SubmittedStep]) -> None:
+    def _submit_steps(self, in_flight: collections.deque[_SubmittedStep]) -> None:
         """Plans steps while the core takes them (one out, or two with async scheduling: the
-        next one is planned while the current one runs) and starts each on the pipeline."""
+        next one is planned while the current one runs) and sends each to the workers."""
         timer = time.perf_counter()
         while self.core.can_schedule():
             plan = self.core.schedule(trio.current_time())
             if plan is None:
                 break
-            step = _SubmittedStep(plan, trio.current_time())
-            after = in_flight[-1].plan.step_id if in_flight else None
-            nursery.start_soon(step.run, self.pipeline, after)
-            in_flight.append(step)
+            in_flight.append(_SubmittedStep(self.supervisor.submit(plan), trio.current_time()))
         self.engine_seconds += time.perf_counter() - timer
-
-    @staticmethod
-    async def _drop(in_flight: collections.deque[_SubmittedStep]) -> None:
-        """After a failed step: those planned behind it fail at once without running."""
-        for step in in_flight:
-            await step.done.wait()
-        in_flight.clear()
 
     @property
     def idle_seconds(self) -> float:

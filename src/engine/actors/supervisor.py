@@ -1,12 +1,16 @@
 """The worker-supervisor actor: owns the worker group, runs each step under a watchdog, and
 restarts the group within a budget.
 
-A failed step (a rank died, hung past ``step_timeout``, or raised) restarts the whole group
-(every rank: a process group cannot lose one member; the reload forms a new group on a new
-rendezvous) and raises ``WorkerFailure`` to the caller, whose running requests are then
-recomputed. More than ``restart_budget`` failures within ``restart_window`` seconds fail the
-engine with ``EngineDeadError``. ``statistics()`` reports each rank's step and collective
-times (rank order; the ranks this engine runs, not followers on other nodes).
+A driver ``submit``s plans in plan order (the group sends each at once, so one made ahead waits
+on the workers while the step before it runs) and awaits each ``SupervisedStep.result`` in the
+same order. A failed step (a rank died, hung past ``step_timeout``, or raised) restarts the
+whole group (every rank: a process group cannot lose one member; the reload forms a new group
+on a new rendezvous) and raises ``WorkerFailure``, whose running requests are then recomputed;
+the steps submitted after it were lost with the old workers and raise ``WorkerFailure`` too,
+without a second restart. More than ``restart_budget`` failures within ``restart_window``
+seconds fail the engine with ``EngineDeadError``, for that step and every later one.
+``statistics()`` reports each rank's step and collective times (rank order; the ranks this
+engine runs, not followers on other nodes).
 """
 
 from __future__ import annotations
@@ -19,12 +23,27 @@ from contextlib import AbstractAsyncContextManager
 import attrs
 import trio
 
-from engine.actors.workers import ProcessWorkerGroup, WorkerCrashed, WorkerGroup
+from engine.actors.step_channel import StepRaised
+from engine.actors.workers import ProcessWorkerGroup, StepTicket, WorkerCrashed, WorkerGroup
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, StepTimeout, WorkerFailure
 from engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
+
+
+@attrs.frozen
+class SupervisedStep:
+    """A plan on the workers: ``result`` runs it under the supervisor's watchdog."""
+
+    supervisor: WorkerSupervisor
+    plan: StepPlan
+    ticket: StepTicket
+    generation: int
+    submitted: float
+
+    async def result(self) -> StepResult:
+        return await self.supervisor._supervise(self)
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +95,11 @@ class WorkerSupervisor:
         self._rank_last_collective: tuple[float, ...] = (0.0,) * size
         self._grammar_seconds = 0.0
         self._prepare_seconds = 0.0
+        self._generation = 0  # restarts so far: a step carries the one it was sent to
+        self._last_done = 0.0  # when the last step's result came in
+        self._dead: EngineDeadError | None = None
+        self._restarted = trio.Event()  # set while no restart runs
+        self._restarted.set()
 
     async def run(self, *, task_status: trio.TaskStatus[WorkerSupervisor] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._open_group() as group:
@@ -84,28 +108,55 @@ class WorkerSupervisor:
             task_status.started(self)
             await trio.sleep_forever()
 
+    def submit(self, plan: StepPlan) -> SupervisedStep:
+        """Sends the plan to every rank now, after those submitted before it; its result is
+        ``await step.result()``, awaited in submission order."""
+        return SupervisedStep(self, plan, self._group.submit(plan), self._generation, trio.current_time())
+
     async def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step on every rank in lockstep and returns rank 0's result."""
-        started = trio.current_time()
+        return await self.submit(plan).result()
+
+    async def _supervise(self, step: SupervisedStep) -> StepResult:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead)) from self._dead
+        plan = step.plan
+        if step.generation != self._generation:
+            raise WorkerFailure(f"step {plan.step_id} was not run: the workers it was sent to were restarted "
+                                f"after a step before it failed ({self._last_failure})")
         failure: WorkerFailure | None = None
         try:
             with trio.fail_after(self.args.step_timeout):
-                result = await self._group.execute(plan)
+                result = await step.ticket.result()
         except* trio.TooSlowError as group:
             failure, cause = StepTimeout(
                 f"step {plan.step_id} ran past step_timeout={self.args.step_timeout}s"
             ), group
         except* WorkerCrashed as group:
             failure, cause = WorkerFailure(f"step {plan.step_id}: {group.exceptions[0]}"), group
+        except* StepRaised as group:
+            first = group.exceptions[0]
+            failure, cause = WorkerFailure(f"step {plan.step_id} raised {first.remote_type}: {first}"), group
         except* Exception as group:
             first = group.exceptions[0]
             failure, cause = WorkerFailure(
                 f"step {plan.step_id} raised {type(first).__name__}: {first}"
             ), group
         if failure is not None:
+            if step.generation != self._generation or self.restarting:
+                # A step before it failed (or one beside it, whose result was awaited first)
+                # and restarts the workers: this one was lost with them.
+                await self._restarted.wait()
+                if self._dead is not None:
+                    raise EngineDeadError(str(self._dead)) from self._dead
+                raise WorkerFailure(f"step {plan.step_id} was lost with the workers restarted after: "
+                                    f"{self._last_failure}") from cause
             await self._restart(failure, cause)
+        # Its time runs from the later of its sending and the result before it (results come
+        # in plan order): steps out together are not counted twice.
+        started, self._last_done = max(step.submitted, self._last_done), trio.current_time()
         self._steps += 1
-        self._step_seconds += trio.current_time() - started
+        self._step_seconds += self._last_done - started
         self._record_ranks(result)
         return result
 
@@ -128,20 +179,26 @@ class WorkerSupervisor:
         while now - self._failures[0] > self.restart_window:
             self._failures.popleft()
         self._last_failure = str(failure)
+        self._generation += 1  # the steps sent to the failed group are lost with it
         if len(self._failures) > self.restart_budget:
-            raise EngineDeadError(
+            self._restarted.set()  # no restart: what waits for one learns the engine is dead
+            self._dead = EngineDeadError(
                 f"{len(self._failures)} worker failures within {self.restart_window:.0f}s exceed "
                 f"the restart budget of {self.restart_budget}; the last: {failure}"
-            ) from cause
+            )
+            raise self._dead from cause
         self._restarts += 1
         self.restarting = True
+        self._restarted = trio.Event()
         try:
             await self._group.kill()
             self.info = await self._group.load()
         except Exception as e:
-            raise EngineDeadError(f"restarting the workers failed after: {failure}") from e
+            self._dead = EngineDeadError(f"restarting the workers failed after: {failure}")
+            raise self._dead from e
         finally:
             self.restarting = False
+            self._restarted.set()
         raise failure from cause
 
     def statistics(self) -> SupervisorStatistics:

@@ -2,6 +2,11 @@
 ``ProcessWorkerGroup`` is the real one (one trio-parallel worker process per rank), and
 tests substitute an in-process fake so actor behaviour runs under trio's mock clock.
 
+A group loads its ranks with trio-parallel calls, then keeps each rank's step channel open
+(``actors/step_channel.py``): ``submit`` sends a plan to every rank at once, in call order, and
+never waits, so a plan made ahead reaches the workers while the step before it runs; the
+``GroupStep`` it returns gives rank 0's result once every rank has replied.
+
 With ``tensor_parallel_size`` N > 1 the N ranks form one ``torch.distributed`` process group:
 rank 0 serves the rendezvous (a TCPStore on a free loopback port, or on MASTER_ADDR /
 MASTER_PORT when set), then every rank loads its shard and joins. A bad size or a taken
@@ -23,6 +28,13 @@ import attrs
 import trio
 import trio_parallel
 
+from engine.actors.step_channel import (
+    PendingStep,
+    StepChannel,
+    accept_worker,
+    new_token,
+    open_listener,
+)
 from engine.actors.worker_spawn import starting_engine_workers
 from engine.config import EngineArgs
 from engine.model_config import ModelConfig
@@ -36,6 +48,25 @@ from engine.tensor_parallel import (
 )
 from engine.worker import calls
 from engine.worker_messages import StepPlan, StepResult, WorkerInfo
+
+_CONNECT_SECONDS = 60.0  # from a loaded worker's serving call to its step channel
+_CLOSE_SECONDS = 5.0
+
+
+async def _first_of(accepting, died):
+    """The accepted stream, or None if the worker's call ended first."""
+    outcome: list = []
+
+    async def run(awaitable, cancel_scope: trio.CancelScope) -> None:
+        value = await awaitable
+        if not outcome:
+            outcome.append(value)
+        cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, accepting, nursery.cancel_scope)
+        nursery.start_soon(run, died, nursery.cancel_scope)
+    return outcome[0] if outcome and isinstance(outcome[0], trio.SocketStream) else None
 
 
 class WorkerCrashed(Exception):
@@ -67,14 +98,42 @@ async def _worker_context():
             yield context
 
 
+class StepTicket(Protocol):
+    async def result(self) -> StepResult: ...
+
+
 class WorkerGroup(Protocol):
     pids: tuple[int, ...]
 
     async def load(self) -> WorkerInfo: ...
 
-    async def execute(self, plan: StepPlan) -> StepResult: ...
+    def submit(self, plan: StepPlan) -> StepTicket: ...
 
     async def kill(self) -> None: ...
+
+
+class GroupStep:
+    """One plan on every rank: ``result`` is rank 0's once all ranks replied; the first
+    failure (a crash before the errors it causes on its peers) is raised instead."""
+
+    def __init__(self, pendings: list[PendingStep]) -> None:
+        self._pendings = pendings
+
+    async def result(self) -> StepResult:
+        for pending in self._pendings:
+            await pending.done.wait()
+        errors = [(rank, p.error) for rank, p in enumerate(self._pendings) if p.error is not None]
+        if errors:
+            crashes = [(rank, e) for rank, e in errors if isinstance(e, WorkerCrashed)]
+            raise min(crashes or errors, key=lambda entry: entry[0])[1]
+        results = [p.result for p in self._pendings]
+        if len(results) == 1:
+            return results[0]
+        return attrs.evolve(
+            results[0],
+            rank_execute_seconds=tuple(r.execute_seconds for r in results),
+            rank_collective_seconds=tuple(r.collective_seconds for r in results),
+        )
 
 
 def check_before_spawn(args: EngineArgs, model_path: str) -> None:
@@ -96,11 +155,18 @@ class ProcessWorkerGroup:
     """N trio-parallel worker contexts, each with its own CapacityLimiter(1): the default
     limiter is global and would let one rank spawn a second process."""
 
-    def __init__(self, args: EngineArgs, model_path: str, contexts: list[trio_parallel.WorkerContext]) -> None:
+    def __init__(self, args: EngineArgs, model_path: str, contexts: list[trio_parallel.WorkerContext],
+                 listeners: list[tuple[str, trio.socket.SocketType]], nursery: trio.Nursery) -> None:
         self.args = args
         self.model_path = model_path
         self._contexts = contexts
         self._limiters = [trio.CapacityLimiter(1) for _ in contexts]
+        self._listeners = listeners  # (address, socket) per rank, for its step channel
+        self._nursery = nursery
+        self._channels: list[StepChannel] = []
+        self._serving: trio.CancelScope | None = None
+        self._served = trio.Event()
+        self._served.set()
         self.pids: tuple[int, ...] = ()
         self.infos: tuple[WorkerInfo, ...] = ()  # every rank's, from the last load
 
@@ -112,7 +178,16 @@ class ProcessWorkerGroup:
             # Ranks past TRIODE_TP_LOCAL_RANKS run on other nodes (followers), not here.
             local = local_rank_count(args.tensor_parallel_size)
             contexts = [await stack.enter_async_context(_worker_context()) for _ in range(local)]
-            yield cls(args, model_path, contexts)
+            listeners = [await stack.enter_async_context(open_listener()) for _ in range(local)]
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            group = cls(args, model_path, contexts, listeners, nursery)
+            try:
+                yield group
+            finally:
+                with trio.move_on_after(_CLOSE_SECONDS, shield=True):
+                    await group._stop_serving()
+                if group._serving is not None:
+                    group._serving.cancel()
 
     async def _run_on(self, rank: int, fn: Callable, *args: Any, kill_on_cancel: bool = False) -> Any:
         # Any call may start the rank's process (the first, and the first after a kill).
@@ -175,17 +250,75 @@ class ProcessWorkerGroup:
             )
         self.infos = tuple(infos)
         self.pids = tuple(info.pid for info in infos)
+        await self._start_serving()
         return infos[0]
 
-    async def execute(self, plan: StepPlan) -> StepResult:
-        results = await self._on_ranks(range(len(self._contexts)), lambda rank: (calls.EXECUTE, (plan,)))
-        if len(results) == 1:
-            return results[0]
-        return attrs.evolve(
-            results[0],
-            rank_execute_seconds=tuple(r.execute_seconds for r in results),
-            rank_collective_seconds=tuple(r.collective_seconds for r in results),
-        )
+    def submit(self, plan: StepPlan) -> GroupStep:
+        """Sends ``plan`` to every rank now (after the plans submitted before it)."""
+        if not self._channels:
+            pending = PendingStep()
+            pending._settle(error=WorkerCrashed("the workers are not loaded", None))
+            return GroupStep([pending])
+        return GroupStep([channel.send(plan) for channel in self._channels])
+
+    async def _start_serving(self) -> None:
+        """Each rank's one long call: run the plans of its step channel (calls.SERVE_STEPS)."""
+        # Shielded: an engine that is cancelled closes the channels (open's cleanup), so the
+        # workers finish their loop and exit as they would idle; kill() cancels it.
+        self._serving = trio.CancelScope(shield=True)
+        self._served = trio.Event()
+        done = [trio.Event() for _ in self._contexts]
+
+        async def serve_all(task_status: trio.TaskStatus[list[StepChannel]] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                with self._serving:
+                    async with trio.open_nursery() as nursery:
+                        channels = [await nursery.start(self._serve_rank, rank, done[rank])
+                                    for rank in range(len(self._contexts))]
+                        task_status.started(channels)
+            finally:
+                self._served.set()
+
+        self._channels = await self._nursery.start(serve_all)
+
+    async def _serve_rank(self, rank: int, done: trio.Event,
+                          task_status: trio.TaskStatus[StepChannel] = trio.TASK_STATUS_IGNORED) -> None:
+        address, listener = self._listeners[rank]
+        token = new_token()
+        crash: list[WorkerCrashed] = []
+
+        async def run_call() -> None:
+            try:
+                await self._run_on(rank, calls.SERVE_STEPS, address, token, kill_on_cancel=True)
+            except trio_parallel.BrokenWorkerError as e:
+                code = getattr(e.args[-1], "exitcode", None) if e.args else None
+                crash.append(WorkerCrashed(f"rank {rank}'s worker process died (exit code {code})", code))
+            except Exception as e:
+                crash.append(WorkerCrashed(f"rank {rank}'s step channel failed: {type(e).__name__}: {e}"))
+            finally:
+                done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_call)
+            with trio.move_on_after(_CONNECT_SECONDS) as connecting:
+                stream = await _first_of(accept_worker(listener, token), done.wait())
+            if connecting.cancelled_caught or stream is None:
+                raise crash[0] if crash else WorkerCrashed(f"rank {rank}'s worker did not open its step channel")
+            channel = StepChannel(stream)
+            task_status.started(channel)
+            await channel.run()
+            # The worker's end closed: it died, or stopped after we closed ours. trio-parallel
+            # says which, with the exit code, a moment later.
+            with trio.move_on_after(_CLOSE_SECONDS):
+                await done.wait()
+            channel.fail_pending(crash[0] if crash else WorkerCrashed(f"rank {rank}'s step channel closed"))
+            nursery.cancel_scope.cancel()
+
+    async def _stop_serving(self) -> None:
+        """Closes the step channels (each worker's loop then ends) and waits for the calls."""
+        for channel in self._channels:
+            channel.close()
+        await self._served.wait()
 
     def _kill_processes(self) -> None:
         for pid in self.pids:
@@ -195,8 +328,14 @@ class ProcessWorkerGroup:
 
     async def kill(self) -> None:
         """Ends every rank (a process group cannot lose one member); the next call on each
-        context starts a fresh process."""
+        context starts a fresh process. Plans without a reply fail."""
         self._kill_processes()
+        for channel in self._channels:
+            channel.fail_pending(WorkerCrashed("the worker group was restarted"))
+        self._channels = []
+        if self._serving is not None:
+            self._serving.cancel()
+        await self._served.wait()
         for rank in range(len(self._contexts)):
             # A context whose worker was killed while idle reports it on the next call;
             # take that here rather than in the reload.

@@ -7,8 +7,9 @@ vocabulary, random weights) and on the default model, at each batch size, with a
 scheduling off and on. Per step it reports the wall time and where it went:
 
 - engine: the engine process's own work (schedule, apply the result, detokenize, outputs);
-- round trip: handing the plan to the worker process and the result back (pickling, pipes,
-  the trio thread), i.e. the supervisor's step time less the worker's;
+- round trip: what the supervisor's time for a step (from the later of the plan's sending
+  and the result before it) has beyond the worker's: handing the plan over and the result
+  back (pickling, the socket, the trio thread) where the worker waited for them;
 - worker: the worker's whole step, and of it the host work around the forward (applying the
   plan, building the inputs and the sampler's tensors).
 

@@ -11,8 +11,8 @@ drift apart:
   in flight included (its result is then ignored for them);
 - ``schedule`` -> ``update_from_output``, or ``step_failed`` when the workers lost the step
   (every running sequence is recomputed, as after a preemption); with async scheduling a
-  second ``schedule`` while one step is out plans the next one ahead (``with_sampled_inputs``
-  completes it from the first one's result before it is sent);
+  second ``schedule`` while one step is out plans the next one ahead (the workers feed it
+  the tokens the first one samples);
 - the time the workers sat idle between steps while requests were unfinished.
 """
 

@@ -16,8 +16,8 @@ requests may delay a less important one indefinitely, as priorities intend.
 Up to ``max_steps_in_flight`` plans are out at once: one, or two with async scheduling, where
 step N+1 is planned while step N runs. A plan made ahead counts the tokens of the step in
 flight as scheduled: a prefill continues with its next chunk, and a sequence whose token is
-being sampled is fed that token, which the plan leaves to be filled in from step N's result
-(``ScheduledChunk.sampled_input``, ``with_sampled_inputs``). Sequence state advances only when
+being sampled is fed that token, which the plan leaves to the workers, who sampled it
+(``ScheduledChunk.sampled_input``). Sequence state advances only when
 a result arrives, in plan order (``update_from_output``; ``requeue_all_running()`` if the
 worker died), so a lost step leaves nothing half-applied. A sequence that finishes, is
 aborted or is preempted while a later step for it is out has that step's work ignored (its

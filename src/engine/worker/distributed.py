@@ -127,8 +127,9 @@ class TensorParallelGroup:
     it per step). On CPU that is the whole collective, waiting for the slowest rank included;
     on CUDA, where NCCL calls are asynchronous, it is the host-side time only."""
 
-    def __init__(self, partition: Partition) -> None:
+    def __init__(self, partition: Partition, device: torch.device | None = None) -> None:
         self.partition = partition
+        self.device = device or torch.device("cpu")  # where collectives' tensors live (NCCL: the GPU)
         self.rank = partition.rank
         self.size = partition.size
         self.collective_seconds = 0.0
@@ -161,7 +162,7 @@ class TensorParallelGroup:
                 f"rank {rank} could not join the tensor-parallel group at "
                 f"{rendezvous.host}:{rendezvous.port}: {e}"
             ) from None
-        return cls(partition)
+        return cls(partition, device)
 
     def leave(self) -> None:
         import torch.distributed as dist
@@ -176,6 +177,16 @@ class TensorParallelGroup:
         torch.distributed.all_reduce(x)
         self.collective_seconds += time.perf_counter() - started
         return x
+
+    def broadcast_tokens(self, tokens: list[int] | None, count: int) -> list[int]:
+        """Rank 0's ``count`` sampled token ids on every rank (rank 0 passes them, the others
+        None)."""
+        values = (torch.tensor(tokens, dtype=torch.int64, device=self.device) if tokens is not None
+                  else torch.empty(count, dtype=torch.int64, device=self.device))
+        started = time.perf_counter()
+        torch.distributed.broadcast(values, src=0)
+        self.collective_seconds += time.perf_counter() - started
+        return values.tolist()
 
     def gather_vocab(self, partial: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets the full [rows, vocab] logits from every rank's [rows, shard] part; the

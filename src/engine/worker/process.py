@@ -23,6 +23,7 @@ import torch
 
 from engine.config import EngineArgs
 from engine.tensor_parallel import Rendezvous
+from engine.worker import step_server
 from engine.worker.distributed import peak_resident_bytes
 from engine.worker.faults import Fault, inject, parse_fault_plan
 from engine.worker.host_memory import keep_freed_memory
@@ -98,6 +99,12 @@ def load(
         weights_peak_rss_bytes=_runner.weights_peak_rss_bytes,
         peak_rss_bytes=peak_resident_bytes(),
     )
+
+
+def serve_steps(address: str, token: bytes) -> None:
+    """Runs the plans the engine sends over its step channel, until the engine closes it (the
+    one long call this process runs once loaded; engine.worker.step_server)."""
+    step_server.serve(address, token, execute)
 
 
 def execute(plan: StepPlan) -> StepResult:

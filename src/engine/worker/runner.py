@@ -146,6 +146,9 @@ class ModelRunner:
         elif self.device.type == "cuda" and tensor_parallel and not args.enforce_eager:
             logger.info("decode steps run eagerly under tensor parallelism (no CUDA graphs)")
         self._sampling = SamplingBatchCache(vocab_size=self.config.vocab_size, device=self.device)
+        # With plans made ahead every rank feeds sequences the tokens rank 0 sampled, so under
+        # tensor parallelism rank 0 broadcasts them each step (one small collective).
+        self._follows_samples = self.parallel is not None and args.async_scheduling_on(str(self.device))
 
     def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -184,7 +187,8 @@ class ModelRunner:
                                     new.output_token_ids)
                 self._grammar_seconds += time.perf_counter() - grammar_started
         # Decodes (one query token) go first: the attention ops batch them together.
-        order = sorted(zip(plan.chunks, plan.chunk_token_ids(), strict=True), key=lambda pair: len(pair[1]) != 1)
+        order = sorted(zip(plan.chunks, self._chunk_tokens(plan.chunks), strict=True),
+                       key=lambda pair: len(pair[1]) != 1)
         chunks = [chunk for chunk, _ in order]
         for chunk in chunks:
             self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
@@ -212,6 +216,14 @@ class ModelRunner:
             prepare_seconds=self._prepare_seconds,
         )
 
+    def _chunk_tokens(self, chunks) -> list[tuple[int, ...]]:
+        """Every chunk's input tokens. A plan made ahead (async scheduling) feeds a sequence the
+        token the step before it sampled (``sampled_input``), which the engine did not know when
+        it sent the plan: this worker sampled it, and ran that step first."""
+        sequences = self.sequences
+        return [(*chunk.token_ids, sequences[chunk.seq_id].output_token_ids[-1]) if chunk.sampled_input
+                else chunk.token_ids for chunk in chunks]
+
     def _logits_of_step(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
         """Every row's logits: what a decode graph captures."""
         return self.model.compute_logits(self.model(token_ids, positions, self.kv_caches, metadata))
@@ -234,8 +246,12 @@ class ModelRunner:
             logits = logits if len(sampling) == logits.shape[0] else logits.index_select(0, rows_index)
         else:
             logits = self.model.compute_logits(hidden.index_select(0, rows_index))
-        if logits is None:
-            return ()  # a tensor-parallel rank other than 0: rank 0 samples
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples, and says what
+            if self._follows_samples:
+                tokens = self.parallel.broadcast_tokens(None, len(sampling))
+                for index, token_id in zip(sampling, tokens, strict=True):
+                    self.sequences[chunks[index].seq_id].output_token_ids.append(token_id)
+            return ()
         seq_ids = [chunks[i].seq_id for i in sampling]
         sequences = [self.sequences[seq_id] for seq_id in seq_ids]
         constrained = self._constrain_(logits, seq_ids)
@@ -243,6 +259,8 @@ class ModelRunner:
         batch = self._sampling_batch(seq_ids, sequences)
         self._prepare_seconds += time.perf_counter() - prepare_started
         output = self.sampler.sample(logits, batch)
+        if self._follows_samples:
+            self.parallel.broadcast_tokens(output.token_ids, len(sampling))
         results = []
         for index, seq, token_id, logprobs in zip(
             sampling, sequences, output.token_ids, output.logprobs, strict=True
