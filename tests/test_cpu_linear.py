@@ -1,5 +1,6 @@
 """Kernels: the C loop for linear layers of a few rows (kernels.cpu_linear) against
-torch.nn.functional.linear, and the dispatch around it. Needs a C compiler; without one the
+torch.nn.functional.linear, the dispatch around it, and small float32 weights run on the
+calling thread. Needs a C compiler; without one the
 kernel cases are skipped and the dispatch falls back (tested in test_cpu_attention)."""
 
 from __future__ import annotations
@@ -8,7 +9,15 @@ import pytest
 import torch
 
 import kernels
-from kernels.cpu_linear import MAX_ROWS, ROWS_TAKEN, small_linear_cpu, small_linear_supports
+from kernels import cpu_linear
+from kernels.cpu_linear import (
+    MAX_ROWS,
+    ROWS_TAKEN,
+    SERIAL_MAX_WEIGHTS,
+    serial_linear_supports,
+    small_linear_cpu,
+    small_linear_supports,
+)
 from kernels.native import native_library
 from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
 
@@ -48,7 +57,7 @@ def test_dispatch_takes_the_loop_for_few_rows_only(monkeypatch):
         return out
 
     monkeypatch.setattr(kernels, "small_linear_cpu", recording)
-    weight = torch.randn(32, 16)
+    weight = torch.randn(SERIAL_MAX_WEIGHTS // 16, 16)  # not small: see the test below
     for rows in (1, MAX_ROWS, MAX_ROWS + 1, 64):
         x = torch.randn(rows, 16)
         torch.testing.assert_close(kernels.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
@@ -82,3 +91,27 @@ def test_autograd_keeps_torch_linear():
     assert layer.weight.grad is not None
     with torch.inference_mode():
         assert small_linear_supports(x, layer.weight, layer.bias)
+
+
+def test_small_float32_weights_take_torch_on_the_calling_thread(monkeypatch):
+    """A weight of a few thousand elements is microseconds of work: the dispatch gives it to
+    torch's matmul with MKL held to the calling thread, at every row count, and puts MKL's
+    per-thread setting back."""
+    taken = []
+
+    def recording(x, weight, bias=None):
+        taken.append(x.shape[0])
+        return cpu_linear.serial_linear(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "serial_linear", recording)
+    weight, bias = torch.randn(128, 64), torch.randn(128)
+    available = cpu_linear._mkl_threads_of_this_thread() is not None
+    assert serial_linear_supports(torch.randn(4, 64), weight) == available
+    assert not serial_linear_supports(torch.randn(4, 256), torch.randn(256, 256))
+    assert not serial_linear_supports(torch.randn(4, 64).bfloat16(), weight.bfloat16())
+    for rows in (1, MAX_ROWS, 64, 256):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(kernels.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    assert taken == ([1, MAX_ROWS, 64, 256] if available else [])
+    if available:
+        assert cpu_linear._mkl_threads_of_this_thread()(0) == 0  # no per-thread setting left behind

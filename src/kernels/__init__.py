@@ -36,7 +36,7 @@ from kernels.cpu_elementwise import (
     silu_and_mul_cpu,
     write_kv_cpu,
 )
-from kernels.cpu_linear import small_linear_cpu
+from kernels.cpu_linear import serial_linear, serial_linear_supports, small_linear_cpu
 from kernels.decode_stack import DecodeStack
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.metadata import AttentionMetadata
@@ -156,8 +156,11 @@ def paged_attention(query, key, value, k_cache, v_cache, metadata: AttentionMeta
 def linear(x, weight, bias=None, packed=None):
     """``x @ weight.T + bias``, x [rows, in], weight [out, in]; ``packed``: the weight as
     :func:`pack_linear_weight` made it, or None. On a CPU one row goes to the C loop, more
-    rows to oneDNN with the packed weight (without one, the C loop takes a few rows)."""
+    rows to oneDNN with the packed weight (without one, the C loop takes a few rows; a small
+    float32 weight, which the models do not pack, torch's matmul on the calling thread)."""
     if _backend == "auto":
+        if packed is None and serial_linear_supports(x, weight):
+            return serial_linear(x, weight, bias)
         if (packed is None or x.shape[0] == 1) and (out := small_linear_cpu(x, weight, bias)) is not None:
             return out
         if packed is not None and packed_linear_supports(x, packed, bias):

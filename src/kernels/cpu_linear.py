@@ -8,12 +8,20 @@ are its slowest), the C loop most of it. Where the model has packed its weights 
 from two rows. Without packed weights the loop takes up to :data:`ROWS_TAKEN` rows, and torch
 the rest (in bfloat16 the loop's conversions cost more than the memory it saves beyond three
 rows).
+
+Small float32 weights (fewer than :data:`SERIAL_MAX_WEIGHTS` elements) are a few microseconds
+of work at any step's rows, yet MKL, which runs torch's float32 matmul, still splits them across
+its threads, and waking a sleeping OpenMP thread costs tens of microseconds on these VMs (the
+worker lets its threads sleep soon: engine.actors.workers). :func:`serial_linear` runs them on
+the calling thread, with torch's matmul (2.7 us at one row of a 64 x 128 weight, where the C loop
+takes 9). On a 2-layer hidden-64 model that was 9 wake-ups a step.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
@@ -25,8 +33,10 @@ MAX_ROWS = 8  # as in the C source
 # 2-core CPU (ms, torch -> loop): float32 1 row 60 -> 21, 8 rows 91 -> 67; bfloat16 1 row
 # 37 -> 16, 4 rows 38 -> 37, 8 rows 43 -> 51.
 ROWS_TAKEN = {torch.float32: MAX_ROWS, torch.bfloat16: 3}
+SERIAL_MAX_WEIGHTS = 1 << 16  # as PARALLEL_MIN_WEIGHTS in the C sources
 
-__all__ = ["MAX_ROWS", "ROWS_TAKEN", "small_linear_cpu", "small_linear_supports"]
+__all__ = ["MAX_ROWS", "ROWS_TAKEN", "SERIAL_MAX_WEIGHTS", "serial_linear", "serial_linear_supports",
+           "small_linear_cpu", "small_linear_supports"]
 
 
 @functools.cache
@@ -71,3 +81,33 @@ def small_linear_cpu(
     if status:
         raise ValueError(f"small_linear_cpu: {rows} rows; the loop takes 1..{MAX_ROWS}")
     return out
+
+
+@functools.cache
+def _mkl_threads_of_this_thread():
+    """MKL's ``mkl_set_num_threads_local`` (C interface) from the torch build that links MKL
+    in, or None (another BLAS: its matmul then runs as torch runs it)."""
+    try:
+        setter = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+    return setter
+
+
+def serial_linear_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`serial_linear` takes ``linear(x, weight)``: float32 on a CPU, a weight of
+    fewer than :data:`SERIAL_MAX_WEIGHTS` elements, and MKL under torch's matmul."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.numel() < SERIAL_MAX_WEIGHTS
+            and _mkl_threads_of_this_thread() is not None)
+
+
+def serial_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by torch's matmul, with MKL told to use the calling thread only
+    for this call (a per-thread setting, put back after)."""
+    set_threads = _mkl_threads_of_this_thread()
+    previous = set_threads(1)
+    try:
+        return torch.nn.functional.linear(x, weight, bias)
+    finally:
+        set_threads(previous)

@@ -234,6 +234,20 @@ static inline int unsupported_shape(int heads, int kv_heads, int dim, int block_
            || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads;
 }
 
+/* Attention over fewer (cached token, query head) pairs than this runs on the calling thread.
+ * A pair costs 7-8 ns whatever the head size (16 to 64), and waking a sleeping OpenMP thread
+ * about 60 us on these VMs (the worker's threads sleep soon: engine.actors.workers), so below
+ * about 16k pairs a parallel region is slower: with threads asleep, 1 sequence of 128 tokens
+ * and 9 heads took 77 us in parallel and 14 alone, 8 such sequences 79 and 63. */
+#define PARALLEL_MIN_PAIRS (1 << 14)
+
+static inline int parallel_pays(const int32_t *seq_lens, int num_seqs, int heads, int window) {
+    int64_t tokens = 0;
+    for (int i = 0; i < num_seqs; i++)
+        tokens += window > 0 && seq_lens[i] > window ? window : seq_lens[i];
+    return tokens * heads >= PARALLEL_MIN_PAIRS;
+}
+
 /* NAME: returns 0, or -1 for a shape beyond the limits above. NAME##_units: units
  * [first, first + count) of the split (attention_units_per_sequence) on the calling thread, for a
  * caller that runs its own team (decode_stack.c); count = 0 checks the shape. */
@@ -258,7 +272,7 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
     if (unsupported_shape(heads, kv_heads, dim, block_size)) return -1;                         \
     const int vectors = heads * (dim / LANES);                                                  \
     const int split = attention_units_per_sequence(num_seqs, kv_heads, omp_get_max_threads()); \
-    _Pragma("omp parallel")                                                                     \
+    _Pragma("omp parallel if (parallel_pays(seq_lens, num_seqs, heads, window))")              \
     {                                                                                           \
         f32x16 queries[vectors], accumulators[vectors];                                         \
         float running_max[heads], denominator[heads];                                           \

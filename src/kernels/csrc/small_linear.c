@@ -15,6 +15,9 @@
 
 #define MAX_ROWS 8
 #define LANES 16
+/* Fewer weights than this run on the calling thread: the pass takes a few microseconds, less
+ * than waking a sleeping OpenMP thread costs on these VMs (tens of microseconds). */
+#define PARALLEL_MIN_WEIGHTS 65536
 
 /* One output row j for ROWS rows of x; ROWS is a constant after inlining, so the partial
  * sums stay in vector registers and each loaded weight vector feeds ROWS fused multiply-adds. */
@@ -48,7 +51,7 @@ DEFINE_ROW(row_bf16, uint16_t, bf16_to_float, float_to_bf16)
 
 #define CASE(ROW, N)                                                                            \
     case N:                                                                                     \
-        _Pragma("omp parallel for schedule(static)")                                            \
+        _Pragma("omp parallel for schedule(static) if ((int64_t)in * out >= PARALLEL_MIN_WEIGHTS)")                                            \
         for (int64_t j = 0; j < out; j++)                                                       \
             ROW(N, x, x_stride, w + j * in, bias, y, y_stride, j, in);                          \
         break;
