@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from kernels.cpu_argmax import argmax_cpu
 from kernels.cpu_elementwise import (
     rms_norm_cpu,
     rotary_embedding_cpu,
@@ -67,6 +68,7 @@ __all__ = [
     "AttentionMetadata",
     "DecodeStack",
     "QuantizedWeight",
+    "argmax",
     "backend_for",
     "fused_experts",
     "gelu_tanh_and_mul",
@@ -215,3 +217,10 @@ def silu_and_mul(x):
     if _backend == "auto" and (out := silu_and_mul_cpu(x)) is not None:
         return out
     return silu_and_mul_reference(x)
+
+
+def argmax(x):
+    """The index of each row's maximum in x [rows, cols] (the first one; torch's ``argmax(dim=-1)``)."""
+    if _backend == "auto" and (out := argmax_cpu(x)) is not None:
+        return out
+    return x.argmax(dim=-1)

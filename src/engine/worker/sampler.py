@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+import kernels
 from engine.worker.sampling_batch import SamplingBatch
 from engine.worker_messages import TokenLogprobs
 
@@ -196,7 +197,7 @@ class Sampler:
         )
         probs = x.softmax(dim=-1)
         # Exponential race: argmax(p / Exp(1)) is a draw from p, and each row's noise is its own.
-        return probs.div_(self._noise(probs, batch)).argmax(dim=-1)
+        return kernels.argmax(probs.div_(self._noise(probs, batch)))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         _check_shape(logits, batch)
@@ -206,12 +207,12 @@ class Sampler:
         if batch.bias is not None or batch.banned is not None or batch.penalty_rows is not None:
             x = adjust_logits(logits, batch)  # a copy: logprobs need the raw logits
         if batch.random_rows is None:
-            tokens = x.argmax(dim=-1)
+            tokens = kernels.argmax(x)
         elif batch.greedy_rows is None:
             tokens = self._sample_random(x, batch)
         else:
             tokens = torch.empty(batch.size, dtype=torch.long, device=x.device)
-            tokens[batch.greedy_rows] = x[batch.greedy_rows].argmax(dim=-1)
+            tokens[batch.greedy_rows] = kernels.argmax(x[batch.greedy_rows])
             tokens[batch.random_rows] = self._sample_random(x[batch.random_rows], batch)
 
         logprobs: list[TokenLogprobs | None] = [None] * batch.size

@@ -22,8 +22,11 @@
 #include "exports.h"
 
 /* Below this many elements a call runs on the calling thread: waking the OpenMP team costs
- * more than the work (a decode step of a few sequences). */
-#define PARALLEL_MIN_ELEMENTS 32768
+ * more than the work. An element takes about 0.7 ns; waking a sleeping thread about 60 us on
+ * these VMs (the worker's threads sleep soon: engine.actors.workers), so a team pays from
+ * about 170k elements. SiLU-and-multiply of 256 x 128 took 77 us with the team asleep (32k
+ * elements, the bound before), 128 x 128 alone 15 us. */
+#define PARALLEL_MIN_ELEMENTS (1 << 17)
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
