@@ -2,8 +2,9 @@
 
 Each rank's worker, once loaded, connects to a Unix socket the engine listens on, in a private
 directory, and proves itself with a token the engine gave it through trio-parallel's own pipe.
-Plans then go out as soon as the driver has made them (``send``, which never waits: a bounded
-buffer and a writer task), replies come back in the same order (a reader task), so the worker
+Plans then go out as soon as the driver has made them (``send``, which never waits: it writes
+what the socket takes at once, and leaves the rest to a writer task behind a bounded buffer;
+waking that task for every plan cost the engine's trio thread more than the write), replies come back in the same order (a reader task), so the worker
 finds step N+1 waiting when it finishes N. ``StepChannel.run`` returns when the worker closes
 its end (it died); the worker group then fails what is pending with the reason it learns from
 trio-parallel (the exit code).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hmac
+import os
 import pickle
 import secrets
 import tempfile
@@ -61,6 +63,8 @@ class StepChannel:
         self._outgoing, self._to_write = trio.open_memory_channel[bytes](MAX_PLANS_OUT)
         self._waiting: collections.deque[PendingStep] = collections.deque()
         self._closed: BaseException | None = None
+        self._queued = 0  # frames handed to the writer task and not yet written
+        self._closing = False
 
     def send(self, plan: StepPlan) -> PendingStep:
         """Queues the plan (in call order) and returns where its reply will be."""
@@ -68,17 +72,31 @@ class StepChannel:
         if self._closed is not None:
             pending._settle(error=self._closed)
             return pending
+        if len(self._waiting) >= MAX_PLANS_OUT:
+            raise RuntimeError(f"more than {MAX_PLANS_OUT} plans out on one worker")
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            self._outgoing.send_nowait(FRAME.pack(len(data)) + data)
-        except trio.WouldBlock:
-            raise RuntimeError(f"more than {MAX_PLANS_OUT} plans out on one worker") from None
+        frame = FRAME.pack(len(data)) + data
+        if not self._queued and not self._closing:
+            frame = frame[self._write_now(frame):]
+        if frame:
+            self._outgoing.send_nowait(frame)  # room for every plan out: never WouldBlock
+            self._queued += 1
         self._waiting.append(pending)
         return pending
+
+    def _write_now(self, frame: bytes) -> int:
+        """How much of ``frame`` the socket took without waiting (the writer task sends the
+        rest, in order). A broken socket takes nothing: the writer meets the error, and the
+        reader the end of the stream, which fails the plans."""
+        try:
+            return os.write(self._stream.socket.fileno(), frame)
+        except OSError:  # BlockingIOError (a full buffer) included
+            return 0
 
     def close(self) -> None:
         """No more plans: the writer sends what is queued, then ends the stream's sending side,
         and the worker's loop ends once it has answered them."""
+        self._closing = True
         self._outgoing.close()
 
     def fail_pending(self, error: BaseException) -> None:
@@ -103,6 +121,7 @@ class StepChannel:
     async def _write(self) -> None:
         async for frame in self._to_write:
             await self._stream.send_all(frame)
+            self._queued -= 1
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self._stream.send_eof()
 

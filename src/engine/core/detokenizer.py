@@ -101,6 +101,10 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return ""
+        if self._deferred and not (finished or stop_terminated):
+            self.output_token_ids.extend(new_token_ids)  # the text waits for the end: nothing to do
+            self._ids.extend(new_token_ids)
+            return ""
         finished = finished or stop_terminated
         for i, token_id in enumerate(new_token_ids):
             self.output_token_ids.append(token_id)

@@ -74,7 +74,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        for sample in self.samples:
+            if sample.finish_reason is None:
+                return False
+        return True
 
 
 @attrs.frozen(kw_only=True)
@@ -192,7 +195,7 @@ class OutputProcessor:
     def _output(self, state: _RequestState, now: float) -> RequestOutput | None:
         finished = state.finished
         kind = state.params.output_kind
-        if kind == OutputKind.FINAL_ONLY and not finished:
+        if not finished and kind == OutputKind.FINAL_ONLY:
             return None
         delta = kind == OutputKind.DELTA
         completions = []

@@ -163,9 +163,9 @@ class Request:
         of ``eos_token_ids``) leaves stop_reason None; any other sets it to the id, which is
         what vLLM reports for the extra ids of generation_config.json (Llama 3's
         ``<|eom_id|>`` and ``<|eot_id|>`` can be told apart that way)."""
-        params = self.params
-        if self.num_output_tokens >= params.min_tokens:
-            last = self.all_token_ids[-1]
+        params, token_ids = self.params, self.all_token_ids
+        if len(token_ids) - self.num_prompt_tokens >= params.min_tokens:
+            last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 if last != self.eos_token_ids[0]:
                     self.stop_reason = last
@@ -173,7 +173,7 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_tokens >= self.max_num_tokens:
+        if len(token_ids) >= self.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

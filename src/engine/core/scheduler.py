@@ -38,13 +38,7 @@ from engine.core.kv_blocks import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from engine.errors import InvalidRequestError
-from engine.worker_messages import (
-    NewSequence,
-    ScheduledChunk,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-)
+from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 
 class _InFlight(NamedTuple):  # one per sequence and step: a tuple is the cheapest record
@@ -284,10 +278,11 @@ class Scheduler:
         if chunks:
             self._finished_seq_ids = []
             planned = {}
+            requests = self.requests
             for seq_id, chunk in chunks.items():
-                request = self.requests[seq_id]
+                request = requests[seq_id]
                 planned[seq_id] = _InFlight(request, request.incarnation, chunk.start_position,
-                                            chunk.num_tokens, chunk.sample)
+                                            len(chunk.token_ids) + chunk.sampled_input, chunk.sample)
             self._in_flight.append(_PlannedStep(self._step_id, planned))
         return StepPlan(
             step_id=self._step_id,
@@ -300,28 +295,29 @@ class Scheduler:
     def _num_to_schedule(request: Request, limit: int) -> int:
         """The tokens to feed a running sequence now, at most ``limit``: the rest of those it
         has (with the one a step in flight samples), or none if that step ends it by length."""
+        # Plain attributes rather than Request's properties: this runs for every sequence of
+        # every step.
         pending = request.num_in_flight_samples
-        if pending and request.num_tokens + pending >= request.max_num_tokens:
+        num_tokens = len(request.all_token_ids)
+        if pending and num_tokens + pending >= request.max_num_tokens:
             return 0
-        return min(request.num_tokens + pending - request.num_scheduled_tokens, limit)
+        return min(num_tokens + pending - request.num_computed_tokens - request.num_in_flight_tokens, limit)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_scheduled_tokens
+        start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new
-        sampled_input = end > request.num_tokens  # the token a step in flight samples
-        new_block_ids = tuple(request.block_ids[request.num_blocks_sent :])
-        request.num_blocks_sent = len(request.block_ids)
-        sample = end == request.num_tokens + request.num_in_flight_samples
+        token_ids = request.all_token_ids
+        sampled_input = end > len(token_ids)  # the token a step in flight samples
+        block_ids = request.block_ids
+        new_block_ids = ()
+        if request.num_blocks_sent < len(block_ids):
+            new_block_ids = tuple(block_ids[request.num_blocks_sent:])
+            request.num_blocks_sent = len(block_ids)
+        sample = end == len(token_ids) + request.num_in_flight_samples
         request.num_in_flight_tokens += num_new
         request.num_in_flight_samples += sample
-        return ScheduledChunk(
-            seq_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
-            start_position=start,
-            new_block_ids=new_block_ids,
-            sample=sample,
-            sampled_input=sampled_input,
-        )
+        return ScheduledChunk(request.request_id, tuple(token_ids[start:end]), start, new_block_ids, sample,
+                              sampled_input)
 
     def _sibling_is_prefilling(self, request: Request) -> bool:
         """True while another sequence of the same n > 1 request still computes the prompt's
@@ -353,44 +349,42 @@ class Scheduler:
         in_flight = self._in_flight.popleft().chunks
         sampled = {token.seq_id: token for token in result.sampled}
         prompt_logprobs = dict(result.prompt_logprobs)
+        # This loop runs for every sequence of every step: what it can, it looks up once.
+        bm = self.block_manager
+        cache_blocks = bm.cache_computed_blocks if bm.enable_prefix_caching else None
+        release_blocks = bm.release_outside_window if bm.sliding_window is not None else None
+        requests = self.requests
         updates = []
         for seq_id, step in in_flight.items():
             request = step.request
-            if self.requests.get(seq_id) is not request or request.incarnation != step.incarnation:
+            if requests.get(seq_id) is not request or request.incarnation != step.incarnation:
                 continue  # finished, aborted or preempted after the plan was made
             request.num_computed_tokens += step.num_tokens
             request.num_in_flight_tokens -= step.num_tokens
-            self.block_manager.cache_computed_blocks(request)
-            self.block_manager.release_outside_window(request)
-            plp = request.unsent_prompt_logprobs(step.start, prompt_logprobs.get(seq_id, ()))
-            new_token_ids: tuple[int, ...] = ()
-            logprobs: tuple[TokenLogprobs | None, ...] = ()
-            if step.sample:
-                request.num_in_flight_samples -= 1
-                token = sampled.get(seq_id)
-                if token is None:
-                    raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
-                request.append_output_token(token.token_id)
-                new_token_ids = (token.token_id,)
-                if request.params.logprobs is not None:
-                    logprobs = (token.logprobs,)
-                status = request.check_stop()
-                if status is not None:
-                    self._finish(request, status)
-            if new_token_ids or plp:
-                updates.append(
-                    SequenceUpdate(
-                        seq_id=seq_id,
-                        request_id=request.parent_id,
-                        index=request.index,
-                        new_token_ids=new_token_ids,
-                        logprobs=logprobs,
-                        prompt_logprobs=plp,
-                        finish_reason=request.finish_reason,
-                        stop_reason=request.stop_reason if request.is_finished else None,
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
-                )
+            if cache_blocks is not None:
+                cache_blocks(request)
+            if release_blocks is not None:
+                release_blocks(request)
+            plp = request.unsent_prompt_logprobs(step.start, prompt_logprobs[seq_id]) if seq_id in prompt_logprobs else ()
+            if not step.sample:
+                if plp:
+                    updates.append(SequenceUpdate(seq_id, request.parent_id, request.index, (), (), plp,
+                                                  None, None, request.num_cached_tokens))
+                continue
+            request.num_in_flight_samples -= 1
+            token = sampled.get(seq_id)
+            if token is None:
+                raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
+            request.all_token_ids.append(token.token_id)
+            status = request.check_stop()
+            if status is not None:
+                self._finish(request, status)
+            updates.append(SequenceUpdate(
+                seq_id, request.parent_id, request.index, (token.token_id,),
+                (token.logprobs,) if request.params.logprobs is not None else (), plp,
+                None if status is None else status.finish_reason,
+                None if status is None else request.stop_reason, request.num_cached_tokens,
+            ))
         return updates
 
     # ---- state ---------------------------------------------------------------------------
