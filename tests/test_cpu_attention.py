@@ -34,9 +34,9 @@ def _decode_batch(*, kv_heads, group, head_dim, block_size, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "block_size"),
-    # compiled for dims 64/128 and groups up to 8; the rest take the loop over query heads
+    # compiled for dims 16/32/64/128 and groups up to 8; the rest take the loop over query heads
     [(3, 3, 64, 16), (1, 8, 64, 16), (2, 1, 128, 16), (2, 4, 128, 16), (1, 9, 64, 32),
-     (4, 1, 32, 8), (1, 6, 48, 4), (2, 2, 256, 64)],
+     (4, 1, 32, 8), (2, 2, 16, 16), (1, 5, 32, 16), (1, 6, 48, 4), (2, 2, 256, 64), (1, 9, 16, 8)],
 )
 def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype):
     _check_against_reference(_decode_batch(kv_heads=kv_heads, group=group, head_dim=head_dim,
@@ -64,6 +64,17 @@ def _check_against_reference(batch, dtype):
                      batch.scale, out)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_batch_large_enough_for_the_thread_team(head_dim):
+    """The batches above are small enough to run on the calling thread (csrc/paged_decode.h's
+    PARALLEL_MIN_WORK); 8 times as many sequences open a parallel region."""
+    batch = make_paged_batch(DECODES * 8, num_decodes=len(DECODES) * 8, kv_heads=3, group=3, head_dim=head_dim,
+                             block_size=16, dtype=torch.float32, seed=11)
+    assert sum(batch.metadata.seq_lens_host) * 9 * (head_dim + 32) >= 3 << 19
+    _check_against_reference(batch, torch.float32)
 
 
 @needs_kernel

@@ -9,7 +9,7 @@
  *
  * A head's 16 scores of a tile come from 16 partial-sum vectors (vec16.h) added together in a
  * transpose-and-add tree instead of 16 horizontal sums, and their exponentials are one vector
- * polynomial; for head dims 64 and 128 with groups of up to 8 query heads the tile's queries
+ * polynomial; for head dims 16, 32, 64 and 128 with groups of up to 8 query heads the tile's queries
  * and accumulators are compile-time arrays, kept in registers. With the cache in L2, the
  * default model's shape (float32, 2 threads) runs at 44 GB/s against 19.5 for the scalar
  * row-at-a-time loops this replaced; from memory, 64 sequences of 96-192 tokens x 30 layers
@@ -148,25 +148,30 @@ typedef struct {
 #define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
     static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) { TILE_BODY(ELEM, LOADV, GROUP, VEC) }
 
-/* One sequence: SPECIALISED[v][g] takes a tile for head dim 64 (v = 0) or 128 (v = 1) and
+/* One sequence: SPECIALISED[d][g] takes a tile for head dim 16, 32, 64 or 128 (d = 0..3) and
  * groups of g + 1 query heads; any other shape goes one query head at a time, its vector
- * count known only at run time. */
+ * count known only at run time (at head dim 16, 256 sequences of 40-75 tokens and 2 heads a
+ * group, that path took twice as long as the specialised tile). */
+#define DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, VEC)                                          \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, VEC)           \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, VEC)           \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, VEC)           \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, VEC)
+#define TILES_FOR_DIM(SUFFIX, VEC)                                                              \
+    {tile_##SUFFIX##_g1_v##VEC, tile_##SUFFIX##_g2_v##VEC, tile_##SUFFIX##_g3_v##VEC,           \
+     tile_##SUFFIX##_g4_v##VEC, tile_##SUFFIX##_g5_v##VEC, tile_##SUFFIX##_g6_v##VEC,           \
+     tile_##SUFFIX##_g7_v##VEC, tile_##SUFFIX##_g8_v##VEC}
+
+static inline int specialised_dim(int dim) {
+    return dim == 16 ? 0 : dim == 32 ? 1 : dim == 64 ? 2 : dim == 128 ? 3 : -1;
+}
+
 #define DEFINE_SEQUENCE(SUFFIX, ELEM, LOADV, STORE)                                             \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, 4)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, 4)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, 4)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, 4) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, 4)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, 8)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, 8)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, 8)               \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, 8) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, 8)               \
-    static void (*const SPECIALISED_##SUFFIX[2][8])(TILE_ARGS(ELEM)) = {                        \
-        {tile_##SUFFIX##_g1_v4, tile_##SUFFIX##_g2_v4, tile_##SUFFIX##_g3_v4,                   \
-         tile_##SUFFIX##_g4_v4, tile_##SUFFIX##_g5_v4, tile_##SUFFIX##_g6_v4,                   \
-         tile_##SUFFIX##_g7_v4, tile_##SUFFIX##_g8_v4},                                         \
-        {tile_##SUFFIX##_g1_v8, tile_##SUFFIX##_g2_v8, tile_##SUFFIX##_g3_v8,                   \
-         tile_##SUFFIX##_g4_v8, tile_##SUFFIX##_g5_v8, tile_##SUFFIX##_g6_v8,                   \
-         tile_##SUFFIX##_g7_v8, tile_##SUFFIX##_g8_v8}};                                        \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 1) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 2)   \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 4) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 8)   \
+    static void (*const SPECIALISED_##SUFFIX[4][8])(TILE_ARGS(ELEM)) = {                        \
+        TILES_FOR_DIM(SUFFIX, 1), TILES_FOR_DIM(SUFFIX, 2), TILES_FOR_DIM(SUFFIX, 4),           \
+        TILES_FOR_DIM(SUFFIX, 8)};                                                              \
     static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
         TILE_BODY(ELEM, LOADV, 1, vec)                                                          \
     }                                                                                           \
@@ -179,7 +184,7 @@ typedef struct {
         const int first_head = kv_begin * group, end_head = kv_end * group;                     \
         const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
         void (*specialised)(TILE_ARGS(ELEM)) =                                                  \
-            (dim == 64 || dim == 128) && group <= 8 ? SPECIALISED_##SUFFIX[dim == 128][group - 1] \
+            specialised_dim(dim) >= 0 && group <= 8 ? SPECIALISED_##SUFFIX[specialised_dim(dim)][group - 1] \
                                                     : NULL;                                     \
         for (int h = first_head; h < end_head; h++) {                                           \
             for (int v = 0; v < vec; v++) {                                                     \
@@ -234,18 +239,19 @@ static inline int unsupported_shape(int heads, int kv_heads, int dim, int block_
            || kv_heads < 1 || heads > MAX_HEADS || heads % kv_heads;
 }
 
-/* Attention over fewer (cached token, query head) pairs than this runs on the calling thread.
- * A pair costs 7-8 ns whatever the head size (16 to 64), and waking a sleeping OpenMP thread
- * about 60 us on these VMs (the worker's threads sleep soon: engine.actors.workers), so below
- * about 16k pairs a parallel region is slower: with threads asleep, 1 sequence of 128 tokens
- * and 9 heads took 77 us in parallel and 14 alone, 8 such sequences 79 and 63. */
-#define PARALLEL_MIN_PAIRS (1 << 14)
+/* Attention whose work (cached token, query head) pairs x (head dim + 32) is below this runs
+ * on the calling thread. A pair costs about 3.5 ns at head dim 16 and 6.7 at 64 (hence the
+ * + 32), and waking a sleeping OpenMP thread about 60 us on these VMs (the worker's threads
+ * sleep soon: engine.actors.workers), so below some 120 us of work a parallel region is
+ * slower: with threads asleep, 1 sequence of 128 tokens and 9 heads of 64 took 77 us in
+ * parallel and 14 alone, 8 such sequences 79 and 59. */
+#define PARALLEL_MIN_WORK (3 << 19)
 
-static inline int parallel_pays(const int32_t *seq_lens, int num_seqs, int heads, int window) {
+static inline int parallel_pays(const int32_t *seq_lens, int num_seqs, int heads, int dim, int window) {
     int64_t tokens = 0;
     for (int i = 0; i < num_seqs; i++)
         tokens += window > 0 && seq_lens[i] > window ? window : seq_lens[i];
-    return tokens * heads >= PARALLEL_MIN_PAIRS;
+    return tokens * heads * (dim + 32) >= PARALLEL_MIN_WORK;
 }
 
 /* NAME: returns 0, or -1 for a shape beyond the limits above. NAME##_units: units
@@ -272,7 +278,7 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
     if (unsupported_shape(heads, kv_heads, dim, block_size)) return -1;                         \
     const int vectors = heads * (dim / LANES);                                                  \
     const int split = attention_units_per_sequence(num_seqs, kv_heads, omp_get_max_threads()); \
-    _Pragma("omp parallel if (parallel_pays(seq_lens, num_seqs, heads, window))")              \
+    _Pragma("omp parallel if (parallel_pays(seq_lens, num_seqs, heads, dim, window))")         \
     {                                                                                           \
         f32x16 queries[vectors], accumulators[vectors];                                         \
         float running_max[heads], denominator[heads];                                           \
