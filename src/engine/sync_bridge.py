@@ -14,6 +14,7 @@ only while the caller waits for the workers, where nothing is half-done."""
 
 from __future__ import annotations
 
+import _signal
 import concurrent.futures
 import contextlib
 import signal
@@ -118,16 +119,18 @@ class TrioThread:
 def deferred_keyboard_interrupt() -> Iterator[None]:
     """A SIGINT that arrives inside the block is delivered (to whatever handler was there)
     when the block ends. Only the main thread receives signals; elsewhere it does nothing."""
-    previous = signal.getsignal(signal.SIGINT)
+    # _signal's functions, not signal's: those convert every handler through enums (a failed
+    # lookup, an exception, for a Python function), 9 us a block against 0.4, three blocks a step.
+    previous = _signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield  # None: a handler installed outside Python, which cannot be put back
         return
     pending: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    _signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if pending:
             signal.raise_signal(signal.SIGINT)
 

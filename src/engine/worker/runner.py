@@ -186,15 +186,17 @@ class ModelRunner:
                 self.grammars.start(new.seq_id, new.params.structured_outputs, new.eos_token_ids,
                                     new.output_token_ids)
                 self._grammar_seconds += time.perf_counter() - grammar_started
-        # Decodes (one query token) go first: the attention ops batch them together.
-        order = sorted(zip(plan.chunks, self._chunk_tokens(plan.chunks), strict=True),
-                       key=lambda pair: len(pair[1]) != 1)
-        chunks = [chunk for chunk, _ in order]
+        chunks, chunk_tokens = plan.chunks, self._chunk_tokens(plan.chunks)
+        if any(len(tokens) != 1 for tokens in chunk_tokens):
+            # Decodes (one query token) go first: the attention ops batch them together.
+            order = sorted(range(len(chunks)), key=lambda i: len(chunk_tokens[i]) != 1)
+            chunks, chunk_tokens = [chunks[i] for i in order], [chunk_tokens[i] for i in order]
         for chunk in chunks:
-            self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
+            if chunk.new_block_ids:
+                self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
         if not chunks:
             return StepResult(step_id=plan.step_id)
-        inputs = StepInputs.build(chunks, [tokens for _, tokens in order], self.block_tables,
+        inputs = StepInputs.build(chunks, chunk_tokens, self.block_tables,
                                   block_size=self.block_size, device=self.device)
         if self.parallel is not None:
             self.parallel.collective_seconds = 0.0
@@ -241,11 +243,11 @@ class ModelRunner:
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not sampling:
             return ()
-        rows_index = torch.tensor([inputs.last_token_rows[i] for i in sampling], device=self.device)
-        if logits is not None:
-            logits = logits if len(sampling) == logits.shape[0] else logits.index_select(0, rows_index)
-        else:
-            logits = self.model.compute_logits(hidden.index_select(0, rows_index))
+        rows = logits if logits is not None else hidden
+        if len(sampling) != rows.shape[0]:  # not every row samples (a prefill chunk's do not)
+            rows = rows.index_select(0, torch.tensor([inputs.last_token_rows[i] for i in sampling],
+                                                     device=self.device))
+        logits = rows if logits is not None else self.model.compute_logits(rows)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples, and says what
             if self._follows_samples:
                 tokens = self.parallel.broadcast_tokens(None, len(sampling))
@@ -261,15 +263,13 @@ class ModelRunner:
         output = self.sampler.sample(logits, batch)
         if self._follows_samples:
             self.parallel.broadcast_tokens(output.token_ids, len(sampling))
-        results = []
-        for index, seq, token_id, logprobs in zip(
-            sampling, sequences, output.token_ids, output.logprobs, strict=True
-        ):
+        for seq, token_id in zip(sequences, output.token_ids, strict=True):
             seq.output_token_ids.append(token_id)
-            if chunks[index].seq_id in constrained:
-                self.grammars.accept(chunks[index].seq_id, token_id)
-            results.append(SampledToken(seq_id=chunks[index].seq_id, token_id=token_id, logprobs=logprobs))
-        return tuple(results)
+        if constrained:
+            for seq_id, token_id in zip(seq_ids, output.token_ids, strict=True):
+                if seq_id in constrained:
+                    self.grammars.accept(seq_id, token_id)
+        return tuple(map(SampledToken, seq_ids, output.token_ids, output.logprobs))
 
     def _sampling_batch(self, seq_ids: list[str], sequences: list[_Sequence]) -> SamplingBatch:
         def rows() -> list[SamplingRow]:
