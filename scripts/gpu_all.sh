@@ -3,7 +3,8 @@
 # (gpu_check.py), the model path with CUDA graphs and async scheduling (gpu_model_check.py),
 # the decode step of random-weight SmolLM2-135M- and Llama-3.1-8B-shaped checkpoints with
 # graphs against --enforce-eager, Hugging Face and the weight-read limit (bench step --shape
-# --compare-eager), and the host cost of a step (bench step --overhead). Each part has its
+# --compare-eager), the host cost of a step (bench step --overhead), and offline W1v on the
+# 8B shape against Hugging Face's generate (bench throughput --shape). Each part has its
 # own time limit, and a part that fails does not stop the others; logs, JSON and PNG files go
 # to $OUT (default gpu-results/).
 #
@@ -42,4 +43,6 @@ part step_llama8b 300 "$PY" -m frontend.cli bench step --shape llama-3.1-8b --co
     --batch-sizes 1 8 64 256 --context 512 --steps 16 --output-dir "$OUT/step-llama8b"
 part overhead 120 "$PY" -m frontend.cli bench step --overhead --model-steps 0 --repeats 2 \
     --output-dir "$OUT/overhead"
+part throughput_llama8b 300 "$PY" -m frontend.cli bench throughput --shape llama-3.1-8b --dtype bfloat16 \
+    --workloads W1v --output-dir "$OUT/throughput-llama8b"
 exit $status

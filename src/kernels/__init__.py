@@ -2,9 +2,10 @@
 
 Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
 torch references, except on a CPU where a C compiler could build triode's C kernels
-(:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`) and the elementwise
-ops (:mod:`kernels.cpu_elementwise`) run them, and linear layers run oneDNN with weights packed
-at load time (:mod:`kernels.packed_linear`), one row the C loop of :mod:`kernels.cpu_linear`.
+(:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`), the elementwise
+ops (:mod:`kernels.cpu_elementwise`) and the sampler's argmax (:mod:`kernels.cpu_argmax`) run
+them, and linear layers run oneDNN with weights packed at load time
+(:mod:`kernels.packed_linear`), one row (or a small weight) :mod:`kernels.cpu_linear`.
 Weights kept in GGUF's quantized blocks are :class:`QuantizedWeight` objects, whose ``linear``
 and ``dequantize`` run the C kernels of :mod:`kernels.quant_linear` (CPUs with AVX2 only).
 ``TRIODE_KERNELS=torch|triton|auto`` (or :func:`set_backend`) overrides the choice for tests

@@ -4,10 +4,10 @@ Each rank's worker, once loaded, connects to a Unix socket the engine listens on
 directory, and proves itself with a token the engine gave it through trio-parallel's own pipe.
 Plans then go out as soon as the driver has made them (``send``, which never waits: it writes
 what the socket takes at once, and leaves the rest to a writer task behind a bounded buffer;
-waking that task for every plan cost the engine's trio thread more than the write), replies come back in the same order (a reader task), so the worker
-finds step N+1 waiting when it finishes N. ``StepChannel.run`` returns when the worker closes
-its end (it died); the worker group then fails what is pending with the reason it learns from
-trio-parallel (the exit code).
+waking that task for every plan cost the engine's trio thread more than the write), replies
+come back in the same order (a reader task), so the worker finds step N+1 waiting when it
+finishes N. ``StepChannel.run`` returns when the worker closes its end (it died); the worker
+group then fails what is pending with the reason it learns from trio-parallel (the exit code).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ def _throughput(namespace: argparse.Namespace) -> int:
         hf_batch_size=namespace.hf_batch_size,
         skip_hf=namespace.skip_hf,
         dtype=namespace.dtype,
+        shape=namespace.shape,
         output_dir=Path(namespace.output_dir),
     )
     return 0
@@ -140,6 +141,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     throughput.add_argument("--compare-async-scheduling", action="store_true",
                             help="triode only, async scheduling off vs on, alternated round by round")
     throughput.add_argument("--rounds", type=int, default=2, help="with --compare-async-scheduling")
+    throughput.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                            help="a random-weight checkpoint of this model's shape (in --dtype) instead of --model")
     throughput.add_argument("--output-dir", default="bench-results")
     throughput.set_defaults(handler=_throughput)
 

@@ -20,7 +20,6 @@ less than the parts' sum.
 from __future__ import annotations
 
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
+from engine.bench.random_models import copy_tokenizer
 from engine.bench.report import machine_description, plot_lines, print_table, write_json
 from engine.config import EngineArgs
 from engine.engine_stats import EngineStatistics
@@ -50,10 +50,7 @@ def write_tiny_model(directory: Path, tokenizer_dir: Path, *, vocab: int = 384) 
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, directory / name)
-    return directory
+    return copy_tokenizer(tokenizer_dir, directory)
 
 
 def _per_step(before: EngineStatistics, after: EngineStatistics, steps: int, seconds: float) -> dict:

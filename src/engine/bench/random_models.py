@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def write_random_model(directory: Path, shape_name: str, *, dtype: torch.dtype =
     del model
     print(f"wrote a random {shape_name} checkpoint ({dtype}) to {directory} in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
+    return directory
+
+
+def copy_tokenizer(source: Path, directory: Path) -> Path:
+    """Puts ``source``'s tokenizer files into ``directory`` (a random checkpoint has none; the
+    benchmarks that go through ``LLM`` give it the default model's, whose ids it samples from
+    or beyond, which decode to nothing)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, directory / name)
     return directory
 
 

@@ -1,14 +1,20 @@
 """`triode bench throughput`: offline output tokens/s of LLM.generate against Hugging Face
-`generate` (static left-padded batches, prompts in the given order), same workloads, same run."""
+`generate` (static left-padded batches, prompts in the given order), same workloads, same run,
+on the device the engine's worker runs on. ``--shape`` runs a random-weight checkpoint of a
+real model's shape (with the default model's tokenizer) instead of ``--model``: the 8B-shaped
+W1v of issue 20, on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from engine.bench.random_models import copy_tokenizer, write_random_model
 from engine.bench.report import (
     load_hf_reference,
     machine_description,
@@ -17,8 +23,10 @@ from engine.bench.report import (
     write_json,
 )
 from engine.bench.workloads import Workload, make_workload
+from engine.config import EngineArgs
 from engine.engine_stats import EngineStatistics
 from engine.llm import LLM
+from engine.model_files.resolve import resolve_model
 from engine.sampling_params import SamplingParams
 
 
@@ -67,6 +75,7 @@ def run_hf(model, workload: Workload, batch_size: int, pad_id: int) -> dict:
         for row, prompt in enumerate(prompts):
             ids[row, longest - len(prompt):] = torch.tensor(prompt)
             mask[row, longest - len(prompt):] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         new_tokens = max(workload.output_lens[start : start + batch_size])
         config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=pad_id)
@@ -89,9 +98,24 @@ def run(
     hf_batch_size: int = 32,
     skip_hf: bool = False,
     dtype: str = "float32",
+    shape: str | None = None,
     output_dir: Path = Path("bench-results"),
 ) -> dict:
-    print(f"triode bench throughput ({dtype}, both engines) on {machine_description()}")
+    with contextlib.ExitStack() as stack:
+        if shape is not None:
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="triode-bench-throughput-")))
+            args = EngineArgs.from_env(model=model)
+            tokenizer = resolve_model(args.model, cache_dir=args.resolved_cache_dir()).path
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            model = str(copy_tokenizer(tokenizer, write_random_model(scratch / shape, shape, dtype=getattr(torch, dtype),
+                                                                      device=device)))
+        return _run(model=model, workloads=workloads, hf_batch_size=hf_batch_size, skip_hf=skip_hf, dtype=dtype,
+                    label=f"a random {shape} checkpoint" if shape else model or "the default model",
+                    output_dir=output_dir)
+
+
+def _run(*, model, workloads, hf_batch_size, skip_hf, dtype, label, output_dir) -> dict:
+    print(f"triode bench throughput ({dtype}, both engines, {label}) on {machine_description()}")
     started = time.perf_counter()
     llm = LLM(model, kv_cache_memory="4GiB", max_model_len=1024, dtype=dtype)
     startup = time.perf_counter() - started
@@ -105,7 +129,8 @@ def run(
             entry = {"triode": ours}
             if not skip_hf:
                 if hf_model is None:
-                    hf_model = load_hf_reference(llm.llm_engine.model_path, getattr(torch, dtype))
+                    hf_model = load_hf_reference(llm.llm_engine.model_path, getattr(torch, dtype),
+                                                 llm.llm_engine.supervisor.info.device)
                 pad = llm.llm_engine.tokenizer.pad_token_id or 0
                 entry["hf"] = run_hf(hf_model, workload, hf_batch_size, pad)
                 entry["ratio"] = ours["tokens_per_second"] / entry["hf"]["tokens_per_second"]
