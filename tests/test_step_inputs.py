@@ -1,5 +1,6 @@
 """unit: the worker's block tables (one tensor row per sequence) and the step inputs gathered
-from them, against the slots and tables computed position by position."""
+from them, against the slots and tables computed position by position; the staging buffers
+that send a GPU step's inputs up in one copy (run here with a CPU "device" buffer)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from engine.worker.block_tables import BlockTables
+from engine.worker.input_staging import InputStaging
 from engine.worker.step_inputs import StepInputs
 from engine.worker_messages import ScheduledChunk
 
@@ -83,3 +85,36 @@ def test_a_chunk_past_its_blocks_is_refused_naming_the_sequence():
     with pytest.raises(ValueError, match="'a': 5 tokens need more than its 1 blocks of 4"):
         StepInputs.build([ScheduledChunk("a", (1,), 4)], [(1,)], tables, block_size=BLOCK,
                          device=torch.device("cpu"))
+
+
+def test_staged_inputs_equal_the_inputs_copied_one_by_one():
+    """Every tensor of a step through the staging buffers (one copy), and again for a larger
+    step (the buffers grow) and a smaller one (they are reused)."""
+    sequences = {"a": [3, 9, 4], "b": [1], "c": [5, 6]}
+    tables = _tables(sequences)
+    staging = InputStaging(torch.device("cpu"))
+    steps = [
+        ([ScheduledChunk("a", (11,), 9)], [(11,)]),
+        ([ScheduledChunk("a", (11,), 9), ScheduledChunk("b", (12,), 2), ScheduledChunk("c", (1, 2, 3, 4, 5), 2)],
+         [(11,), (12,), (1, 2, 3, 4, 5)]),
+        ([ScheduledChunk("b", (12,), 2)], [(12,)]),
+    ]
+    for number, (chunks, tokens) in enumerate(steps, start=1):
+        plain = StepInputs.build(chunks, tokens, tables, block_size=BLOCK, device=torch.device("cpu"))
+        staged = StepInputs.build(chunks, tokens, tables, block_size=BLOCK, device=torch.device("cpu"),
+                                  staging=staging)
+        assert staging.copies == number
+        for name in ("token_ids", "positions"):
+            assert torch.equal(getattr(staged, name), getattr(plain, name))
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            mine, theirs = getattr(staged.metadata, name), getattr(plain.metadata, name)
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+
+
+def test_staging_keeps_segments_of_mixed_sizes_apart():
+    staging = InputStaging(torch.device("cpu"))
+    tensors = [torch.arange(3, dtype=torch.int32), torch.arange(5, dtype=torch.int64) * 7,
+               torch.empty(0, 4, dtype=torch.int32), torch.arange(6, dtype=torch.int32).reshape(2, 3)]
+    uploaded = staging.upload(tensors)
+    for sent, received in zip(tensors, uploaded, strict=True):
+        assert received.dtype == sent.dtype and received.shape == sent.shape and torch.equal(received, sent)

@@ -29,6 +29,7 @@ from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, qu
 from engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
+from engine.worker.input_staging import InputStaging
 from engine.worker.models.llama import checkpoint_slices
 from engine.worker.models.registry import build_model
 from engine.worker.placement import (
@@ -146,6 +147,8 @@ class ModelRunner:
         elif self.device.type == "cuda" and tensor_parallel and not args.enforce_eager:
             logger.info("decode steps run eagerly under tensor parallelism (no CUDA graphs)")
         self._sampling = SamplingBatchCache(vocab_size=self.config.vocab_size, device=self.device)
+        # On a GPU a step's inputs go up in one copy; on a CPU they are already where they run.
+        self._staging = InputStaging(self.device) if self.device.type != "cpu" else None
         # With plans made ahead every rank feeds sequences the tokens rank 0 sampled, so under
         # tensor parallelism rank 0 broadcasts them each step (one small collective).
         self._follows_samples = self.parallel is not None and args.async_scheduling_on(str(self.device))
@@ -196,8 +199,8 @@ class ModelRunner:
                 self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
         if not chunks:
             return StepResult(step_id=plan.step_id)
-        inputs = StepInputs.build(chunks, chunk_tokens, self.block_tables,
-                                  block_size=self.block_size, device=self.device)
+        inputs = StepInputs.build(chunks, chunk_tokens, self.block_tables, block_size=self.block_size,
+                                  device=self.device, staging=self._staging)
         if self.parallel is not None:
             self.parallel.collective_seconds = 0.0
         self._prepare_seconds = time.perf_counter() - started

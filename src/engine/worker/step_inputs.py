@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from engine.worker.block_tables import BlockTables
+from engine.worker.input_staging import InputStaging
 from engine.worker_messages import ScheduledChunk
 from kernels import AttentionMetadata
 
@@ -30,11 +31,14 @@ class StepInputs:
         *,
         block_size: int,
         device: torch.device,
+        staging: InputStaging | None = None,
     ) -> StepInputs:
         """``chunks`` must be ordered decodes (one token) first; ``chunk_token_ids[i]`` is
         chunk i's input tokens (``StepPlan.chunk_token_ids``); ``tables`` holds every chunk's
         sequence, its table already extended by this step's new blocks. The per-sequence work
-        is a few list comprehensions; slots and tables are gathered with tensor indexing."""
+        is a few list comprehensions; slots and tables are gathered with tensor indexing.
+        ``staging``: the tensors go to ``device`` in its one copy (a GPU worker's), not one
+        copy each."""
         rows = [tables.row(chunk.seq_id) for chunk in chunks]
         firsts = [chunk.start_position for chunk in chunks]
         counts = [len(tokens) for tokens in chunk_token_ids]
@@ -59,14 +63,18 @@ class StepInputs:
         starts = list(itertools.accumulate(counts, initial=0))
         width = max(tables.lengths[row] for row in rows)
 
-        def on_device(values: torch.Tensor) -> torch.Tensor:
-            return values.to(device, non_blocking=True)
-
+        host = [slots, torch.tensor(starts, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32),
+                table[:, :width].index_select(0, row_ids), torch.tensor(token_ids, dtype=torch.int64), positions]
+        if staging is not None:
+            on_device = staging.upload(host)
+        else:
+            on_device = [values.to(device, non_blocking=True) for values in host]
+        slot_mapping, query_start_loc, seq_lens, block_tables, token_id_rows, position_rows = on_device
         metadata = AttentionMetadata(
-            slot_mapping=on_device(slots),
-            query_start_loc=on_device(torch.tensor(starts, dtype=torch.int32)),
-            seq_lens=on_device(torch.tensor(ends, dtype=torch.int32)),
-            block_tables=on_device(table[row_ids, :width]),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             num_decodes=num_decodes,
             max_query_len=max(counts),
             max_seq_len=max(ends),
@@ -74,8 +82,8 @@ class StepInputs:
             seq_lens_host=tuple(ends),
         )
         return cls(
-            token_ids=on_device(torch.tensor(token_ids, dtype=torch.int64)),
-            positions=on_device(positions),
+            token_ids=token_id_rows,
+            positions=position_rows,
             metadata=metadata,
             first_token_rows=tuple(starts[:-1]),
             last_token_rows=tuple(s - 1 for s in starts[1:]),
