@@ -282,7 +282,7 @@ class Scheduler:
             for seq_id, chunk in chunks.items():
                 request = requests[seq_id]
                 planned[seq_id] = _InFlight(request, request.incarnation, chunk.start_position,
-                                            len(chunk.token_ids) + chunk.sampled_input, chunk.sample)
+                                            chunk.num_tokens, chunk.sample)
             self._in_flight.append(_PlannedStep(self._step_id, planned))
         return StepPlan(
             step_id=self._step_id,
@@ -375,7 +375,7 @@ class Scheduler:
             token = sampled.get(seq_id)
             if token is None:
                 raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
-            request.all_token_ids.append(token.token_id)
+            request.append_output_token(token.token_id)
             status = request.check_stop()
             if status is not None:
                 self._finish(request, status)

@@ -15,8 +15,11 @@
 
 #include "vec16.h"
 
-/* Below this many elements a call runs on the calling thread (see elementwise.c). */
-#define PARALLEL_MIN_ELEMENTS (1 << 18)
+/* Below this many elements a call runs on the calling thread: waking a sleeping OpenMP
+ * thread costs tens of microseconds on these VMs (see elementwise.c). Measured alternately,
+ * with the team asleep: 8 rows of 49152 took 143-159 us in parallel and 74-76 alone, 16 rows
+ * 223-229 and 162-169. */
+#define PARALLEL_MIN_ELEMENTS (1 << 20)
 
 static inline int is_nan(float value) {
     uint32_t bits;
