@@ -11,12 +11,18 @@
 #     OUT=/path/to/results bash scripts/gpu_all.sh        # from the repository root
 #
 # Without an installed environment, PYTHON names an interpreter that has torch, triton and
-# transformers, and PYTHONPATH may add a folder of wheels' contents (trio, trio-parallel...).
+# transformers, and PYTHONPATH may add a folder of wheels' contents (trio, trio-parallel...);
+# triode itself is then imported from src/ through a link named triode.
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import triode" 2> /dev/null; then
+    source_tree=$(mktemp -d)
+    ln -s "$PWD/src" "$source_tree/triode"
+    export PYTHONPATH="$source_tree:$PYTHONPATH"
+fi
 status=0
 
 part() {  # part NAME SECONDS COMMAND...
@@ -37,12 +43,12 @@ cat "$OUT/gpu.txt"
 
 part gpu_model_check 150 "$PY" scripts/gpu_model_check.py
 part gpu_check 120 "$PY" scripts/gpu_check.py --budget 100
-part step_smollm2 150 "$PY" -m frontend.cli bench step --shape smollm2-135m --compare-eager \
+part step_smollm2 150 "$PY" -m triode.frontend.cli bench step --shape smollm2-135m --compare-eager \
     --batch-sizes 1 8 64 256 --context 512 --steps 16 --output-dir "$OUT/step-smollm2"
-part step_llama8b 300 "$PY" -m frontend.cli bench step --shape llama-3.1-8b --compare-eager \
+part step_llama8b 300 "$PY" -m triode.frontend.cli bench step --shape llama-3.1-8b --compare-eager \
     --batch-sizes 1 8 64 256 --context 512 --steps 16 --output-dir "$OUT/step-llama8b"
-part overhead 120 "$PY" -m frontend.cli bench step --overhead --model-steps 0 --repeats 2 \
+part overhead 120 "$PY" -m triode.frontend.cli bench step --overhead --model-steps 0 --repeats 2 \
     --output-dir "$OUT/overhead"
-part throughput_llama8b 300 "$PY" -m frontend.cli bench throughput --shape llama-3.1-8b --dtype bfloat16 \
+part throughput_llama8b 300 "$PY" -m triode.frontend.cli bench throughput --shape llama-3.1-8b --dtype bfloat16 \
     --workloads W1v --output-dir "$OUT/throughput-llama8b"
 exit $status

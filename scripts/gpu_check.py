@@ -2,8 +2,8 @@
 """GPU check of triode's Triton kernels: correctness against the torch references at realistic
 sizes, timings, and achieved memory bandwidth as a share of the device's peak.
 
-    PYTHONPATH=src python scripts/gpu_check.py              # on a CUDA machine, < 5 minutes
-    PYTHONPATH=src python scripts/gpu_check.py --dry-run-cpu  # same logic, tiny, interpreter
+    python scripts/gpu_check.py              # on a CUDA machine, < 5 minutes
+    python scripts/gpu_check.py --dry-run-cpu  # same logic, tiny, interpreter
 
 Needs only torch, triton and src/kernels. For each op it compares the Triton kernel and the
 torch reference (the engine's CPU path, run here on the GPU in the same dtype) with a float32
@@ -28,11 +28,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-if str(SRC) not in sys.path:  # PYTHONPATH=src is the documented way; this makes it optional
-    sys.path.insert(0, str(SRC))
+from source_tree import use_source_tree
+
+use_source_tree()  # triode without an install: a bare GPU machine has only torch and triton
 
 EXIT_OK, EXIT_MISMATCH, EXIT_NO_DEVICE, EXIT_BUDGET = 0, 1, 2, 3
 VENDOR_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
@@ -140,8 +139,8 @@ def check_decode(ctx: Context, bench, batch_size: int, context: int, *, heads=32
     torch = ctx.torch
     import torch.nn.functional as F
 
-    from kernels.decode_attention import decode_attention_reference, decode_attention_triton
-    from kernels.testing import make_paged_batch
+    from triode.kernels.decode_attention import decode_attention_reference, decode_attention_triton
+    from triode.kernels.testing import make_paged_batch
 
     dtype = dtype or ctx.dtype
     label = f"b{batch_size} ctx{context} h{heads}/{kv_heads} d{head_dim} bs{block_size} {str(dtype)[6:]}"
@@ -209,8 +208,8 @@ def check_paged(ctx: Context, bench, name: str, seqs, num_decodes: int, *, heads
     torch = ctx.torch
     import torch.nn.functional as F
 
-    from kernels.paged_attention import paged_attention_reference, paged_attention_triton
-    from kernels.testing import make_paged_batch
+    from triode.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+    from triode.kernels.testing import make_paged_batch
 
     dtype = dtype or ctx.dtype
     row = Row("paged attention", f"{name} h{heads}/{kv_heads} d{head_dim} bs{block_size} {str(dtype)[6:]}")
@@ -252,7 +251,7 @@ def check_paged(ctx: Context, bench, name: str, seqs, num_decodes: int, *, heads
 def check_write_kv(ctx: Context, bench, tokens: int, *, kv_heads=8, head_dim=128, block_size=16,
                    dtype=None) -> Row:
     torch = ctx.torch
-    from kernels.kv_write import write_kv_reference, write_kv_triton
+    from triode.kernels.kv_write import write_kv_reference, write_kv_triton
 
     dtype = dtype or ctx.dtype
     row = Row("KV write", f"{tokens} tokens kv{kv_heads} d{head_dim} bs{block_size} {str(dtype)[6:]}")
@@ -282,7 +281,7 @@ def check_write_kv(ctx: Context, bench, tokens: int, *, kv_heads=8, head_dim=128
 
 def check_rms_norm(ctx: Context, bench, tokens: int, hidden: int, *, residual: bool, dtype=None) -> Row:
     torch = ctx.torch
-    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+    from triode.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 
     dtype = dtype or ctx.dtype
     row = Row("rms_norm", f"{tokens}x{hidden}{' +residual' if residual else ''} {str(dtype)[6:]}")
@@ -307,8 +306,8 @@ def check_rms_norm(ctx: Context, bench, tokens: int, hidden: int, *, residual: b
 def check_rotary(ctx: Context, bench, tokens: int, *, heads=32, kv_heads=8, head_dim=128,
                  max_positions=32768, dtype=None) -> Row:
     torch = ctx.torch
-    from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
-    from kernels.testing import rope_cache
+    from triode.kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+    from triode.kernels.testing import rope_cache
 
     dtype = dtype or ctx.dtype
     row = Row("rotary", f"{tokens} tokens h{heads}/{kv_heads} d{head_dim} {str(dtype)[6:]}")
@@ -336,7 +335,7 @@ def check_rotary(ctx: Context, bench, tokens: int, *, heads=32, kv_heads=8, head
 
 def check_silu(ctx: Context, bench, tokens: int, intermediate: int, *, dtype=None) -> Row:
     torch = ctx.torch
-    from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
+    from triode.kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
 
     dtype = dtype or ctx.dtype
     row = Row("silu_and_mul", f"{tokens}x2*{intermediate} {str(dtype)[6:]}")
@@ -487,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("gpu_check: triton is not installed", file=sys.stderr)
         return EXIT_NO_DEVICE
-    import kernels
+    from triode import kernels
 
     gpu = not args.dry_run_cpu
     device = torch.device("cuda") if gpu else torch.device("cpu")

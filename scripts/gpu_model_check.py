@@ -29,10 +29,9 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for entry in (ROOT / "src", ROOT):  # the engine and the tests package, without an install
-    if str(entry) not in sys.path:
-        sys.path.insert(0, str(entry))
+from source_tree import use_source_tree
+
+use_source_tree()  # triode and the tests package, without an install
 
 MAX_TOKENS = 24
 
@@ -62,7 +61,7 @@ def check_graphs(path: Path, prompts: list[list[int]], device: str) -> list[str]
     against ``enforce_eager`` steps: tokens identical, logprobs within bf16 / f32 rounding."""
     from tests.hf_compare import greedy_params, make_driver
 
-    from engine.worker.cuda_graphs import EagerReplay
+    from triode.engine.worker.cuda_graphs import EagerReplay
 
     results = []
     for dtype, atol in (("float32", 1e-4), ("bfloat16", 0.05)) if device == "cuda" else (("float32", 1e-4),):
@@ -88,7 +87,7 @@ def check_engine(path: Path, prompts: list[list[int]], device: str) -> list[str]
     """The whole engine in a worker process on the GPU, squeezed so it chunks and preempts."""
     from tests.hf_compare import hf_greedy
 
-    from engine import LLM, SamplingParams
+    from triode import LLM, SamplingParams
 
     reference = hf_greedy(path, prompts, MAX_TOKENS, device=device)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from engine.sampling_params import SamplingParams
-from engine.worker.runner import ModelRunner
-from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, TokenLogprobs
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker.runner import ModelRunner
+from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, TokenLogprobs
 
 
 class Driver:

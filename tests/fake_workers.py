@@ -9,8 +9,8 @@ import contextlib
 
 import trio
 
-from engine.actors.workers import WorkerCrashed
-from engine.worker_messages import SampledToken, StepPlan, StepResult, WorkerInfo
+from triode.engine.actors.workers import WorkerCrashed
+from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, WorkerInfo
 
 
 def fake_token(seq_id: str, position: int) -> int:

@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from engine.bench.report import load_hf_reference
-from engine.config import EngineArgs
-from engine.sampling_params import SamplingParams
-from engine.worker.runner import ModelRunner
-from engine.worker_messages import TokenLogprobs
 from tests.driver import Driver
+from triode.engine.bench.report import load_hf_reference
+from triode.engine.config import EngineArgs
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker.runner import ModelRunner
+from triode.engine.worker_messages import TokenLogprobs
 
 TOP = 5
 # Mixed lengths, and characters split across byte-level tokens.

@@ -13,12 +13,12 @@ import pytest
 import trio
 import trio.testing
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFull
-from engine.inputs import ChatOptions
-from engine.sampling_params import OutputKind, SamplingParams
 from tests.fake_workers import FakeWorkerGroup, fake_token
+from triode.engine.async_llm import AsyncLLM
+from triode.engine.config import EngineArgs
+from triode.engine.errors import EngineDeadError, InvalidRequestError, QueueFull
+from triode.engine.inputs import ChatOptions
+from triode.engine.sampling_params import OutputKind, SamplingParams
 
 
 @pytest.fixture

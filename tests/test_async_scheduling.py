@@ -16,13 +16,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineArgs
-from engine.core.engine_core import EngineCore
-from engine.core.request import Request, RequestStatus, make_requests
-from engine.core.scheduler import Scheduler
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import SampledToken, StepPlan, StepResult
 from tests.test_core_scheduler import (
     ADD_OP,
     EOS,
@@ -31,6 +24,13 @@ from tests.test_core_scheduler import (
     check_plan,
     make_scheduler,
 )
+from triode.engine.config import EngineArgs
+from triode.engine.core.engine_core import EngineCore
+from triode.engine.core.request import Request, RequestStatus, make_requests
+from triode.engine.core.scheduler import Scheduler
+from triode.engine.errors import InvalidRequestError
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker_messages import SampledToken, StepPlan, StepResult
 
 
 def _greedy_token(tokens: list[int], vocab: int) -> int:

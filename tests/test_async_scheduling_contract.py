@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.outputs import RequestOutput
+from triode import LLM, SamplingParams
+from triode.engine.outputs import RequestOutput
 
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels.paged_attention import (
+from triode.kernels.paged_attention import (
     BUCKET_FLOOR_TOKENS,
     BUCKET_MIN_SHARE,
     length_buckets,
     paged_attention_reference,
 )
-from kernels.prefill_attention import gather_kv
-from kernels.testing import make_paged_batch
+from triode.kernels.prefill_attention import gather_kv
+from triode.kernels.testing import make_paged_batch
 
 
 @given(st.lists(st.integers(1, 2000), max_size=64), st.sampled_from([1, 16, 32]))

@@ -12,15 +12,15 @@ import importlib.util
 import pytest
 import torch
 
-import kernels
-from kernels.cpu_attention import cpu_decode_available, paged_decode_cpu
-from kernels.paged_attention import (
+from triode import kernels
+from triode.kernels.cpu_attention import cpu_decode_available, paged_decode_cpu
+from triode.kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_reference,
     paged_attention_triton,
 )
-from kernels.prefill_attention import gather_kv
-from kernels.testing import make_paged_batch, triton_interpreter
+from triode.kernels.prefill_attention import gather_kv
+from triode.kernels.testing import make_paged_batch, triton_interpreter
 
 BLOCK = 16
 # decodes of 1, 16, 17, 60 and 130 tokens; a prompt of 45 (longer than most windows), a chunk

@@ -12,9 +12,9 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from engine.reasoning import REASONING_PARSERS
-from frontend.chat_output import ChatOutput
-from frontend.tool_request import ToolPlan
+from triode.engine.reasoning import REASONING_PARSERS
+from triode.frontend.chat_output import ChatOutput
+from triode.frontend.tool_request import ToolPlan
 
 TOOLS = ({"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
@@ -93,7 +93,7 @@ def test_forced_choices_build_their_schema_and_read_their_json():
 
 
 def test_a_template_that_ignores_tools_is_replaced_by_the_shipped_one(tiny_tokenizer):
-    from engine.inputs import ChatOptions, InputProcessor
+    from triode.engine.inputs import ChatOptions, InputProcessor
 
     processor = InputProcessor(tiny_tokenizer, max_model_len=512, vocab_size=len(tiny_tokenizer))
     messages = [
@@ -120,8 +120,8 @@ def test_a_template_that_ignores_tools_is_replaced_by_the_shipped_one(tiny_token
     ("f", "tools"),
 ])
 def test_bad_tools_raise_before_anything_renders(tools, field):
-    from engine.errors import InvalidRequestError
-    from engine.inputs import ChatOptions
+    from triode.engine.errors import InvalidRequestError
+    from triode.engine.inputs import ChatOptions
 
     with pytest.raises(InvalidRequestError) as caught:
         ChatOptions(messages=[{"role": "user", "content": "x"}], tools=tools)

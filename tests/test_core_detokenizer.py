@@ -1,4 +1,4 @@
-"""Unit tests: incremental detokenization and stop strings (engine.core.detokenizer).
+"""Unit tests: incremental detokenization and stop strings (triode.engine.core.detokenizer).
 
 Two small tokenizers trained here on local text: a byte-level BPE (GPT-2 / Llama 3 / Qwen /
 SmolLM2 style), whose vocabulary is small enough that "世", "🙂" and "é" split across tokens, and
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.core.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from triode.engine.core.detokenizer import IncrementalDetokenizer
+from triode.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. héllo 世界 🙂 naïve café",

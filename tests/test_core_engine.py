@@ -1,21 +1,21 @@
-"""Unit tests: the sans-IO engine core (engine.core.engine_core) that both drivers run:
+"""Unit tests: the sans-IO engine core (triode.engine.core.engine_core) that both drivers run:
 admission all or none, aborts by the user's id, stop-string finishes, every end-of-sequence
 id, the step cycle with its failure path and idle-time accounting; and the output side's
-vLLM-shaped logprobs (engine.core.output_processor)."""
+vLLM-shaped logprobs (triode.engine.core.output_processor)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.core.engine_core import EngineCore
-from engine.core.kv_blocks import BlockManager
-from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SequenceUpdate
-from engine.errors import InvalidRequestError
-from engine.outputs import Logprob
-from engine.sampling_params import OutputKind, SamplingParams
-from engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
+from triode.engine.core.engine_core import EngineCore
+from triode.engine.core.kv_blocks import BlockManager
+from triode.engine.core.output_processor import OutputProcessor
+from triode.engine.core.scheduler import Scheduler
+from triode.engine.core.scheduler_output import SequenceUpdate
+from triode.engine.errors import InvalidRequestError
+from triode.engine.outputs import Logprob
+from triode.engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
 
 EOS_IDS = (7, 8, 9)  # the model's own first
 

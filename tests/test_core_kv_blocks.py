@@ -1,4 +1,4 @@
-"""Unit tests: the paged KV block manager (engine.core.kv_blocks): reference counts, the free
+"""Unit tests: the paged KV block manager (triode.engine.core.kv_blocks): reference counts, the free
 queue, prefix-cache hashing, hits and least-recently-used eviction, and the blocks released
 behind a sliding window."""
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_blocks import BlockManager, hash_block
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
+from triode.engine.core.kv_blocks import BlockManager, hash_block
+from triode.engine.core.request import Request
+from triode.engine.sampling_params import SamplingParams
 
 
 def request(tokens: list[int], request_id: str = "r", **params) -> Request:

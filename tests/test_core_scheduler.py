@@ -1,4 +1,4 @@
-"""Unit tests: the sans-IO scheduler (engine.core.scheduler) against a simulated worker.
+"""Unit tests: the sans-IO scheduler (triode.engine.core.scheduler) against a simulated worker.
 
 The simulated worker keeps what a real rank keeps (each sequence's tokens and block table) and
 a KV cache that records which (token, position) each slot holds, so every plan is checked for
@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_blocks import BlockManager
-from engine.core.request import Request, RequestStatus, make_requests
-from engine.core.scheduler import Scheduler
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
+from triode.engine.core.kv_blocks import BlockManager
+from triode.engine.core.request import Request, RequestStatus, make_requests
+from triode.engine.core.scheduler import Scheduler
+from triode.engine.errors import InvalidRequestError
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
 
 EOS = 0
 
@@ -780,7 +780,7 @@ def test_prefix_caching_disabled_never_hits():
 
 
 def test_from_engine_args_and_statistics():
-    from engine.config import EngineArgs
+    from triode.engine.config import EngineArgs
 
     args = EngineArgs(max_num_seqs=3, max_num_batched_tokens=32, block_size=8,
                       enable_prefix_caching=False, scheduling_policy="priority")

@@ -1,4 +1,4 @@
-"""Kernels: the C row-wise argmax (kernels.cpu_argmax) against torch's ``argmax(dim=-1)``:
+"""Kernels: the C row-wise argmax (triode.kernels.cpu_argmax) against torch's ``argmax(dim=-1)``:
 the first maximum, the first NaN, ties, -inf rows, strided rows. Needs a C compiler; without
 one the dispatch runs torch's."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.cpu_argmax import argmax_cpu
-from kernels.native import native_library
+from triode import kernels
+from triode.kernels.cpu_argmax import argmax_cpu
+from triode.kernels.native import native_library
 
 needs_kernel = pytest.mark.skipif(native_library() is None, reason="no C compiler to build the kernels")
 

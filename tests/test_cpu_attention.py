@@ -1,4 +1,4 @@
-"""Kernels: the native CPU decode attention (kernels.cpu_attention) against the torch reference.
+"""Kernels: the native CPU decode attention (triode.kernels.cpu_attention) against the torch reference.
 
 The caches are poisoned with NaN outside every sequence's tokens, so a read past a sequence's
 length or outside its blocks shows in the output. Needs a C compiler; without one the module
@@ -11,12 +11,12 @@ import logging
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_attention, cpu_elementwise, cpu_linear, native
-from kernels.cpu_attention import cpu_decode_available, cpu_decode_supports, paged_decode_cpu
-from kernels.decode_attention import decode_attention_reference
-from kernels.paged_attention import paged_attention_cpu, paged_attention_reference
-from kernels.testing import make_paged_batch
+from triode import kernels
+from triode.kernels import cpu_attention, cpu_elementwise, cpu_linear, native
+from triode.kernels.cpu_attention import cpu_decode_available, cpu_decode_supports, paged_decode_cpu
+from triode.kernels.decode_attention import decode_attention_reference
+from triode.kernels.paged_attention import paged_attention_cpu, paged_attention_reference
+from triode.kernels.testing import make_paged_batch
 
 needs_kernel = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernels")
 
@@ -167,7 +167,7 @@ def test_without_a_compiler_the_ops_fall_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native, "_directory", tmp_path)
     _forget_the_library()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        with caplog.at_level(logging.WARNING, logger="triode.kernels.native"):
             assert not cpu_decode_available()
         assert "torch references" in caplog.text
         weight, x = torch.randn(8, 16), torch.randn(2, 16)

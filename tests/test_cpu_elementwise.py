@@ -1,5 +1,5 @@
 """Kernels: the C versions of RMSNorm, SiLU-and-multiply, rotary embedding and the KV cache write
-(kernels.cpu_elementwise) against their torch references, and the dispatch to them. The C source
+(triode.kernels.cpu_elementwise) against their torch references, and the dispatch to them. The C source
 rounds where torch does, so bfloat16 results may differ from the reference's by an ulp or two
 (silu, then the product) only where their float32 values (exp, sums in another order) straddle a
 rounding midpoint: a few in ten thousand. Needs a C compiler; without one the module is skipped
@@ -10,19 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine.worker.models.rope import cos_sin_cache
-from kernels.cpu_elementwise import (
+from triode import kernels
+from triode.engine.worker.models.rope import cos_sin_cache
+from triode.kernels.cpu_elementwise import (
     rms_norm_cpu,
     rotary_embedding_cpu,
     silu_and_mul_cpu,
     write_kv_cpu,
 )
-from kernels.kv_write import write_kv_reference
-from kernels.native import native_library
-from kernels.rms_norm import rms_norm_reference
-from kernels.rotary import rotary_embedding_reference
-from kernels.silu_mul import silu_and_mul_reference
+from triode.kernels.kv_write import write_kv_reference
+from triode.kernels.native import native_library
+from triode.kernels.rms_norm import rms_norm_reference
+from triode.kernels.rotary import rotary_embedding_reference
+from triode.kernels.silu_mul import silu_and_mul_reference
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler to build the kernels")
 

@@ -1,4 +1,4 @@
-"""Kernels: the C loop for linear layers of a few rows (kernels.cpu_linear) against
+"""Kernels: the C loop for linear layers of a few rows (triode.kernels.cpu_linear) against
 torch.nn.functional.linear, the dispatch around it, and small float32 weights run on the
 calling thread. Needs a C compiler; without one the
 kernel cases are skipped and the dispatch falls back (tested in test_cpu_attention)."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_linear
-from kernels.cpu_linear import (
+from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
+from triode import kernels
+from triode.kernels import cpu_linear
+from triode.kernels.cpu_linear import (
     MAX_ROWS,
     ROWS_TAKEN,
     SERIAL_MAX_WEIGHTS,
@@ -18,8 +19,7 @@ from kernels.cpu_linear import (
     small_linear_cpu,
     small_linear_supports,
 )
-from kernels.native import native_library
-from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
+from triode.kernels.native import native_library
 
 needs_kernel = pytest.mark.skipif(native_library() is None, reason="no C compiler to build the kernels")
 

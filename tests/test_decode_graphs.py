@@ -1,5 +1,5 @@
 """Contract tests (an in-process runner, a tiny random model): the captured decode path of
-``engine.worker.cuda_graphs`` against eager steps, on a CPU through ``EagerReplay`` (a
+``triode.engine.worker.cuda_graphs`` against eager steps, on a CPU through ``EagerReplay`` (a
 "replay" runs the captured function again on the static buffers), so the buckets, the
 padding rows and their scratch KV block are checked on every machine; the CUDA capture itself
 is checked by scripts/gpu_model_check.py."""
@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from engine.config import EngineArgs
-from engine.sampling_params import SamplingParams
-from engine.worker.cuda_graphs import EagerReplay, batch_buckets
-from engine.worker.runner import ModelRunner
-from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
+from triode.engine.config import EngineArgs
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker.cuda_graphs import EagerReplay, batch_buckets
+from triode.engine.worker.runner import ModelRunner
+from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
 
 
 def test_batch_buckets():

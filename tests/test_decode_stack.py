@@ -17,21 +17,21 @@ import attrs
 import pytest
 import torch
 
-import kernels
-from engine.config import EngineArgs
-from engine.model_files.resolve import resolve_model
-from engine.worker.models.cpu_decode import decode_stack_supported
-from engine.worker.runner import ModelRunner
-from kernels.decode_stack import DecodeStack
-from kernels.quant_linear import (
+from tests.driver import Driver
+from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
+from tests.hf_compare import TINY_MODEL_TEXTS, greedy_params
+from triode import kernels
+from triode.engine.config import EngineArgs
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.worker.models.cpu_decode import decode_stack_supported
+from triode.engine.worker.runner import ModelRunner
+from triode.kernels.decode_stack import DecodeStack
+from triode.kernels.quant_linear import (
     FUSED_ROWS,
     interleaved_kernels_available,
     quantized_kernels_available,
     set_quantized_activations,
 )
-from tests.driver import Driver
-from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
-from tests.hf_compare import TINY_MODEL_TEXTS, greedy_params
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
 
@@ -159,8 +159,8 @@ def test_the_torch_backend_and_prefill_steps_take_the_modules(gguf_entry, tiny_t
 def _decode_step(runner, tiny_tokenizer):
     """A prefill through the runner, then the stack, the embedded token and the metadata of the
     first decode step, as the model's forward would see them."""
-    from engine.worker.step_inputs import StepInputs
-    from engine.worker_messages import ScheduledChunk
+    from triode.engine.worker.step_inputs import StepInputs
+    from triode.engine.worker_messages import ScheduledChunk
 
     driver = Driver(runner)
     prompt = tiny_tokenizer.encode(TINY_MODEL_TEXTS[0])
@@ -176,7 +176,7 @@ def _decode_step(runner, tiny_tokenizer):
 
 
 def _new(seq_id, prompt):
-    from engine.worker_messages import NewSequence
+    from triode.engine.worker_messages import NewSequence
 
     return NewSequence(seq_id=seq_id, prompt_token_ids=tuple(prompt), params=greedy_params(MAX_TOKENS))
 

@@ -10,9 +10,9 @@ import signal
 import pytest
 import trio
 
-from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
-from engine.errors import InvalidRequestError
 from tests.hf_compare import hf_greedy
+from triode import LLM, AsyncLLM, EngineArgs, SamplingParams
+from triode.engine.errors import InvalidRequestError
 
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 
@@ -32,14 +32,14 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def default_path():
-    from engine.model_files.resolve import resolve_model
+    from triode.engine.model_files.resolve import resolve_model
 
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 
 
 @pytest.fixture(scope="module")
 def prompts(default_path):
-    from engine.inputs import load_tokenizer
+    from triode.engine.inputs import load_tokenizer
 
     tokenizer = load_tokenizer(default_path)
     return [tokenizer.encode(text) for text in TEXTS]

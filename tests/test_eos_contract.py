@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineArgs, SamplingParams
+from triode import LLM, EngineArgs, SamplingParams
 
 pytestmark = pytest.mark.contract
 
@@ -54,7 +54,7 @@ def test_an_id_only_generation_config_names_stops_and_is_banned_until_min_tokens
 
 @pytest.mark.default_model
 def test_the_default_model_with_two_eos_ids_ends_its_turn(tmp_path):
-    from engine.model_files.resolve import resolve_model
+    from triode.engine.model_files.resolve import resolve_model
 
     source = resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
     model = copy_model(source, tmp_path / "smollm2", eos_token_id=[0, 2])

@@ -1,5 +1,5 @@
 """Unit tests: checkpoints with fused q/k/v and gate/up tensors (Phi-3's) read as separate
-parts (engine.worker.models.fused_checkpoint): the row cut, a tensor-parallel rank's slice of
+parts (triode.engine.worker.models.fused_checkpoint): the row cut, a tensor-parallel rank's slice of
 each part, quantized rows, and a fused tensor of the wrong size named with its file."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine.errors import ModelLoadError
-from engine.model_config import ModelConfig
-from engine.worker.models.fused_checkpoint import unfuse, unfused_names
+from triode import kernels
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_config import ModelConfig
+from triode.engine.worker.models.fused_checkpoint import unfuse, unfused_names
 
 CONFIG = ModelConfig.from_hf({
     "architectures": ["Phi3ForCausalLM"], "vocab_size": 50, "hidden_size": 32, "intermediate_size": 24,

@@ -15,18 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineArgs
-from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.model_files.resolve import resolve_model
-from engine.worker.checkpoint import iter_safetensors, quantized_tensors
-from engine.worker.runner import ModelRunner
-from kernels.quant_linear import (
-    QuantizedWeight,
-    interleaved_kernels_available,
-    quantized_activations,
-    quantized_kernels_available,
-    set_quantized_activations,
-)
 from tests.driver import Driver
 from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
 from tests.hf_compare import (
@@ -37,6 +25,18 @@ from tests.hf_compare import (
     hf_greedy,
     make_driver,
     ours_greedy,
+)
+from triode.engine.config import EngineArgs
+from triode.engine.errors import ModelLoadError, UnsupportedModelError
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.worker.checkpoint import iter_safetensors, quantized_tensors
+from triode.engine.worker.runner import ModelRunner
+from triode.kernels.quant_linear import (
+    QuantizedWeight,
+    interleaved_kernels_available,
+    quantized_activations,
+    quantized_kernels_available,
+    set_quantized_activations,
 )
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
@@ -146,7 +146,7 @@ def test_unkept_types_are_dequantized_and_logged(tmp_path, tiny_model, tiny_toke
     """Q5_0 has no kernel here: its matrices arrive as float32, and the log says so."""
     path = tmp_path / "tiny.Q5_0.gguf"
     write_tiny_gguf(path, tiny_model, tiny_tokenizer, "Q5_0")
-    with caplog.at_level("WARNING", logger="engine.model_files.gguf_convert"):
+    with caplog.at_level("WARNING", logger="triode.engine.model_files.gguf_convert"):
         entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
     assert "dequantized to float32: token_embd.weight (Q5_0)" in caplog.text
     assert quantized_tensors(entry) == {}

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.contract
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
     return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -125,9 +125,9 @@ def test_longrope_rotates_as_transformers_on_both_sides_of_the_pretraining_lengt
     # the long ones past it; triode's cache row of position p is the one for a sequence of p + 1.
     from transformers import AutoModelForCausalLM
 
-    from engine.model_config import ModelConfig
-    from engine.model_files.layout import load_hf_config
-    from engine.worker.models.rope import cos_sin_cache
+    from triode.engine.model_config import ModelConfig
+    from triode.engine.model_files.layout import load_hf_config
+    from triode.engine.worker.models.rope import cos_sin_cache
 
     path = tiny_model_factory("phi3", original_max_position_embeddings=20)
     config = ModelConfig.from_hf(load_hf_config(path))
@@ -198,8 +198,8 @@ def test_prefill_over_reused_prefix_equals_one_shot(tiny_model_factory, prompts)
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from engine.config import EngineArgs
-    from engine.model_files.resolve import resolve_model
+    from triode.engine.config import EngineArgs
+    from triode.engine.model_files.resolve import resolve_model
 
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_large_blocks_stay_resident_for_the_next_step():
     probe = textwrap.dedent("""
         import torch
-        from engine.worker.host_memory import keep_freed_memory
+        from triode.engine.worker.host_memory import keep_freed_memory
 
         def resident_kib():
             with open("/proc/self/status") as status:
@@ -29,7 +27,7 @@ def test_freed_large_blocks_stay_resident_for_the_next_step():
         del block
         print(before - resident_kib())
     """)
-    done = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(SRC)},
+    done = subprocess.run([sys.executable, "-c", probe], env={},
                           capture_output=True, text=True, check=True)
     released_kib = int(done.stdout)
     assert released_kib < 1024, f"{released_kib} KiB went back to the kernel"
@@ -62,7 +60,7 @@ def _resident_anonymous_kib() -> int:
 def _make_weights(megabytes: float):
     import torch
 
-    from engine.worker.host_memory import weight_tensor
+    from triode.engine.worker.host_memory import weight_tensor
 
     tensor = weight_tensor([int(megabytes * 2**20) // 2], torch.float16)
     tensor.fill_(0.5)
@@ -87,7 +85,7 @@ def test_weights_ask_for_huge_pages_and_only_whole_ones():
 def test_small_weights_are_ordinary_tensors():
     import torch
 
-    from engine.worker.host_memory import weight_tensor
+    from triode.engine.worker.host_memory import weight_tensor
 
     small = weight_tensor([3, 5], torch.float32)
     assert small.shape == (3, 5) and small.dtype == torch.float32

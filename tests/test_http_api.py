@@ -383,8 +383,8 @@ async def test_async_client_under_trio(url):
 async def test_an_error_after_the_stream_started_is_an_sse_error_event():
     """In-process: the status line is gone once a stream started, so a later failure (here the
     engine dying) becomes an ``event: error`` with OpenAI's error object, then ``[DONE]``."""
-    from engine.errors import EngineDeadError
-    from frontend import sse
+    from triode.engine.errors import EngineDeadError
+    from triode.frontend import sse
 
     async def chunks():
         yield {"choices": [{"index": 0, "text": "Hel"}]}
@@ -399,10 +399,10 @@ async def test_an_error_after_the_stream_started_is_an_sse_error_event():
 
 
 def test_app_is_importable_without_starting_anything():
-    import frontend
-    from frontend.factory import create_app
+    from triode import frontend
+    from triode.frontend.factory import create_app
 
-    assert callable(frontend.app)  # hypercorn's frontend:app, built on first call
+    assert callable(frontend.app)  # hypercorn's triode.frontend:app, built on first call
     app = create_app()
     assert app.config["RESPONSE_TIMEOUT"] is None  # quart's 60 s default would cut long streams
     assert app.extensions["triode"].state == "stopped"
@@ -410,10 +410,10 @@ def test_app_is_importable_without_starting_anything():
 
 def test_health_and_admission_name_the_engine_state():
     """In-process: /health and new requests say loading, dead or draining as a 503."""
-    from engine.config import EngineArgs
-    from engine.errors import EngineDeadError
-    from frontend.errors import APIError
-    from frontend.lifecycle import EngineHost
+    from triode.engine.config import EngineArgs
+    from triode.engine.errors import EngineDeadError
+    from triode.frontend.errors import APIError
+    from triode.frontend.lifecycle import EngineHost
 
     class DeadEngine:
         def check_health(self) -> None:

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 import trio
 
-from frontend.bench_load import one_request, open_client
 from tests.http_server import BIN
+from triode.frontend.bench_load import one_request, open_client
 
 
 @pytest.mark.slow

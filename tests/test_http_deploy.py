@@ -1,6 +1,6 @@
-"""HTTP tests: deployment. ``hypercorn --worker-class trio frontend:app`` serves the model
+"""HTTP tests: deployment. ``hypercorn --worker-class trio triode.frontend:app`` serves the model
 named by TRIODE_MODEL (with the other TRIODE_* settings) and stops cleanly on SIGTERM; plain
-``hypercorn frontend:app`` (the asyncio worker) refuses to start, naming ``--worker-class
+``hypercorn triode.frontend:app`` (the asyncio worker) refuses to start, naming ``--worker-class
 trio``, instead of answering 500s; and the default model gives a realistic chat answer."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.http_server import BIN, ServerProcess, alive, children, running, trio
 
 def hypercorn(*flags: str, model, tmp_path, **env: str) -> ServerProcess:
     # From an empty directory, so `frontend` is the installed package, as in a deployment.
-    return ServerProcess([str(BIN / "hypercorn"), *flags, "--bind", "127.0.0.1:0", "frontend:app"],
+    return ServerProcess([str(BIN / "hypercorn"), *flags, "--bind", "127.0.0.1:0", "triode.frontend:app"],
                          env={"TRIODE_MODEL": str(model), "TRIODE_KV_CACHE_MEMORY": "64MiB", **env},
                          cwd=tmp_path)
 

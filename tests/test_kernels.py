@@ -21,23 +21,22 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels._jit import interpreting, lazy_jit, triton_mode
-from kernels.decode_attention import decode_attention_reference, decode_attention_triton
-from kernels.kv_write import write_kv_reference, write_kv_triton
-from kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from kernels.prefill_attention import prefill_attention_triton
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
-from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
-from kernels.testing import make_paged_batch, rope_cache, triton_interpreter
+from triode import kernels
+from triode.kernels._jit import interpreting, lazy_jit, triton_mode
+from triode.kernels.decode_attention import decode_attention_reference, decode_attention_triton
+from triode.kernels.kv_write import write_kv_reference, write_kv_triton
+from triode.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from triode.kernels.prefill_attention import prefill_attention_triton
+from triode.kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from triode.kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from triode.kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
+from triode.kernels.testing import make_paged_batch, rope_cache, triton_interpreter
 
 if importlib.util.find_spec("triton") is None:  # importing it here would fix its mode
     pytest.skip("triton is not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.kernels
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 TOLERANCE = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-5},
     torch.float16: {"atol": 3e-3, "rtol": 3e-3},
@@ -57,9 +56,9 @@ GQA_GRID = [
 @pytest.fixture(autouse=True)
 def _interpret():
     """TRITON_INTERPRET=1 for each test only (it does not leak into other test modules or the
-    processes they start). The kernels are jitted on first launch (kernels._jit); if triton
+    processes they start). The kernels are jitted on first launch (triode.kernels._jit); if triton
     was already imported in compile mode (torch._dynamo, which transformers imports, does
-    that), kernels._jit still runs them interpreted."""
+    that), triode.kernels._jit still runs them interpreted."""
     backend = kernels.get_backend()
     with triton_interpreter():
         yield
@@ -182,7 +181,7 @@ def test_paged_attention_mixed_batch(head_dim, group, block_size, dtype):
     ],
 )
 def test_paged_attention_dispatch_default_tiling(seqs, num_decodes):
-    """kernels.paged_attention with the backend forced to triton, default tiles."""
+    """triode.kernels.paged_attention with the backend forced to triton, default tiles."""
     batch = make_paged_batch(seqs, num_decodes=num_decodes, kv_heads=3, group=3, head_dim=64,
                              block_size=16)
     md = batch.metadata
@@ -324,7 +323,7 @@ def test_dispatch_routes_every_op_to_triton():
 
 
 def test_import_kernels_without_triton():
-    """``import kernels`` never imports triton, and the references work where it is missing."""
+    """``import triode.kernels`` never imports triton, and the references work where it is missing."""
     code = (
         "import sys\n"
         "class Block:\n"
@@ -332,7 +331,8 @@ def test_import_kernels_without_triton():
         "        if name == 'triton' or name.startswith('triton.'):\n"
         "            raise ImportError('no triton here')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import torch, kernels\n"
+        "import torch\n"
+        "from triode import kernels\n"
         "assert kernels.backend_for(torch.device('cuda')) == 'torch'\n"
         "x = torch.randn(3, 8)\n"
         "out, _ = kernels.rms_norm(x, torch.ones(8), 1e-6)\n"
@@ -340,7 +340,7 @@ def test_import_kernels_without_triton():
         "assert 'triton' not in sys.modules\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(SRC), "TRIODE_KERNELS": "auto"}
+    env = {**os.environ, "TRIODE_KERNELS": "auto"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
@@ -349,7 +349,7 @@ def test_import_kernels_without_triton():
 
 def test_lazy_jit_mode(monkeypatch):
     """Kernels are jitted on first launch, in the mode TRITON_INTERPRET asks for then."""
-    from kernels.silu_mul import _silu_and_mul_kernel
+    from triode.kernels.silu_mul import _silu_and_mul_kernel
 
     assert interpreting() and triton_mode() is not None
     interpreted = _silu_and_mul_kernel.jitted()
@@ -371,9 +371,9 @@ def test_interpreter_after_triton_was_imported_in_compile_mode():
         "os.environ.pop('TRITON_INTERPRET', None)\n"
         "import triton, triton.language as tl\n"
         "zeros = tl.zeros\n"
-        "from kernels._jit import triton_mode\n"
-        "from kernels.testing import triton_interpreter\n"
-        "from kernels.rms_norm import rms_norm_reference, rms_norm_triton\n"
+        "from triode.kernels._jit import triton_mode\n"
+        "from triode.kernels.testing import triton_interpreter\n"
+        "from triode.kernels.rms_norm import rms_norm_reference, rms_norm_triton\n"
         "assert triton_mode() == 'compile'\n"
         "x, w = torch.randn(3, 40), torch.randn(40)\n"
         "with triton_interpreter():\n"
@@ -382,7 +382,7 @@ def test_interpreter_after_triton_was_imported_in_compile_mode():
         "assert tl.zeros is zeros and type(zeros).__name__ == 'JITFunction'\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env = dict(os.environ)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
@@ -402,8 +402,7 @@ def test_kernels_compile_for_hopper():
     """The interpreter never runs triton's compiler: compile every kernel for sm_90 (no GPU
     needed) in a fresh process, in compile mode, to catch what only the compiler rejects."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(SRC)
-    result = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"], env=env,
+    result = subprocess.run([sys.executable, "-m", "triode.kernels.compile_check", "--arch", "90"], env=env,
                             capture_output=True, text=True, timeout=170, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok ") == 16, result.stdout

@@ -1,5 +1,5 @@
-"""Unit tests: the model resolver (engine.model_files.resolve), checkpoint reading
-(engine.worker.checkpoint) and the conversion cache (engine.model_files.cache).
+"""Unit tests: the model resolver (triode.engine.model_files.resolve), checkpoint reading
+(triode.engine.worker.checkpoint) and the conversion cache (triode.engine.model_files.cache).
 
 Local Hugging Face directories (single-file and sharded), load errors that name the file,
 GGUF conversion into the cache (a tiny GGUF written here), cache integrity (atomic entries,
@@ -24,16 +24,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine.config import EngineArgs
-from engine.errors import ModelLoadError
-from engine.model_files import resolve as loading
-from engine.model_files.cache import MARKER_FILE, ensure_cache_entry, entry_is_complete
-from engine.model_files.layout import load_hf_config
-from engine.model_files.resolve import ResolvedModel, resolve_model
-from engine.worker.checkpoint import iter_safetensors
 from tests.gguf_models import write_tiny_gguf
-
-SRC = Path(__file__).resolve().parents[1] / "src"
+from triode.engine.config import EngineArgs
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_files import resolve as loading
+from triode.engine.model_files.cache import MARKER_FILE, ensure_cache_entry, entry_is_complete
+from triode.engine.model_files.layout import load_hf_config
+from triode.engine.model_files.resolve import ResolvedModel, resolve_model
+from triode.engine.worker.checkpoint import iter_safetensors
 
 
 def tiny_llama(directory: Path, tokenizer, *, tie: bool = False, **save_kwargs) -> LlamaForCausalLM:
@@ -396,7 +394,7 @@ def test_concurrent_builders_build_once(tmp_path):
         from pathlib import Path
         from safetensors.torch import save_file
         import torch
-        from engine.model_files.cache import ensure_cache_entry
+        from triode.engine.model_files.cache import ensure_cache_entry
 
         root = Path(sys.argv[1])
         def build(out, scratch, progress):
@@ -413,7 +411,7 @@ def test_concurrent_builders_build_once(tmp_path):
         (root / f"arrived-{sys.argv[2]}").touch()
         print(ensure_cache_entry(root / "models", "shared", build, progress=True))
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ)
     procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -496,13 +494,13 @@ def test_building_a_model_imports_neither_dynamo_nor_triton(single_dir):
     directory, _ = single_dir
     probe = textwrap.dedent(f"""
         import sys
-        from engine.config import EngineArgs
-        from engine.worker.runner import ModelRunner
+        from triode.engine.config import EngineArgs
+        from triode.engine.worker.runner import ModelRunner
         runner = ModelRunner(EngineArgs(model={str(directory)!r}, kv_cache_memory="8MiB",
                                         max_model_len=64), {str(directory)!r})
         print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
     """)
-    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(SRC)},
+    done = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -1,4 +1,4 @@
-"""Unit tests: reading a Hugging Face config.json into ModelConfig (engine.model_config), the
+"""Unit tests: reading a Hugging Face config.json into ModelConfig (triode.engine.model_config), the
 rope fields above all: what each rope type reads, the defaults transformers fills in, and the
 errors for what triode does not implement."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import UnsupportedModelError
-from engine.model_config import SUPPORTED_ROPE_TYPES, ModelConfig
+from triode.engine.errors import UnsupportedModelError
+from triode.engine.model_config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
 def llama_config(**fields):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
 from tests.hf_compare import TINY_MODEL_TEXTS, hf_greedy
 from tests.http_server import running, triode_serve
+from triode import LLM, SamplingParams
 
 pytestmark = pytest.mark.contract
 

@@ -1,4 +1,4 @@
-"""Kernels: the mixture-of-experts MLP (kernels.moe). Routing against its definition; the
+"""Kernels: the mixture-of-experts MLP (triode.kernels.moe). Routing against its definition; the
 grouped expert matmul (torch, and Triton under triton's interpreter) against a loop over every
 token and its k experts; experts that get no token, and a batch of one token."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import fused_experts_reference, fused_experts_triton, route
-from kernels.silu_mul import silu_and_mul_reference
-from kernels.testing import triton_interpreter
+from triode.kernels.moe import fused_experts_reference, fused_experts_triton, route
+from triode.kernels.silu_mul import silu_and_mul_reference
+from triode.kernels.testing import triton_interpreter
 
 E, K, HIDDEN, INTERMEDIATE = 8, 2, 48, 40
 

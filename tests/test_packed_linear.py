@@ -1,4 +1,4 @@
-"""Kernels: linear layers through oneDNN with packed weights (kernels.packed_linear) against
+"""Kernels: linear layers through oneDNN with packed weights (triode.kernels.packed_linear) against
 torch.nn.functional.linear, the dispatch between them and the C loop, and the model packing
 every linear weight once it is loaded."""
 
@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine.worker.models.llama import Linear
-from kernels.native import native_library
-from kernels.packed_linear import (
+from tests.hf_compare import make_driver
+from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
+from triode import kernels
+from triode.engine.worker.models.llama import Linear
+from triode.kernels.native import native_library
+from triode.kernels.packed_linear import (
     PACK_MIN_WEIGHTS,
     onednn_packs,
     pack_linear_weight,
     packed_linear,
     packed_linear_supports,
 )
-from tests.hf_compare import make_driver
-from tests.linear_compare import SHAPES, assert_matches_linear, linear_inputs
 
 needs_onednn = pytest.mark.skipif(pack_linear_weight(torch.zeros(2, 2)) is None,
                                   reason="this torch has no oneDNN")

@@ -16,9 +16,9 @@ def _imports(modules: str, forbidden: str) -> list[str]:
 
 
 def test_the_engine_process_imports_no_torch():
-    entry_layers = "engine.llm, engine.llm_engine, engine.async_llm, frontend.factory, frontend.cli"
+    entry_layers = "triode.engine.llm, triode.engine.llm_engine, triode.engine.async_llm, triode.frontend.factory, triode.frontend.cli"
     assert _imports(entry_layers, "torch") == []
 
 
 def test_worker_modules_import_no_trio():
-    assert _imports("engine.worker.process, engine.worker.sampler, engine.worker.calls", "trio") == []
+    assert _imports("triode.engine.worker.process, triode.engine.worker.sampler, triode.engine.worker.calls", "trio") == []

@@ -1,4 +1,4 @@
-"""kernels: the quantized CPU kernels (kernels.quant_linear, csrc/quant_linear.c) against the
+"""kernels: the quantized CPU kernels (triode.kernels.quant_linear, csrc/quant_linear.c) against the
 gguf package's own dequantization followed by a float64 matmul.
 
 Blocks are random, written into a GGUF file by the ``gguf`` package's writer and read back by
@@ -23,9 +23,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from engine.model_files.gguf_convert import KERNEL_TYPES
-from kernels import native
-from kernels.quant_linear import (
+from triode.engine.model_files.gguf_convert import KERNEL_TYPES
+from triode.kernels import native
+from triode.kernels.quant_linear import (
     FUSED_ROWS,
     QUANT_TYPES,
     QuantizedWeight,
@@ -230,7 +230,7 @@ def test_interleaved_features_may_start_and_end_inside_a_tile():
     """The decode stack's entry takes any range of output features of an interleaved matrix."""
     import ctypes
 
-    from kernels.native import bind
+    from triode.kernels.native import bind
 
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     quantize = bind("triode_q8_quantize", i32, pointer, i64, i64, i32, pointer)
@@ -338,8 +338,8 @@ def test_columns_split_only_on_block_boundaries():
 
 
 def test_activation_types_are_the_engine_settings():
-    from engine.config import QUANTIZED_ACTIVATIONS
-    from kernels.quant_linear import ACTIVATIONS
+    from triode.engine.config import QUANTIZED_ACTIVATIONS
+    from triode.kernels.quant_linear import ACTIVATIONS
 
     assert QUANTIZED_ACTIVATIONS == ("auto", *ACTIVATIONS)
 

@@ -18,11 +18,6 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from engine.config import EngineArgs
-from engine.errors import InvalidRequestError
-from engine.model_files.resolve import resolve_model
-from engine.worker.checkpoint import iter_safetensors, quantized_tensors
-from kernels.quant_linear import QuantizedWeight, quantized_kernels_available
 from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
 from tests.hf_compare import (
     TINY_MODEL_TEXTS,
@@ -31,6 +26,11 @@ from tests.hf_compare import (
     hf_greedy,
     make_driver,
 )
+from triode.engine.config import EngineArgs
+from triode.engine.errors import InvalidRequestError
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.worker.checkpoint import iter_safetensors, quantized_tensors
+from triode.kernels.quant_linear import QuantizedWeight, quantized_kernels_available
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AVX2 or no C compiler")
 
@@ -104,7 +104,7 @@ def test_the_entry_is_built_once(quantized, float_model, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("quantized again")
 
-    monkeypatch.setattr("engine.model_files.resolve.quantize_checkpoint", must_not_run)
+    monkeypatch.setattr("triode.engine.model_files.resolve.quantize_checkpoint", must_not_run)
     again = resolve_model(str(source), cache_dir=str(cache), progress=False, quantization=quantization)
     assert again.path == entry
 

@@ -15,9 +15,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler, adjust_logits, compute_logprobs, mask_logits
-from engine.worker.sampling_batch import SamplingBatch, SamplingRow
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker.sampler import Sampler, adjust_logits, compute_logprobs, mask_logits
+from triode.engine.worker.sampling_batch import SamplingBatch, SamplingRow
 
 CPU = torch.device("cpu")
 PROPERTY = settings(max_examples=60, deadline=None)

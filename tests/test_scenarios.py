@@ -9,10 +9,10 @@ import attrs
 import pytest
 import trio
 
-from frontend.scenarios.client import Progress
-from frontend.scenarios.command import run_all
-from frontend.scenarios.runner import reference_key
-from frontend.scenarios.spec import ScenarioError, load_scenario, load_scenarios
+from triode.frontend.scenarios.client import Progress
+from triode.frontend.scenarios.command import run_all
+from triode.frontend.scenarios.runner import reference_key
+from triode.frontend.scenarios.spec import ScenarioError, load_scenario, load_scenarios
 
 pytestmark = [pytest.mark.default_model]
 

@@ -31,7 +31,7 @@ def readme_python_blocks() -> list[str]:
 
 
 VLLM_QUICKSTART = """\
-from engine import LLM, SamplingParams
+from triode import LLM, SamplingParams
 
 prompts = [
     "Hello, my name is",
@@ -52,7 +52,7 @@ print("generated", len(outputs))
 """
 
 VLLM_LOGPROBS = """\
-from engine import LLM, SamplingParams
+from triode import LLM, SamplingParams
 
 llm = LLM(model=MODEL, max_model_len=256)
 tokenizer = llm.get_tokenizer()
@@ -76,7 +76,7 @@ for output in llm.generate(prompts, sampling_params=params, use_tqdm=False):
 """
 
 VLLM_CHAT = """\
-from engine import LLM, SamplingParams
+from triode import LLM, SamplingParams
 
 llm = LLM(model=MODEL)
 sampling_params = SamplingParams(temperature=0.5, max_tokens=16)
@@ -112,7 +112,7 @@ print("chat ok")
 
 INTERRUPTED = """\
 import gc, os, signal, threading, time
-from engine import LLM, SamplingParams
+from triode import LLM, SamplingParams
 
 llm = LLM(model=MODEL, max_model_len=512)
 greedy = SamplingParams(temperature=0.0, max_tokens=8)
@@ -156,7 +156,7 @@ print("interrupted ok")  # and exits with `llm` still open
 """
 
 MAIN_GUARD = """\
-from engine import LLM, SamplingParams
+from triode import LLM, SamplingParams
 
 
 def main():
@@ -170,7 +170,7 @@ if __name__ == "__main__":
 """
 
 MODULE_WITHOUT_GUARD = """\
-from engine import LLM, SamplingParams
+from triode import LLM, SamplingParams
 
 llm = LLM(model=MODEL)
 print(llm.generate(["Paris is"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].text)
@@ -188,7 +188,7 @@ def _scripts(tiny: Path) -> dict[str, tuple[list[str], str | None, dict[str, str
     for index, block in enumerate(readme_python_blocks()):
         scripts[f"readme-{index}-file"] = (["example.py"], None, {"example.py": block})
         scripts[f"readme-{index}-stdin"] = (["-"], block, {})
-    one_liner = (f"from engine import LLM, SamplingParams; llm = LLM({str(tiny)!r}); "
+    one_liner = (f"from triode import LLM, SamplingParams; llm = LLM({str(tiny)!r}); "
                  "print(llm.generate('Paris is', SamplingParams(max_tokens=4))[0].outputs[0].text); "
                  "print('one-liner ok')")
     scripts["python-c"] = (["-c", one_liner], None, {})

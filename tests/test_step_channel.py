@@ -11,15 +11,15 @@ import socket
 import pytest
 import trio
 
-from engine.actors.step_channel import (
+from triode.engine.actors.step_channel import (
     StepChannel,
     StepRaised,
     accept_worker,
     new_token,
     open_listener,
 )
-from engine.worker import step_server
-from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
+from triode.engine.worker import step_server
+from triode.engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
 
 
 def _plan(step_id: int) -> StepPlan:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker.block_tables import BlockTables
-from engine.worker.input_staging import InputStaging
-from engine.worker.step_inputs import StepInputs
-from engine.worker_messages import ScheduledChunk
+from triode.engine.worker.block_tables import BlockTables
+from triode.engine.worker.input_staging import InputStaging
+from triode.engine.worker.step_inputs import StepInputs
+from triode.engine.worker_messages import ScheduledChunk
 
 BLOCK = 4
 

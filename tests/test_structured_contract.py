@@ -14,8 +14,8 @@ import signal
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.errors import InvalidRequestError
+from triode import LLM, SamplingParams, StructuredOutputsParams
+from triode.engine.errors import InvalidRequestError
 
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 

@@ -11,11 +11,11 @@ import hypothesis.strategies as st
 import pytest
 import torch
 
-from engine import SamplingParams, StructuredOutputsParams
-from engine.errors import InvalidRequestError
-from engine.grammar_compiler import GrammarCompiler
-from engine.structured_outputs import grammar_source
-from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
+from triode import SamplingParams, StructuredOutputsParams
+from triode.engine.errors import InvalidRequestError
+from triode.engine.grammar_compiler import GrammarCompiler
+from triode.engine.structured_outputs import grammar_source
+from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 
 SCHEMA = {
     "type": "object",

@@ -23,22 +23,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineArgs, SamplingParams
-from engine.errors import KVCacheTooSmallError
-from engine.model_config import ModelConfig
-from engine.model_files.layout import load_hf_config
-from engine.tensor_parallel import (
+from tests.hf_compare import greedy_params, ours_greedy
+from tests.tp_ranks import Job, run_sharded
+from triode import LLM, EngineArgs, SamplingParams
+from triode.engine.errors import KVCacheTooSmallError
+from triode.engine.model_config import ModelConfig
+from triode.engine.model_files.layout import load_hf_config
+from triode.engine.tensor_parallel import (
     RendezvousError,
     TensorParallelSizeError,
     check_tensor_parallel,
     supported_sizes,
 )
-from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
-from engine.worker.distributed import Partition
-from engine.worker.models.llama import checkpoint_slices
-from kernels.quant_linear import interleaved_kernels_available, quantized_kernels_available
-from tests.hf_compare import greedy_params, ours_greedy
-from tests.tp_ranks import Job, run_sharded
+from triode.engine.worker.checkpoint import (
+    blocks_kept_by_shards,
+    iter_safetensors,
+    quantized_tensors,
+)
+from triode.engine.worker.distributed import Partition
+from triode.engine.worker.models.llama import checkpoint_slices
+from triode.kernels.quant_linear import interleaved_kernels_available, quantized_kernels_available
 
 MAX_TOKENS = 16
 ATOL = 1e-4
@@ -199,7 +203,7 @@ def test_each_rank_reads_only_its_slices(tiny_model_factory):
 def test_one_rank_forms_no_process_group(tiny_model_factory):
     import torch.distributed as dist
 
-    from engine.worker.runner import ModelRunner
+    from triode.engine.worker.runner import ModelRunner
 
     path = tiny_path(tiny_model_factory, "llama-kv2")
     runner = ModelRunner(runner_args(path), path)
@@ -232,8 +236,8 @@ def test_tp2_matches_tp1_on_every_architecture(tiny_model_factory, prompts):
 @pytest.fixture(scope="module")
 def quantized_ggufs(tmp_path_factory, tiny_tokenizer):
     """kind -> converted cache entry of a tiny Llama GGUF whose matrices are all ``kind``."""
-    from engine.model_files.resolve import resolve_model
     from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
+    from triode.engine.model_files.resolve import resolve_model
 
     directory = tmp_path_factory.mktemp("tp-gguf")
     model = tiny_quantizable_llama(tiny_tokenizer)
@@ -353,7 +357,7 @@ def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
         monkeypatch.setenv(name, value)
     follower = subprocess.Popen(
-        [sys.executable, "-m", "engine.worker.follower", "--rank", "1", "--threads", "1"],
+        [sys.executable, "-m", "triode.engine.worker.follower", "--rank", "1", "--threads", "1"],
         env=dict(os.environ),
     )
     try:
@@ -384,14 +388,14 @@ def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
 
 @pytest.fixture(scope="module")
 def default_path():
-    from engine.model_files.resolve import resolve_model
+    from triode.engine.model_files.resolve import resolve_model
 
     return resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
 
 
 @pytest.fixture(scope="module")
 def default_prompts(default_path):
-    from engine.inputs import load_tokenizer
+    from triode.engine.inputs import load_tokenizer
 
     tokenizer = load_tokenizer(default_path)
     texts = ["What is the capital of France?", "def quicksort(items):",

@@ -16,8 +16,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from engine.config import EngineArgs
-from engine.sampling_params import SamplingParams
+from triode.engine.config import EngineArgs
+from triode.engine.sampling_params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)
@@ -31,9 +31,9 @@ class Job:
 def _run_job(rank: int, world_size: int, port: int, job: Job):
     import torch.distributed as dist
 
-    from engine.tensor_parallel import Rendezvous
-    from engine.worker.runner import ModelRunner
     from tests.driver import Driver
+    from triode.engine.tensor_parallel import Rendezvous
+    from triode.engine.worker.runner import ModelRunner
 
     rendezvous = Rendezvous(host="127.0.0.1", port=port, world_size=world_size, timeout_s=60)
     runner = ModelRunner(job.args, job.path, rank=rank, rendezvous=rendezvous)

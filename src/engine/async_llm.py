@@ -18,21 +18,21 @@ from typing import Any
 
 import trio
 
-from engine.actors.intake import IntakeActor
-from engine.actors.messages import AbortRequests, AddRequest, OutputMessage, SchedulerMessage
-from engine.actors.output import OutputActor
-from engine.actors.scheduler import SchedulerActor
-from engine.actors.streams import RequestStream
-from engine.actors.supervisor import GroupOpener, WorkerSupervisor
-from engine.config import EngineArgs
-from engine.core.engine_core import EngineCore
-from engine.core.output_processor import OutputProcessor
-from engine.engine_stats import EngineStatistics, collect_statistics
-from engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
-from engine.inputs import ChatMessage, ChatOptions, PromptInput
-from engine.model_setup import EngineModel, open_engine_model, open_input_processor
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from triode.engine.actors.intake import IntakeActor
+from triode.engine.actors.messages import AbortRequests, AddRequest, OutputMessage, SchedulerMessage
+from triode.engine.actors.output import OutputActor
+from triode.engine.actors.scheduler import SchedulerActor
+from triode.engine.actors.streams import RequestStream
+from triode.engine.actors.supervisor import GroupOpener, WorkerSupervisor
+from triode.engine.config import EngineArgs
+from triode.engine.core.engine_core import EngineCore
+from triode.engine.core.output_processor import OutputProcessor
+from triode.engine.engine_stats import EngineStatistics, collect_statistics
+from triode.engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
+from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
+from triode.engine.model_setup import EngineModel, open_engine_model, open_input_processor
+from triode.engine.outputs import RequestOutput
+from triode.engine.sampling_params import SamplingParams
 
 # Between actors, a few messages of slack are enough: each is drained every step.
 _ACTOR_CHANNEL_SIZE = 64
@@ -182,3 +182,8 @@ class AsyncLLM:
             self.scheduler.core, self.supervisor,
             engine_seconds=self.scheduler.engine_seconds + self.output.processing_seconds,
         )
+
+
+# vLLM's name for its async engine (vLLM's own AsyncLLMEngine is its AsyncLLM too), so that ported
+# code and vLLM's architecture documents find it under either.
+AsyncLLMEngine = AsyncLLM

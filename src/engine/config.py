@@ -8,12 +8,12 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError
+from triode.engine.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# auto, then kernels.quant_linear.ACTIVATIONS (the worker resolves auto: engine.worker.placement)
+# auto, then triode.kernels.quant_linear.ACTIVATIONS (the worker resolves auto: triode.engine.worker.placement)
 QUANTIZED_ACTIVATIONS = ("auto", "float32", "int8", "int16")
 GiB = 1 << 30
 
@@ -74,7 +74,7 @@ _VLLM_ONLY_ARGS = {
 
 
 def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from engine.reasoning import REASONING_PARSERS
+    from triode.engine.reasoning import REASONING_PARSERS
 
     if value is not None and value not in REASONING_PARSERS:
         raise InvalidRequestError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}; "
@@ -82,7 +82,7 @@ def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str |
 
 
 def _quantization(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from engine.model_files.quantize import QUANTIZATIONS
+    from triode.engine.model_files.quantize import QUANTIZATIONS
 
     if value is not None and value not in QUANTIZATIONS:
         raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}",
@@ -90,7 +90,7 @@ def _quantization(instance: object, attribute: attrs.Attribute, value: str | Non
 
 
 def _valid_fault_plan(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from engine.worker.faults import parse_fault_plan
+    from triode.engine.worker.faults import parse_fault_plan
 
     parse_fault_plan(value)
 
@@ -103,7 +103,7 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
     # A float checkpoint's weights quantized at load (cached): int8 or int4, kept quantized
-    # and run by the CPU kernels (engine.model_files.quantize).
+    # and run by the CPU kernels (triode.engine.model_files.quantize).
     quantization: str | None = attrs.field(default=None, validator=_quantization)
     # What quantized weights multiply on a CPU: float32 activations (closest to the
     # dequantized model), int8 ones per 32 values as llama.cpp does (fastest, and lossy: the
@@ -134,13 +134,13 @@ class EngineArgs:
     # "auto": generation_config.json's sampling defaults apply to requests that leave them
     # unset; "vllm": they do not; or a folder whose generation_config.json applies instead.
     generation_config: str = attrs.field(default="auto", validator=_non_empty)
-    # How a reasoning model's <think> part is told from its answer (engine.reasoning): the
+    # How a reasoning model's <think> part is told from its answer (triode.engine.reasoning): the
     # server splits it off, and structured outputs constrain only the answer.
     reasoning_parser: str | None = attrs.field(default=None, validator=_reasoning_parser)
     # Seconds a request's structured_outputs may take to compile before it is refused (400).
     structured_outputs_compile_timeout: float = attrs.field(default=5.0, validator=_positive)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
-    # Test facility: faults the workers inflict on themselves (see engine.worker.faults).
+    # Test facility: faults the workers inflict on themselves (see triode.engine.worker.faults).
     fault_plan: str | None = attrs.field(default=None, validator=_valid_fault_plan)
 
     def __attrs_post_init__(self) -> None:

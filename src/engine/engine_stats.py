@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import attrs
 
-from engine.actors.supervisor import WorkerSupervisor
-from engine.core.engine_core import EngineCore
+from triode.engine.actors.supervisor import WorkerSupervisor
+from triode.engine.core.engine_core import EngineCore
 
 
 @attrs.frozen(kw_only=True)

@@ -23,8 +23,8 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.sampling_params import SamplingParams
+from triode.engine.errors import InvalidRequestError, ModelLoadError
+from triode.engine.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

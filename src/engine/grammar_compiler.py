@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.errors import InvalidRequestError
-from engine.structured_outputs import FIELD, StructuredOutputsParams, grammar_source
+from triode.engine.errors import InvalidRequestError
+from triode.engine.structured_outputs import FIELD, StructuredOutputsParams, grammar_source
 
 _REMEMBERED = 512  # compiled (or refused) constraints remembered by their source
 

@@ -1,13 +1,13 @@
 """How transformers reads the fields of a config.json that ModelConfig holds, per architecture:
 its defaults, which layers slide, the rope (per layer type for Gemma 3), Phi-3's partial rotary,
 the mixture-of-experts fields; and the errors for a field triode does not implement, naming it
-and its value. engine.model_config builds the ModelConfig from these."""
+and its value. triode.engine.model_config builds the ModelConfig from these."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import UnsupportedModelError
+from triode.engine.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

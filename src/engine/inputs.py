@@ -14,9 +14,9 @@ from typing import Any, NotRequired, TypedDict
 import attrs
 from transformers import PreTrainedTokenizerFast
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.grammar_compiler import GrammarCompiler
-from engine.sampling_params import SamplingParams
+from triode.engine.errors import InvalidRequestError, ModelLoadError
+from triode.engine.grammar_compiler import GrammarCompiler
+from triode.engine.sampling_params import SamplingParams
 
 ChatMessage = Mapping[str, Any]
 

@@ -15,11 +15,11 @@ from typing import Any
 import attrs
 from tqdm import tqdm
 
-from engine.config import EngineArgs
-from engine.inputs import ChatMessage, ChatOptions, PromptInput
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.config import EngineArgs
+from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
+from triode.engine.llm_engine import LLMEngine
+from triode.engine.outputs import RequestOutput
+from triode.engine.sampling_params import OutputKind, SamplingParams
 
 
 class LLM:

@@ -25,18 +25,18 @@ from typing import Any
 
 import attrs
 
-from engine.actors.supervisor import WorkerSupervisor
-from engine.config import EngineArgs
-from engine.core.engine_core import EngineCore
-from engine.core.output_processor import OutputProcessor
-from engine.engine_stats import EngineStatistics, collect_statistics
-from engine.errors import EngineDeadError, WorkerFailure
-from engine.inputs import ChatOptions, PromptInput
-from engine.model_setup import open_engine_model, open_input_processor
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sync_bridge import TrioThread, deferred_keyboard_interrupt
-from engine.worker_messages import StepPlan, StepResult
+from triode.engine.actors.supervisor import WorkerSupervisor
+from triode.engine.config import EngineArgs
+from triode.engine.core.engine_core import EngineCore
+from triode.engine.core.output_processor import OutputProcessor
+from triode.engine.engine_stats import EngineStatistics, collect_statistics
+from triode.engine.errors import EngineDeadError, WorkerFailure
+from triode.engine.inputs import ChatOptions, PromptInput
+from triode.engine.model_setup import open_engine_model, open_input_processor
+from triode.engine.outputs import RequestOutput
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.sync_bridge import TrioThread, deferred_keyboard_interrupt
+from triode.engine.worker_messages import StepPlan, StepResult
 
 
 @attrs.frozen

@@ -6,8 +6,8 @@ from typing import Any
 
 import attrs
 
-from engine.errors import UnsupportedModelError
-from engine.hf_config_fields import (
+from triode.engine.errors import UnsupportedModelError
+from triode.engine.hf_config_fields import (
     ACTIVATIONS,
     DEFAULTS,
     GEMMA,

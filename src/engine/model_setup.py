@@ -9,12 +9,17 @@ from typing import Any
 
 import attrs
 
-from engine.config import EngineArgs
-from engine.generation_config import GenerationDefaults, read_generation_defaults
-from engine.grammar_compiler import GrammarCompiler
-from engine.inputs import TOOL_TEMPLATE_NAME, InputProcessor, load_tokenizer, template_reads_tools
-from engine.model_files.resolve import resolve_model
-from engine.worker_messages import WorkerInfo
+from triode.engine.config import EngineArgs
+from triode.engine.generation_config import GenerationDefaults, read_generation_defaults
+from triode.engine.grammar_compiler import GrammarCompiler
+from triode.engine.inputs import (
+    TOOL_TEMPLATE_NAME,
+    InputProcessor,
+    load_tokenizer,
+    template_reads_tools,
+)
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.worker_messages import WorkerInfo
 
 log = logging.getLogger("triode.engine")
 

@@ -8,8 +8,10 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError
-from engine.structured_outputs import StructuredOutputsParams  # vLLM imports it from here too
+from triode.engine.errors import InvalidRequestError
+from triode.engine.structured_outputs import (
+    StructuredOutputsParams,  # vLLM imports it from here too
+)
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1

@@ -1,8 +1,8 @@
 """What a request's output must match: vLLM's ``StructuredOutputsParams``, one constraint per
 request (a JSON schema, any JSON object, a regular expression, a choice among strings, or a
 Lark grammar), checked for shape here, compiled and bounded in time before anything is
-scheduled (``engine.grammar_compiler``), and enforced token by token in the worker
-(``engine.worker.grammar``).
+scheduled (``triode.engine.grammar_compiler``), and enforced token by token in the worker
+(``triode.engine.worker.grammar``).
 
 The class is plain data, so it travels inside ``SamplingParams`` to the worker; both
 processes turn it into the same llguidance grammar with ``grammar_source``. llguidance is
@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError
+from triode.engine.errors import InvalidRequestError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 FIELD = "structured_outputs"
@@ -146,6 +146,6 @@ def grammar_source(params: StructuredOutputsParams, reasoning_parser: str | None
                      params.disable_additional_properties)
     if reasoning_parser is None:
         return source
-    from engine.reasoning import after_reasoning
+    from triode.engine.reasoning import after_reasoning
 
     return after_reasoning(reasoning_parser, source)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from engine.errors import EngineShutdownError
+from triode.engine.errors import EngineShutdownError
 
 T = TypeVar("T")
 

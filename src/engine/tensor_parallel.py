@@ -4,10 +4,10 @@ can shard a model, and where the ranks meet.
 Partitioning rule (Megatron style, by whole GQA groups): attention splits by whole KV heads
 (and the query heads that read them), or, with more ranks than KV heads, replicates each KV
 head on ``size // kv_heads`` ranks that split its query heads; the MLP and the vocabulary
-split into balanced contiguous ranges (``engine.worker.distributed.Partition`` holds a
+split into balanced contiguous ranges (``triode.engine.worker.distributed.Partition`` holds a
 rank's share). The ranks meet at a ``torch.distributed`` TCPStore that rank 0 serves, at
 ``MASTER_ADDR:MASTER_PORT`` or on a free loopback port; ranks past ``TRIODE_TP_LOCAL_RANKS``
-run on other nodes as followers (``engine.worker.follower``).
+run on other nodes as followers (``triode.engine.worker.follower``).
 
 The worker processes import this module too (their partition and their rendezvous); it
 imports no torch at module level, so the engine process stays free of it.
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from engine.errors import InvalidRequestError, TriodeError
+from triode.engine.errors import InvalidRequestError, TriodeError
 
 if TYPE_CHECKING:
-    from engine.model_config import ModelConfig
+    from triode.engine.model_config import ModelConfig
 
 MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
@@ -39,7 +39,7 @@ class RendezvousError(TriodeError):
 @attrs.frozen(kw_only=True)
 class Rendezvous:
     """Where the ranks meet: rank 0 serves a TCPStore at ``host:port``; the others connect.
-    Ranks ``local_ranks ..`` run elsewhere (followers, see ``engine.worker.follower``)."""
+    Ranks ``local_ranks ..`` run elsewhere (followers, see ``triode.engine.worker.follower``)."""
 
     host: str
     port: int

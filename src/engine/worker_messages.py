@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import attrs
 
-from engine.sampling_params import SamplingParams
+from triode.engine.sampling_params import SamplingParams
 
-# The step channel's framing (engine.actors.step_channel, engine.worker.step_server): a
+# The step channel's framing (triode.engine.actors.step_channel, triode.engine.worker.step_server): a
 # message is its pickle's length in 8 little-endian bytes, then the pickle.
 STEP_FRAME = struct.Struct("<Q")
 

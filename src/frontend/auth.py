@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from quart import Quart, request
 
-from frontend.errors import APIError
+from triode.frontend.errors import APIError
 
 PROTECTED_PREFIX = "/v1"
 

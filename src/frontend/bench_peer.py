@@ -37,10 +37,10 @@ _READY_TIMEOUT_S = 600.0
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     import trio
 
-    from engine.bench.report import machine_description, write_json
-    from engine.config import EngineArgs
-    from frontend.bench_load import conversations
-    from frontend.bench_serve import start_server, stop_server, sweep
+    from triode.engine.bench.report import machine_description, write_json
+    from triode.engine.config import EngineArgs
+    from triode.frontend.bench_load import conversations
+    from triode.frontend.bench_serve import start_server, stop_server, sweep
 
     output_dir = Path(ns.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def peer_gguf(model: str | None, cache_dir: str) -> Path:
             raise SystemExit("triode: error: --peer llama.cpp needs a .gguf file as --model (or none: the "
                              f"default model's), got {model!r}")
         return path.resolve()
-    from engine.model_files.resolve import resolve_model
+    from triode.engine.model_files.resolve import resolve_model
 
     entry = resolve_model(None, cache_dir=cache_dir).path
     return next(entry.glob("*.gguf"))
@@ -200,7 +200,7 @@ def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     host_memory.weight_tensor; they read faster here): the higher, the stricter limit."""
     import torch
 
-    from engine.worker.host_memory import weight_tensor
+    from triode.engine.worker.host_memory import weight_tensor
 
     best = float("inf")
     for allocate in (torch.empty, weight_tensor):
@@ -228,7 +228,7 @@ def resident_bytes(pid: int) -> int:
 
 
 def _print_comparison(report: dict[str, Any]) -> None:
-    from engine.bench.report import print_table
+    from triode.engine.bench.report import print_table
 
     rows = []
     for ours, theirs in zip(report["triode"], report["llama_cpp"], strict=True):
@@ -254,7 +254,7 @@ def _ratio(ours: float, theirs: float) -> float | None:
 def _plot(path: Path, report: dict[str, Any]) -> None:
     import matplotlib
 
-    from frontend.bench_serve import save_sweep_figure
+    from triode.frontend.bench_serve import save_sweep_figure
 
     matplotlib.use("Agg")
     from matplotlib import pyplot

@@ -47,7 +47,7 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
 
 def _command(namespace: argparse.Namespace) -> int:
     if namespace.peer:
-        from frontend import bench_peer
+        from triode.frontend import bench_peer
 
         bench_peer.run(namespace)
     else:
@@ -58,8 +58,8 @@ def _command(namespace: argparse.Namespace) -> int:
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     import trio
 
-    from engine.bench.report import machine_description, print_table, write_json
-    from frontend.bench_load import conversations
+    from triode.engine.bench.report import machine_description, print_table, write_json
+    from triode.frontend.bench_load import conversations
 
     output_dir = Path(ns.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ async def sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list], 
     """Every level of ``levels`` against the server at ``base_url``, after one warm-up request."""
     from tqdm import tqdm
 
-    from frontend.bench_load import one_request, open_client, run_level, served_model
+    from triode.frontend.bench_load import one_request, open_client, run_level, served_model
 
     async with open_client(base_url, ns.api_key) as client:
         model = ns.model_name or await served_model(client)
@@ -139,7 +139,7 @@ async def sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list], 
 
 
 def start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-c", "import sys; from frontend.cli import main; sys.exit(main())", "serve",
+    command = [sys.executable, "-c", "import sys; from triode.frontend.cli import main; sys.exit(main())", "serve",
                *([ns.model] if ns.model else []), "--host", "127.0.0.1", "--port", "0",
                "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
                "--dtype", ns.dtype]
@@ -165,8 +165,8 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def _offline(ns: argparse.Namespace, chats: list, **engine_args: Any) -> dict[str, Any]:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from triode.engine.llm import LLM
+    from triode.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_tokens, ignore_eos=True)
     with LLM(ns.model, kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len,

@@ -11,9 +11,15 @@ from typing import Any
 
 import attrs
 
-from engine.reasoning import REASONING_PARSERS, ReasoningDelta, ReasoningParser
-from frontend.tool_parsers import TOOL_PARSERS, ParserDelta, ToolCall, ToolCallDelta, ToolCallParser
-from frontend.tool_request import ToolPlan
+from triode.engine.reasoning import REASONING_PARSERS, ReasoningDelta, ReasoningParser
+from triode.frontend.tool_parsers import (
+    TOOL_PARSERS,
+    ParserDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+)
+from triode.frontend.tool_request import ToolPlan
 
 
 @attrs.frozen

@@ -7,19 +7,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from engine.bench.commands import add_bench_commands
-from engine.config import parse_size
-from engine.errors import TriodeError
-from frontend.bench_serve import add_bench_serve
-from frontend.engine_flags import add_engine_flags, engine_args_from
-from frontend.scenarios.command import add_scenario_commands
-from frontend.tool_parsers import TOOL_PARSERS
+from triode.engine.bench.commands import add_bench_commands
+from triode.engine.config import parse_size
+from triode.engine.errors import TriodeError
+from triode.frontend.bench_serve import add_bench_serve
+from triode.frontend.engine_flags import add_engine_flags, engine_args_from
+from triode.frontend.scenarios.command import add_scenario_commands
+from triode.frontend.tool_parsers import TOOL_PARSERS
 
 
 def _serve(namespace: argparse.Namespace) -> int:
-    from frontend import serve
-    from frontend.factory import create_app
-    from frontend.settings import ServerSettings
+    from triode.frontend import serve
+    from triode.frontend.factory import create_app
+    from triode.frontend.settings import ServerSettings
 
     model = namespace.model_positional or namespace.model
     args = engine_args_from(namespace, **({"model": model} if model else {}))

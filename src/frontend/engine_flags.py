@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from engine.config import EngineArgs, parse_size
+from triode.engine.config import EngineArgs, parse_size
 
 _HELP = {
     "model": "Hugging Face directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)",

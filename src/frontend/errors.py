@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from quart import Quart, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
-from engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError, QueueFull
+from triode.engine.errors import (
+    EngineDeadError,
+    EngineShutdownError,
+    InvalidRequestError,
+    QueueFull,
+)
 
 log = logging.getLogger("triode.frontend")
 

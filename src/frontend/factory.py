@@ -5,7 +5,7 @@ before ``after_serving`` runs, which would cut the drain short): start-up loads 
 returns once the engine is ready, so hypercorn listens only when /health can say 200; shutdown
 drains in-flight requests, then stops the engine and its worker processes.
 
-Under an ASGI server that does not run trio (plain ``hypercorn frontend:app`` uses asyncio)
+Under an ASGI server that does not run trio (plain ``hypercorn triode.frontend:app`` uses asyncio)
 the lifespan refuses to start, naming ``--worker-class trio``, so the server exits instead of
 answering every request with a 500."""
 
@@ -19,17 +19,17 @@ from quart import request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGILifespan
 
-from engine.config import EngineArgs
-from engine.errors import TriodeError
-from frontend.auth import install_auth
-from frontend.errors import register_error_handlers
-from frontend.lifecycle import EngineHost
-from frontend.routes import register_routes
-from frontend.settings import ServerSettings
+from triode.engine.config import EngineArgs
+from triode.engine.errors import TriodeError
+from triode.frontend.auth import install_auth
+from triode.frontend.errors import register_error_handlers
+from triode.frontend.lifecycle import EngineHost
+from triode.frontend.routes import register_routes
+from triode.frontend.settings import ServerSettings
 
 TRIO_REQUIRED = (
     "triode's HTTP server runs on trio, and this ASGI server is not running a trio event loop: "
-    "start it with `hypercorn --worker-class trio frontend:app` (or `triode serve`)"
+    "start it with `hypercorn --worker-class trio triode.frontend:app` (or `triode serve`)"
 )
 
 

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 import attrs
 import trio
 
-from engine.errors import TriodeError
-from engine.outputs import RequestOutput
-from frontend.errors import APIError, from_engine_error
-from frontend.lifecycle import EngineHost
-from frontend.requests import GenerationRequest
+from triode.engine.errors import TriodeError
+from triode.engine.outputs import RequestOutput
+from triode.frontend.errors import APIError, from_engine_error
+from triode.frontend.lifecycle import EngineHost
+from triode.frontend.requests import GenerationRequest
 
 
 @attrs.define

@@ -12,18 +12,18 @@ from collections.abc import AsyncIterator
 
 import trio
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs
-from engine.engine_stats import EngineStatistics
-from engine.errors import EngineDeadError
-from engine.generation_config import GenerationDefaults
-from engine.inputs import ChatOptions, PromptInput
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from frontend.errors import APIError, shutting_down
-from frontend.logprobs import TokenText
-from frontend.metrics import ServerMetrics
-from frontend.settings import served_model_name
+from triode.engine.async_llm import AsyncLLM
+from triode.engine.config import EngineArgs
+from triode.engine.engine_stats import EngineStatistics
+from triode.engine.errors import EngineDeadError
+from triode.engine.generation_config import GenerationDefaults
+from triode.engine.inputs import ChatOptions, PromptInput
+from triode.engine.outputs import RequestOutput
+from triode.engine.sampling_params import SamplingParams
+from triode.frontend.errors import APIError, shutting_down
+from triode.frontend.logprobs import TokenText
+from triode.frontend.metrics import ServerMetrics
+from triode.frontend.settings import served_model_name
 
 log = logging.getLogger("triode.frontend")
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from engine.outputs import Logprob
+from triode.engine.outputs import Logprob
 
 _FLOOR = -9999.0  # JSON has no -Infinity
 

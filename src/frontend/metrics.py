@@ -25,9 +25,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.engine_stats import EngineStatistics
-from engine.outputs import RequestOutput
-from engine.sampling_params import OutputKind
+from triode.engine.engine_stats import EngineStatistics
+from triode.engine.outputs import RequestOutput
+from triode.engine.sampling_params import OutputKind
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

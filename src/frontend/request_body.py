@@ -12,11 +12,11 @@ from typing import Any
 import attrs
 from quart import Request
 
-from engine.errors import InvalidRequestError
-from engine.generation_config import GenerationDefaults
-from engine.sampling_params import OutputKind, SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
-from frontend.errors import bad_request, from_engine_error
+from triode.engine.errors import InvalidRequestError
+from triode.engine.generation_config import GenerationDefaults
+from triode.engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.structured_outputs import StructuredOutputsParams
+from triode.frontend.errors import bad_request, from_engine_error
 
 log = logging.getLogger("triode.frontend")
 

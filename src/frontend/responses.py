@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
-from frontend.chat_output import ChatOutput, MessageDelta
-from frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
-from frontend.requests import GenerationRequest
+from triode.engine.outputs import CompletionOutput, RequestOutput
+from triode.frontend.chat_output import ChatOutput, MessageDelta
+from triode.frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from triode.frontend.requests import GenerationRequest
 
 
 class ResponseBuilder:

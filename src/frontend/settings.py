@@ -22,9 +22,9 @@ from pathlib import Path
 
 import attrs
 
-from engine.config import EngineArgs, parse_size
-from engine.errors import InvalidRequestError
-from engine.model_files.default_model import DEFAULT_MODEL_NAME
+from triode.engine.config import EngineArgs, parse_size
+from triode.engine.errors import InvalidRequestError
+from triode.engine.model_files.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -38,7 +38,7 @@ _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "fals
 
 
 def _tool_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from frontend.tool_parsers import TOOL_PARSERS
+    from triode.frontend.tool_parsers import TOOL_PARSERS
 
     if value is not None and value not in TOOL_PARSERS:
         raise InvalidRequestError(f"tool_call_parser: expected one of {', '.join(sorted(TOOL_PARSERS))}, "

@@ -15,10 +15,10 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError
-from engine.structured_outputs import FIELD, StructuredOutputsParams
-from frontend.errors import bad_request, from_engine_error
-from frontend.request_body import Reader
+from triode.engine.errors import InvalidRequestError
+from triode.engine.structured_outputs import FIELD, StructuredOutputsParams
+from triode.frontend.errors import bad_request, from_engine_error
+from triode.frontend.request_body import Reader
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -18,13 +18,13 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError
-from engine.inputs import checked_tools
-from engine.structured_outputs import StructuredOutputsParams
-from frontend.errors import bad_request, from_engine_error
-from frontend.request_body import Reader
-from frontend.tool_parsers import ToolCall
-from frontend.tool_parsers.base import new_call_id
+from triode.engine.errors import InvalidRequestError
+from triode.engine.inputs import checked_tools
+from triode.engine.structured_outputs import StructuredOutputsParams
+from triode.frontend.errors import bad_request, from_engine_error
+from triode.frontend.request_body import Reader
+from triode.frontend.tool_parsers import ToolCall
+from triode.frontend.tool_parsers.base import new_call_id
 
 _MODES = ("none", "auto", "required")
 

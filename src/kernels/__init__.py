@@ -2,25 +2,25 @@
 
 Models call these functions and nothing else. On CUDA they run Triton kernels, elsewhere the
 torch references, except on a CPU where a C compiler could build triode's C kernels
-(:mod:`kernels.native`): decode attention (:mod:`kernels.cpu_attention`), the elementwise
-ops (:mod:`kernels.cpu_elementwise`) and the sampler's argmax (:mod:`kernels.cpu_argmax`) run
+(:mod:`triode.kernels.native`): decode attention (:mod:`triode.kernels.cpu_attention`), the elementwise
+ops (:mod:`triode.kernels.cpu_elementwise`) and the sampler's argmax (:mod:`triode.kernels.cpu_argmax`) run
 them, and linear layers run oneDNN with weights packed at load time
-(:mod:`kernels.packed_linear`), one row (or a small weight) :mod:`kernels.cpu_linear`.
+(:mod:`triode.kernels.packed_linear`), one row (or a small weight) :mod:`triode.kernels.cpu_linear`.
 Weights kept in GGUF's quantized blocks are :class:`QuantizedWeight` objects, whose ``linear``
-and ``dequantize`` run the C kernels of :mod:`kernels.quant_linear` (CPUs with AVX2 only).
+and ``dequantize`` run the C kernels of :mod:`triode.kernels.quant_linear` (CPUs with AVX2 only).
 ``TRIODE_KERNELS=torch|triton|auto`` (or :func:`set_backend`) overrides the choice for tests
 and benchmarks: ``torch`` runs only the references; forcing triton on CPU needs
 ``TRITON_INTERPRET=1``.
 
 One module per op, each with its torch reference, its Triton kernel and the launcher that checks
-the arguments: :mod:`kernels.kv_write`, :mod:`kernels.decode_attention`,
-:mod:`kernels.prefill_attention` (composed by :mod:`kernels.paged_attention`),
-:mod:`kernels.rms_norm`, :mod:`kernels.rotary`, :mod:`kernels.silu_mul`. This package imports
+the arguments: :mod:`triode.kernels.kv_write`, :mod:`triode.kernels.decode_attention`,
+:mod:`triode.kernels.prefill_attention` (composed by :mod:`triode.kernels.paged_attention`),
+:mod:`triode.kernels.rms_norm`, :mod:`triode.kernels.rotary`, :mod:`triode.kernels.silu_mul`. This package imports
 only torch; triton is imported, and the kernels jitted, on the first Triton launch
-(:mod:`kernels._jit`), so it runs where triton is missing and on a bare GPU machine.
+(:mod:`triode.kernels._jit`), so it runs where triton is missing and on a bare GPU machine.
 
-Testing helpers: :func:`kernels.testing.triton_interpreter` runs the Triton kernels on CPU
-tensors (with ``set_backend("triton")``); ``python -m kernels.compile_check`` compiles every
+Testing helpers: :func:`triode.kernels.testing.triton_interpreter` runs the Triton kernels on CPU
+tensors (with ``set_backend("triton")``); ``python -m triode.kernels.compile_check`` compiles every
 kernel for a CUDA target without a GPU; ``scripts/gpu_check.py`` checks and times them on one.
 """
 
@@ -31,35 +31,35 @@ import os
 
 import torch
 
-from kernels.cpu_argmax import argmax_cpu
-from kernels.cpu_elementwise import (
+from triode.kernels.cpu_argmax import argmax_cpu
+from triode.kernels.cpu_elementwise import (
     rms_norm_cpu,
     rotary_embedding_cpu,
     silu_and_mul_cpu,
     write_kv_cpu,
 )
-from kernels.cpu_linear import serial_linear, serial_linear_supports, small_linear_cpu
-from kernels.decode_stack import DecodeStack
-from kernels.kv_write import write_kv_reference, write_kv_triton
-from kernels.metadata import AttentionMetadata
-from kernels.moe import fused_experts_reference, fused_experts_triton, route
-from kernels.native import native_library, use_cache_dir
-from kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_supports
-from kernels.paged_attention import (
+from triode.kernels.cpu_linear import serial_linear, serial_linear_supports, small_linear_cpu
+from triode.kernels.decode_stack import DecodeStack
+from triode.kernels.kv_write import write_kv_reference, write_kv_triton
+from triode.kernels.metadata import AttentionMetadata
+from triode.kernels.moe import fused_experts_reference, fused_experts_triton, route
+from triode.kernels.native import native_library, use_cache_dir
+from triode.kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_supports
+from triode.kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_reference,
     paged_attention_triton,
 )
-from kernels.quant_linear import (
+from triode.kernels.quant_linear import (
     QuantizedWeight,
     interleaved_kernels_available,
     quantized_activations,
     quantized_kernels_available,
     set_quantized_activations,
 )
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
-from kernels.silu_mul import gelu_tanh_and_mul, silu_and_mul_reference, silu_and_mul_triton
+from triode.kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from triode.kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from triode.kernels.silu_mul import gelu_tanh_and_mul, silu_and_mul_reference, silu_and_mul_triton
 
 BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("TRIODE_KERNELS", "auto")

@@ -1,6 +1,6 @@
 """Lazy ``@triton.jit``: the op modules define their kernels at import without importing triton.
 
-``import kernels`` must work where triton is missing (the torch references are the CPU path),
+``import triode.kernels`` must work where triton is missing (the torch references are the CPU path),
 and triton chooses between its compiler and its interpreter from ``TRITON_INTERPRET`` when a
 function is decorated -- its own standard library (``tl.zeros``, ``tl.sum``, ...) included,
 which is decorated when ``triton`` is first imported. So the mode is fixed, per process, by the

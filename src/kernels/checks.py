@@ -43,7 +43,7 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def check_launch_device(name: str, tensor: torch.Tensor) -> None:
     """Triton launches on CUDA tensors; on CPU tensors only under ``TRITON_INTERPRET=1``."""
-    from kernels._jit import interpreting
+    from triode.kernels._jit import interpreting
 
     kind = tensor.device.type
     if kind == "cuda" or (kind == "cpu" and interpreting()):

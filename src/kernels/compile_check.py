@@ -5,7 +5,7 @@ kernel that interprets fine but does not compile (an unsupported construct, a ty
 a loop, a dot shape below the hardware minimum). Run it in a process where triton is imported
 in compile mode (TRITON_INTERPRET unset)::
 
-    PYTHONPATH=src python -m kernels.compile_check [--arch 90]
+    PYTHONPATH=src python -m triode.kernels.compile_check [--arch 90]
 
 It prints each kernel's shared memory and register use and exits non-zero on a failure.
 """
@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from kernels._jit import LazyKernel, import_triton
+from triode.kernels._jit import LazyKernel, import_triton
 
 # name -> scalar type for the arguments that are not i32 and not pointers
 _FLOAT_ARGS = {"scale_log2e": "fp32", "eps": "fp32"}
@@ -29,7 +29,7 @@ def _configs(dtype: str) -> list[tuple[LazyKernel, dict[str, str], dict[str, Any
     launches, with the num_warps their launchers pick."""
     # (import_module: the package's rms_norm/... attributes are the dispatch functions)
     decode_triton, kv_write, prefill_attention, rms_norm, rotary, silu_mul = (
-        importlib.import_module(f"kernels.{name}")
+        importlib.import_module(f"triode.kernels.{name}")
         for name in ("decode_triton", "kv_write", "prefill_attention", "rms_norm", "rotary", "silu_mul")
     )
     fp32_dot = "ieee" if dtype == "fp32" else "tf32"

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kernels.native import bind
+from triode.kernels.native import bind
 
 __all__ = ["argmax_cpu"]
 

@@ -3,7 +3,7 @@
 The torch reference gathers every sequence's blocks into a padded copy before its fused
 attention call; on a CPU that copy and the padded math were half of a large decode step. This
 kernel walks each sequence's block table instead, one sequence per OpenMP task. It is built
-and loaded by :mod:`kernels.native`; without it decode attention takes the torch reference.
+and loaded by :mod:`triode.kernels.native`; without it decode attention takes the torch reference.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kernels.native import bind
+from triode.kernels.native import bind
 
 _ENTRY_POINTS = {torch.float32: "triode_paged_decode_f32", torch.bfloat16: "triode_paged_decode_bf16"}
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64  # as in the C source

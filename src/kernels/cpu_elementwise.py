@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from kernels.native import bind
+from triode.kernels.native import bind
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _POINTER, _I64, _I32, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -53,7 +53,7 @@ def _takes(op: str, x: torch.Tensor) -> bool:
 def rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """:func:`kernels.rms_norm.rms_norm_reference` for 2-D rows, or None."""
+    """:func:`triode.kernels.rms_norm.rms_norm_reference` for 2-D rows, or None."""
     if not (
         _takes("rms_norm", x) and x.dim() == 2 and _on_cpu(weight) and weight.dtype == x.dtype
         and weight.is_contiguous() and weight.shape == x.shape[1:]
@@ -74,7 +74,7 @@ def rms_norm_cpu(
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
-    """:func:`kernels.silu_mul.silu_and_mul_reference` for 2-D rows, or None."""
+    """:func:`triode.kernels.silu_mul.silu_and_mul_reference` for 2-D rows, or None."""
     if not (_takes("silu_mul", x) and x.dim() == 2 and x.shape[1] % 2 == 0):
         return None
     rows, d = x.shape[0], x.shape[1] // 2
@@ -86,7 +86,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
 def rotary_embedding_cpu(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> bool:
-    """:func:`kernels.rotary.rotary_embedding_reference` (in place), or False without touching
+    """:func:`triode.kernels.rotary.rotary_embedding_reference` (in place), or False without touching
     anything. Positions outside the cache raise ValueError before anything is rotated, as the
     reference's lookup does."""
     dim = query.shape[-1]
@@ -118,7 +118,7 @@ def write_kv_cpu(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """:func:`kernels.kv_write.write_kv_reference`, or False without touching anything. A slot
+    """:func:`triode.kernels.kv_write.write_kv_reference`, or False without touching anything. A slot
     outside the caches raises ValueError (nothing written), as the reference's copy does."""
     if not (
         _takes("write_kv", key) and _on_cpu(value, k_cache, v_cache, slot_mapping)

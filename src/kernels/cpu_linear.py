@@ -4,7 +4,7 @@ A decode step of one to eight sequences multiplies each weight matrix by that ma
 step is a pass over all the weights, and its speed is the memory bandwidth the matmul
 reaches. torch's CPU matmul reaches about a third of it at these shapes (one to three rows
 are its slowest), the C loop most of it. Where the model has packed its weights for oneDNN
-(:mod:`kernels.packed_linear`), the dispatch gives the loop one row only: oneDNN is faster
+(:mod:`triode.kernels.packed_linear`), the dispatch gives the loop one row only: oneDNN is faster
 from two rows. Without packed weights the loop takes up to :data:`ROWS_TAKEN` rows, and torch
 the rest (in bfloat16 the loop's conversions cost more than the memory it saves beyond three
 rows).
@@ -12,7 +12,7 @@ rows).
 Small float32 weights (fewer than :data:`SERIAL_MAX_WEIGHTS` elements) are a few microseconds
 of work at any step's rows, yet MKL, which runs torch's float32 matmul, still splits them across
 its threads, and waking a sleeping OpenMP thread costs tens of microseconds on these VMs (the
-worker lets its threads sleep soon: engine.actors.workers). :func:`serial_linear` runs them on
+worker lets its threads sleep soon: triode.engine.actors.workers). :func:`serial_linear` runs them on
 the calling thread, with torch's matmul (2.7 us at one row of a 64 x 128 weight, where the C loop
 takes 9). On a 2-layer hidden-64 model that was 9 wake-ups a step.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import bind
+from triode.kernels.native import bind
 
 _ENTRY_POINTS = {torch.float32: "triode_small_linear_f32", torch.bfloat16: "triode_small_linear_bf16"}
 MAX_ROWS = 8  # as in the C source

@@ -1,6 +1,6 @@
 """Decode attention over the paged KV cache: one query token per sequence, GQA.
 
-The Triton version is flash-decoding (the kernels are in :mod:`kernels.decode_triton`): the
+The Triton version is flash-decoding (the kernels are in :mod:`triode.kernels.decode_triton`): the
 grid is (sequence, kv head, context partition), and a reduction kernel combines the
 partitions. This module holds the torch reference, the argument checks, the partition rule
 and the launch.
@@ -12,10 +12,20 @@ import functools
 
 import torch
 
-from kernels._jit import cdiv, next_power_of_2
-from kernels.checks import check_kv_cache, check_launch_device, check_score_rules, check_tensor
-from kernels.decode_triton import LOG2E, NO_WINDOW, decode_partition_kernel, decode_reduce_kernel
-from kernels.masked_attention import attention
+from triode.kernels._jit import cdiv, next_power_of_2
+from triode.kernels.checks import (
+    check_kv_cache,
+    check_launch_device,
+    check_score_rules,
+    check_tensor,
+)
+from triode.kernels.decode_triton import (
+    LOG2E,
+    NO_WINDOW,
+    decode_partition_kernel,
+    decode_reduce_kernel,
+)
+from triode.kernels.masked_attention import attention
 
 __all__ = [
     "check_tiling",

@@ -7,7 +7,7 @@ to the step. :class:`DecodeStack` describes the layers to the C side once (weigh
 cache addresses) and checks a step's metadata once; the C side runs the same kernels in the
 same order into the same kind of buffers as the Python path, so the hidden states are bit for
 bit the same (``tests/test_decode_stack.py``). Steps it does not take (a prefill chunk, more
-than :data:`kernels.quant_linear.FUSED_ROWS` rows, unless every weight is interleaved) run
+than :data:`triode.kernels.quant_linear.FUSED_ROWS` rows, unless every weight is interleaved) run
 the Python path.
 """
 
@@ -19,11 +19,11 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kernels import quant_linear
-from kernels.metadata import AttentionMetadata
-from kernels.native import bind
-from kernels.paged_attention import check_decode_metadata
-from kernels.quant_linear import QuantizedWeight
+from triode.kernels import quant_linear
+from triode.kernels.metadata import AttentionMetadata
+from triode.kernels.native import bind
+from triode.kernels.paged_attention import check_decode_metadata
+from triode.kernels.quant_linear import QuantizedWeight
 
 MAX_PARTS = 3  # as in the C source
 _OPS = {1: "linear", 3: "rotary", 4: "write_kv", 5: "decode attention"}  # as in csrc/decode_stack.h

@@ -1,4 +1,4 @@
-"""The Triton kernels of decode attention (flash-decoding); :mod:`kernels.decode_attention`
+"""The Triton kernels of decode attention (flash-decoding); :mod:`triode.kernels.decode_attention`
 launches them.
 
 The grid is (sequence, kv head, context partition). Each program loads its kv head's K/V
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kernels._jit import lazy_jit
+from triode.kernels._jit import lazy_jit
 
 if TYPE_CHECKING:
     import triton.language as tl

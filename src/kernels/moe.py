@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kernels._jit import cdiv, lazy_jit
+from triode.kernels._jit import cdiv, lazy_jit
 
 if TYPE_CHECKING:
     import triton.language as tl

@@ -7,7 +7,7 @@ core can do (the default model's matmuls on this 2-core Zen 4, float32: 84 GFLOP
 reorder is paid once instead of per call. Decode steps of the default model (ms, MKL or the C
 loop -> packed): float32 2 rows 43 -> 37, 8 rows 66 -> 39, 32 rows 118 -> 79, 64 rows 175 ->
 148; bfloat16 4 rows 32 -> 22, 64 rows 116 -> 91. One row stays with the C loop of
-:mod:`kernels.cpu_linear` (22 ms against 32 in float32, 16 against 23 in bfloat16).
+:mod:`triode.kernels.cpu_linear` (22 ms against 32 in float32, 16 against 23 in bfloat16).
 
 The packed copy is kept beside the plain weight, which the one-row loop and the torch
 reference read (and, for a tied LM head, the embedding), so on a CPU the linear weights take

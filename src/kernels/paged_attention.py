@@ -4,7 +4,7 @@ Composes the two attention ops: rows ``0..num_decodes`` go to decode attention (
 sequence), the rest to prefill attention. The torch reference runs everywhere: decodes are
 batched into padded scaled_dot_product_attention calls, one per bucket of similar context
 lengths (see :func:`length_buckets`), prefill chunks go one sequence at a time. The CPU path
-is the reference with its decodes taken by the native kernel of :mod:`kernels.cpu_attention`,
+is the reference with its decodes taken by the native kernel of :mod:`triode.kernels.cpu_attention`,
 which reads the cache in place. The Triton version launches the decode kernel(s) and the
 prefill kernel into one output tensor.
 """
@@ -17,11 +17,16 @@ from typing import TypeVar
 
 import torch
 
-from kernels.checks import check_kv_cache, check_launch_device, check_score_rules, check_tensor
-from kernels.cpu_attention import cpu_decode_supports, paged_decode_cpu
-from kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
-from kernels.metadata import AttentionMetadata
-from kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
+from triode.kernels.checks import (
+    check_kv_cache,
+    check_launch_device,
+    check_score_rules,
+    check_tensor,
+)
+from triode.kernels.cpu_attention import cpu_decode_supports, paged_decode_cpu
+from triode.kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
+from triode.kernels.metadata import AttentionMetadata
+from triode.kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
 
 _T = TypeVar("_T")
 

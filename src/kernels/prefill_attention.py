@@ -13,11 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels._jit import cdiv, lazy_jit, next_power_of_2
-from kernels.checks import check_kv_cache, check_launch_device, check_score_rules, check_tensor
-from kernels.decode_triton import NO_WINDOW
-from kernels.masked_attention import attention, visible_keys
-from kernels.metadata import AttentionMetadata
+from triode.kernels._jit import cdiv, lazy_jit, next_power_of_2
+from triode.kernels.checks import (
+    check_kv_cache,
+    check_launch_device,
+    check_score_rules,
+    check_tensor,
+)
+from triode.kernels.decode_triton import NO_WINDOW
+from triode.kernels.masked_attention import attention, visible_keys
+from triode.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -71,7 +76,7 @@ def prefill_attention_reference(
     """Fills ``out``'s rows of the prefill sequences (those after ``metadata.num_decodes``),
     one scaled_dot_product_attention per sequence; a chunk without a cached prefix uses the
     step's own key/value, with a prefix its keys are gathered from the cache. ``window`` and
-    ``softcap`` as in :func:`kernels.masked_attention.attention`."""
+    ``softcap`` as in :func:`triode.kernels.masked_attention.attention`."""
     starts = metadata.query_start_loc_host
     for seq in range(metadata.num_decodes, metadata.num_seqs):
         start, end, seq_len = starts[seq], starts[seq + 1], metadata.seq_lens_host[seq]

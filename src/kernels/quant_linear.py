@@ -30,7 +30,7 @@ import functools
 import attrs
 import torch
 
-from kernels.native import bind, cpu_isa
+from triode.kernels.native import bind, cpu_isa
 
 # GGUF type name -> (GGMLQuantizationType value, weights per block, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = {
@@ -58,7 +58,7 @@ INTERLEAVED_ROWS = 16
 # (int16: interleaved weights only, csrc/quant_x16.c; logprobs within 2.4e-3 of float32's on the
 # default model, where int8 ones moved them by 0.25 and changed its answers).
 ACTIVATIONS = ("float32", "int8", "int16")
-_activations = "float32"  # engine.config.EngineArgs.quantized_activations sets it in a worker
+_activations = "float32"  # triode.engine.config.EngineArgs.quantized_activations sets it in a worker
 
 __all__ = [
     "ACTIVATIONS",

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels._jit import lazy_jit, next_power_of_2
-from kernels.checks import check_launch_device, check_tensor
+from triode.kernels._jit import lazy_jit, next_power_of_2
+from triode.kernels.checks import check_launch_device, check_tensor
 
 if TYPE_CHECKING:
     import triton.language as tl

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._jit import import_triton
-from kernels.metadata import AttentionMetadata
+from triode.kernels._jit import import_triton
+from triode.kernels.metadata import AttentionMetadata
 
 __all__ = ["PagedBatch", "make_paged_batch", "rope_cache", "triton_interpreter"]
 
@@ -28,7 +28,7 @@ def triton_interpreter() -> Iterator[None]:
     """Run the Triton kernels in triton's interpreter (on CPU tensors) inside the block.
 
     Sets ``TRITON_INTERPRET=1`` for the block (imports triton under it if nothing has yet; if
-    triton is already imported in compile mode, kernels._jit still runs the kernels
+    triton is already imported in compile mode, triode.kernels._jit still runs the kernels
     interpreted). Combine with ``kernels.set_backend("triton")`` to force the kernels on CPU."""
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

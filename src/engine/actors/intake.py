@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import attrs
 import trio
 
-from engine.actors.messages import AddRequest, NewRequest, SchedulerMessage
-from engine.errors import QueueFull, TriodeError
-from engine.inputs import InputProcessor, ProcessedPrompt
+from triode.engine.actors.messages import AddRequest, NewRequest, SchedulerMessage
+from triode.engine.errors import QueueFull, TriodeError
+from triode.engine.inputs import InputProcessor, ProcessedPrompt
 
 
 @attrs.frozen(kw_only=True)

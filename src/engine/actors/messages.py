@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import attrs
 
-from engine.actors.streams import RequestStream
-from engine.core.scheduler_output import SequenceUpdate
-from engine.inputs import ChatOptions, ProcessedPrompt, PromptInput
-from engine.sampling_params import SamplingParams
+from triode.engine.actors.streams import RequestStream
+from triode.engine.core.scheduler_output import SequenceUpdate
+from triode.engine.inputs import ChatOptions, ProcessedPrompt, PromptInput
+from triode.engine.sampling_params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)

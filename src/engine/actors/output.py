@@ -13,7 +13,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from engine.actors.messages import (
+from triode.engine.actors.messages import (
     Aborted,
     EngineFailed,
     OutputMessage,
@@ -22,9 +22,9 @@ from engine.actors.messages import (
     StepUpdates,
     StopStringFound,
 )
-from engine.actors.streams import RequestStream
-from engine.core.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from triode.engine.actors.streams import RequestStream
+from triode.engine.core.output_processor import OutputProcessor
+from triode.engine.outputs import RequestOutput
 
 
 @attrs.frozen(kw_only=True)

@@ -22,7 +22,7 @@ import time
 import attrs
 import trio
 
-from engine.actors.messages import (
+from triode.engine.actors.messages import (
     Aborted,
     AbortRequests,
     EngineFailed,
@@ -33,9 +33,9 @@ from engine.actors.messages import (
     StepUpdates,
     StopStringFound,
 )
-from engine.actors.supervisor import SupervisedStep, WorkerSupervisor
-from engine.core.engine_core import EngineCore
-from engine.errors import EngineDeadError, InvalidRequestError, WorkerFailure
+from triode.engine.actors.supervisor import SupervisedStep, WorkerSupervisor
+from triode.engine.core.engine_core import EngineCore
+from triode.engine.errors import EngineDeadError, InvalidRequestError, WorkerFailure
 
 
 @attrs.frozen

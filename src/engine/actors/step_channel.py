@@ -1,4 +1,4 @@
-"""The engine's end of a worker's step channel (engine.worker.step_server has the other end).
+"""The engine's end of a worker's step channel (triode.engine.worker.step_server has the other end).
 
 Each rank's worker, once loaded, connects to a Unix socket the engine listens on, in a private
 directory, and proves itself with a token the engine gave it through trio-parallel's own pipe.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import trio
 
-from engine.worker_messages import STEP_FRAME as FRAME
-from engine.worker_messages import StepPlan, StepResult
+from triode.engine.worker_messages import STEP_FRAME as FRAME
+from triode.engine.worker_messages import StepPlan, StepResult
 
 # At most this many plans are out on one channel: a driver keeps one or two steps out.
 MAX_PLANS_OUT = 4

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import trio
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import OutputKind
+from triode.engine.outputs import RequestOutput
+from triode.engine.sampling_params import OutputKind
 
 
 class RequestStream:

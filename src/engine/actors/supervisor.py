@@ -23,11 +23,11 @@ from contextlib import AbstractAsyncContextManager
 import attrs
 import trio
 
-from engine.actors.step_channel import StepRaised
-from engine.actors.workers import ProcessWorkerGroup, StepTicket, WorkerCrashed, WorkerGroup
-from engine.config import EngineArgs
-from engine.errors import EngineDeadError, StepTimeout, WorkerFailure
-from engine.worker_messages import StepPlan, StepResult, WorkerInfo
+from triode.engine.actors.step_channel import StepRaised
+from triode.engine.actors.workers import ProcessWorkerGroup, StepTicket, WorkerCrashed, WorkerGroup
+from triode.engine.config import EngineArgs
+from triode.engine.errors import EngineDeadError, StepTimeout, WorkerFailure
+from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
 

@@ -28,26 +28,26 @@ import attrs
 import trio
 import trio_parallel
 
-from engine.actors.step_channel import (
+from triode.engine.actors.step_channel import (
     PendingStep,
     StepChannel,
     accept_worker,
     new_token,
     open_listener,
 )
-from engine.actors.worker_spawn import starting_engine_workers
-from engine.config import EngineArgs
-from engine.model_config import ModelConfig
-from engine.model_files.layout import load_hf_config
-from engine.tensor_parallel import (
+from triode.engine.actors.worker_spawn import starting_engine_workers
+from triode.engine.config import EngineArgs
+from triode.engine.model_config import ModelConfig
+from triode.engine.model_files.layout import load_hf_config
+from triode.engine.tensor_parallel import (
     Rendezvous,
     check_port_free,
     check_tensor_parallel,
     local_rank_count,
     rendezvous_address,
 )
-from engine.worker import calls
-from engine.worker_messages import StepPlan, StepResult, WorkerInfo
+from triode.engine.worker import calls
+from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 _CONNECT_SECONDS = 60.0  # from a loaded worker's serving call to its step channel
 _CLOSE_SECONDS = 5.0

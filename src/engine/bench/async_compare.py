@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.report import machine_description, plot_bars, print_table, write_json
-from engine.bench.throughput import run_triode
-from engine.bench.workloads import make_workload
-from engine.llm import LLM
+from triode.engine.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.engine.bench.throughput import run_triode
+from triode.engine.bench.workloads import make_workload
+from triode.engine.llm import LLM
 
 MODES = {"off": False, "on": True}
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import QUANTIZED_ACTIVATIONS
+from triode.engine.config import QUANTIZED_ACTIVATIONS
 
 
 def _step(namespace: argparse.Namespace) -> int:
     if namespace.overhead:
-        from engine.bench import overhead
+        from triode.engine.bench import overhead
 
         overhead.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64, 256)),
                      steps=namespace.steps or 64, model_steps=namespace.model_steps,
                      repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
         return 0
-    from engine.bench import step
+    from triode.engine.bench import step
 
     step.run(
         model=namespace.model,
@@ -33,7 +33,7 @@ def _step(namespace: argparse.Namespace) -> int:
 
 
 def _moe(namespace: argparse.Namespace) -> int:
-    from engine.bench import moe
+    from triode.engine.bench import moe
 
     shape = moe.MoEShape(experts=namespace.experts, top_k=namespace.top_k, expert_size=namespace.expert_size)
     moe.run(batch_sizes=tuple(namespace.batch_sizes), context=namespace.context, steps=namespace.steps,
@@ -43,17 +43,17 @@ def _moe(namespace: argparse.Namespace) -> int:
 
 def _throughput(namespace: argparse.Namespace) -> int:
     if namespace.compare_async_scheduling:
-        from engine.bench import async_compare
+        from triode.engine.bench import async_compare
 
         async_compare.run(model=namespace.model, workloads=tuple(namespace.workloads), rounds=namespace.rounds,
                           dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
     if namespace.structured:
-        from engine.bench import structured
+        from triode.engine.bench import structured
 
         structured.run(model=namespace.model, dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
-    from engine.bench import throughput
+    from triode.engine.bench import throughput
 
     throughput.run(
         model=namespace.model,
@@ -68,7 +68,7 @@ def _throughput(namespace: argparse.Namespace) -> int:
 
 
 def _tp(namespace: argparse.Namespace) -> int:
-    from engine.bench import tp
+    from triode.engine.bench import tp
 
     tp.run(
         model=namespace.model,
@@ -82,7 +82,7 @@ def _tp(namespace: argparse.Namespace) -> int:
 
 
 def _write_gguf(namespace: argparse.Namespace) -> int:
-    from engine.bench import synthetic_gguf
+    from triode.engine.bench import synthetic_gguf
 
     return synthetic_gguf.command(namespace)
 
@@ -95,7 +95,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
     step.add_argument("--steps", type=int, default=None,
                       help="decode steps timed per batch size (default: 8; with --overhead: 64 on the tiny model)")
-    from engine.bench.synthetic_gguf import SHAPES
+    from triode.engine.bench.synthetic_gguf import SHAPES
 
     step.add_argument("--shape", choices=sorted(SHAPES), default=None,
                       help="time a random-weight checkpoint of this model's shape (bfloat16) instead of --model")
@@ -157,7 +157,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
 
-    from engine.bench.synthetic_gguf import FILE_TYPES
+    from triode.engine.bench.synthetic_gguf import FILE_TYPES
 
     write_gguf = benches.add_parser(
         "write-gguf", help="a GGUF file of a real model's shape with random weights (no download)"

@@ -19,11 +19,11 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from engine.bench.report import machine_description, plot_lines, print_table, write_json
-from engine.bench.step import _context, time_ours
-from engine.config import EngineArgs
-from engine.model_files.resolve import resolve_model
-from engine.worker.runner import ModelRunner
+from triode.engine.bench.report import machine_description, plot_lines, print_table, write_json
+from triode.engine.bench.step import _context, time_ours
+from triode.engine.config import EngineArgs
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.worker.runner import ModelRunner
 
 
 @attrs.frozen(kw_only=True)

@@ -28,13 +28,13 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from engine.bench.random_models import copy_tokenizer
-from engine.bench.report import machine_description, plot_lines, print_table, write_json
-from engine.config import EngineArgs
-from engine.engine_stats import EngineStatistics
-from engine.llm_engine import LLMEngine
-from engine.model_files.resolve import resolve_model
-from engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.bench.random_models import copy_tokenizer
+from triode.engine.bench.report import machine_description, plot_lines, print_table, write_json
+from triode.engine.config import EngineArgs
+from triode.engine.engine_stats import EngineStatistics
+from triode.engine.llm_engine import LLMEngine
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.sampling_params import OutputKind, SamplingParams
 
 PROMPT_TOKENS = 8
 WARMUP_STEPS = 3  # the prefill and the first decodes (where the worker builds its caches)

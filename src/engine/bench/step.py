@@ -18,21 +18,21 @@ import attrs
 import torch
 from tqdm import tqdm
 
-import kernels
-from engine.bench.random_models import copy_bandwidth, weight_bytes, write_random_model
-from engine.bench.report import (
+from triode import kernels
+from triode.engine.bench.random_models import copy_bandwidth, weight_bytes, write_random_model
+from triode.engine.bench.report import (
     load_hf_reference,
     machine_description,
     plot_lines,
     print_table,
     write_json,
 )
-from engine.config import EngineArgs
-from engine.model_files.resolve import resolve_model
-from engine.sampling_params import SamplingParams
-from engine.worker.runner import ModelRunner
-from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
-from kernels.quant_linear import QuantizedWeight
+from triode.engine.config import EngineArgs
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker.runner import ModelRunner
+from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
+from triode.kernels.quant_linear import QuantizedWeight
 
 
 def _context(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.report import machine_description, plot_bars, print_table, write_json
-from engine.bench.throughput import timed_generate
-from engine.bench.workloads import Workload, make_workload
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
+from triode.engine.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.engine.bench.throughput import timed_generate
+from triode.engine.bench.workloads import Workload, make_workload
+from triode.engine.llm import LLM
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.structured_outputs import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

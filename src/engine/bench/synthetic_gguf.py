@@ -100,8 +100,8 @@ def write_synthetic_gguf(path: Path, shape_name: str, file_type: str, *, seed: i
     import gguf
     import numpy as np
 
-    from engine.inputs import load_tokenizer
-    from engine.model_files.resolve import resolve_model
+    from triode.engine.inputs import load_tokenizer
+    from triode.engine.model_files.resolve import resolve_model
 
     shape = SHAPES[shape_name]
     rng = np.random.default_rng(seed)
@@ -162,7 +162,7 @@ def write_synthetic_gguf(path: Path, shape_name: str, file_type: str, *, seed: i
 
 
 def _cache_dir() -> str:
-    from engine.config import EngineArgs
+    from triode.engine.config import EngineArgs
 
     return EngineArgs.from_env().resolved_cache_dir()
 

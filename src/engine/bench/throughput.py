@@ -14,20 +14,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.bench.random_models import copy_tokenizer, write_random_model
-from engine.bench.report import (
+from triode.engine.bench.random_models import copy_tokenizer, write_random_model
+from triode.engine.bench.report import (
     load_hf_reference,
     machine_description,
     plot_bars,
     print_table,
     write_json,
 )
-from engine.bench.workloads import Workload, make_workload
-from engine.config import EngineArgs
-from engine.engine_stats import EngineStatistics
-from engine.llm import LLM
-from engine.model_files.resolve import resolve_model
-from engine.sampling_params import SamplingParams
+from triode.engine.bench.workloads import Workload, make_workload
+from triode.engine.config import EngineArgs
+from triode.engine.engine_stats import EngineStatistics
+from triode.engine.llm import LLM
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.sampling_params import SamplingParams
 
 
 def timed_generate(

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.bench.report import machine_description, plot_bars, print_table, write_json
-from engine.bench.throughput import timed_generate
-from engine.bench.workloads import Workload, make_workload
-from engine.llm import LLM
+from triode.engine.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.engine.bench.throughput import timed_generate
+from triode.engine.bench.workloads import Workload, make_workload
+from triode.engine.llm import LLM
 
 MiB = 1 << 20
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from triode.engine.sampling_params import SamplingParams
 
 # Prompt tokens decoded as context for the first output token (vLLM uses 5 as well): with
 # SentencePiece, "▁Paris" right after the prompt streams as " Paris", not "Paris".

@@ -1,6 +1,6 @@
 """The engine core: the one step loop's policy, which the sync and the async engines both drive.
 
-Sans-IO like the rest of ``engine.core``: a driver feeds it requests, aborts, stop-string
+Sans-IO like the rest of ``triode.engine.core``: a driver feeds it requests, aborts, stop-string
 finishes and step results, passes the clock reading where one matters, and carries each
 ``StepPlan`` to the workers itself (``LLMEngine`` through a private trio loop, the scheduler
 actor through the worker-supervisor). Every decision is made here, so the drivers cannot
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.config import EngineArgs
-from engine.core.request import Request, RequestStatus, make_requests
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerStats, SequenceUpdate
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import StepPlan, StepResult, WorkerInfo
+from triode.engine.config import EngineArgs
+from triode.engine.core.request import Request, RequestStatus, make_requests
+from triode.engine.core.scheduler import Scheduler
+from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
+from triode.engine.errors import InvalidRequestError
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 
 class EngineCore:

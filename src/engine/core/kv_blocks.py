@@ -23,7 +23,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.core.request import Request
+from triode.engine.core.request import Request
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

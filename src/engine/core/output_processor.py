@@ -15,11 +15,11 @@ from typing import Any
 
 import attrs
 
-from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.scheduler_output import SequenceUpdate
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import OutputKind, SamplingParams
-from engine.worker_messages import TokenLogprobs
+from triode.engine.core.detokenizer import IncrementalDetokenizer
+from triode.engine.core.scheduler_output import SequenceUpdate
+from triode.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from triode.engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.worker_messages import TokenLogprobs
 
 
 class TokenDecoder:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from triode.engine.errors import InvalidRequestError
+from triode.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.worker_messages import TokenLogprobs
+    from triode.engine.worker_messages import TokenLogprobs
 
 _INT64_MIN = -(2**63)
 

@@ -33,12 +33,12 @@ from typing import NamedTuple
 
 import attrs
 
-from engine.config import EngineArgs
-from engine.core.kv_blocks import BlockManager
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import SchedulerStats, SequenceUpdate
-from engine.errors import InvalidRequestError
-from engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
+from triode.engine.config import EngineArgs
+from triode.engine.core.kv_blocks import BlockManager
+from triode.engine.core.request import Request, RequestStatus
+from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
+from triode.engine.errors import InvalidRequestError
+from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 
 class _InFlight(NamedTuple):  # one per sequence and step: a tuple is the cheapest record

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import attrs
 
-from engine.worker_messages import TokenLogprobs
+from triode.engine.worker_messages import TokenLogprobs
 
 
 class SequenceUpdate(NamedTuple):

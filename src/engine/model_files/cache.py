@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.errors import ModelLoadError
-from engine.model_files.default_model import say
-from engine.model_files.layout import validate_hf_dir
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_files.default_model import say
+from triode.engine.model_files.layout import validate_hf_dir
 
 MARKER_FILE = ".triode-complete.json"
 _MARKER_VERSION = 1

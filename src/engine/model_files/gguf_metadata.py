@@ -2,7 +2,7 @@
 read into the config it derives from them: Gemma 2's soft caps, Gemma 3's linear rope scaling
 of its global layers, llama.cpp's Gemma query scale, Phi-3's window and longrope, Qwen3-MoE's
 expert size, and that a llama file with experts is a Mixtral. The
-conversion (:mod:`engine.model_files.gguf_convert`) applies them to the config it writes."""
+conversion (:mod:`triode.engine.model_files.gguf_convert`) applies them to the config it writes."""
 
 from __future__ import annotations
 

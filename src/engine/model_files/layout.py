@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
+from triode.engine.errors import ModelLoadError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,7 +12,7 @@ Hugging Face model and a GGUF file take one path through the worker:
 Norms, biases and weights whose rows are not whole blocks stay float32. The entry is a
 Hugging Face directory like the GGUF conversions: the source's config, tokenizer and
 generation files copied, and one model.safetensors written by
-:mod:`engine.model_files.tensor_writer`. It runs in the engine process, while it resolves
+:mod:`triode.engine.model_files.tensor_writer`. It runs in the engine process, while it resolves
 the model, reading one tensor at a time.
 """
 
@@ -22,16 +22,16 @@ import shutil
 import time
 from pathlib import Path
 
-from engine.errors import InvalidRequestError
-from engine.model_files.default_model import say
-from engine.model_files.layout import (
+from triode.engine.errors import InvalidRequestError
+from triode.engine.model_files.default_model import say
+from triode.engine.model_files.layout import (
     INDEX_FILE,
     QUANTIZED_METADATA_KEY,
     checkpoint_files,
     load_hf_config,
     open_safetensors,
 )
-from engine.model_files.tensor_writer import PlannedTensor, write_safetensors
+from triode.engine.model_files.tensor_writer import PlannedTensor, write_safetensors
 
 # --quantization value -> (block type of the decoder layers' projections, of the embedding
 # and LM head).

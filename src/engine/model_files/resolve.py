@@ -3,11 +3,11 @@
 Every entry point goes through :func:`resolve_model`, so a model given as a local directory,
 a ``.gguf`` file, a hub id or nothing at all (the default model) reaches the model code in
 one layout: ``config.json`` plus safetensors (single file or sharded) plus tokenizer files.
-GGUF files are converted once into the triode cache (:mod:`engine.model_files.cache`), their
-quantized weights kept as they are (:mod:`engine.model_files.gguf_convert`); with
+GGUF files are converted once into the triode cache (:mod:`triode.engine.model_files.cache`), their
+quantized weights kept as they are (:mod:`triode.engine.model_files.gguf_convert`); with
 ``--quantization``, a float checkpoint is quantized once into the cache the same way
-(:mod:`engine.model_files.quantize`);
-directories are checked by :mod:`engine.model_files.layout` before anything loads them.
+(:mod:`triode.engine.model_files.quantize`);
+directories are checked by :mod:`triode.engine.model_files.layout` before anything loads them.
 
 It runs in the engine process (the workers are handed the resolved directory), and in a
 follower process on another node.
@@ -24,17 +24,17 @@ from typing import Any
 
 import attrs
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model_files.cache import ensure_cache_entry
-from engine.model_files.default_model import (
+from triode.engine.errors import InvalidRequestError, ModelLoadError
+from triode.engine.model_files.cache import ensure_cache_entry
+from triode.engine.model_files.default_model import (
     DEFAULT_MODEL_NAME,
     fetch_default_gguf,
     installed_default_gguf,
     say,
 )
-from engine.model_files.gguf_convert import convert_gguf
-from engine.model_files.layout import validate_hf_dir
-from engine.model_files.quantize import check_quantizable, quantize_checkpoint
+from triode.engine.model_files.gguf_convert import convert_gguf
+from triode.engine.model_files.layout import validate_hf_dir
+from triode.engine.model_files.quantize import check_quantizable, quantize_checkpoint
 
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken",

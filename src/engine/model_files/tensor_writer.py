@@ -1,10 +1,10 @@
 """One safetensors file streamed to disk a tensor at a time, quantized weights included.
 
 Both converters that build cache entries write through here: GGUF files
-(:mod:`engine.model_files.gguf_convert`) and safetensors checkpoints quantized at load
-(:mod:`engine.model_files.quantize`). A quantized weight is stored as uint8 rows of GGUF
+(:mod:`triode.engine.model_files.gguf_convert`) and safetensors checkpoints quantized at load
+(:mod:`triode.engine.model_files.quantize`). A quantized weight is stored as uint8 rows of GGUF
 blocks and listed in the file's metadata under
-:data:`engine.model_files.layout.QUANTIZED_METADATA_KEY`; everything else is float32.
+:data:`triode.engine.model_files.layout.QUANTIZED_METADATA_KEY`; everything else is float32.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import attrs
 
-from engine.errors import ModelLoadError
-from engine.model_files.default_model import say
-from engine.model_files.layout import QUANTIZED_METADATA_KEY
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_files.default_model import say
+from triode.engine.model_files.layout import QUANTIZED_METADATA_KEY
 
 PROGRESS_EVERY_S = 5.0
 

@@ -5,7 +5,7 @@ it, the cache write maps positions to slots). Kept as Python lists, a step rebui
 padded tensor and computed every slot in Python: at 256 decodes of a tiny model that was a
 third of the worker's step. Here a plan's new blocks are written into the sequence's row as
 they arrive, and a step gathers the rows it needs with one indexing operation
-(:class:`engine.worker.step_inputs.StepInputs`).
+(:class:`triode.engine.worker.step_inputs.StepInputs`).
 """
 
 from __future__ import annotations

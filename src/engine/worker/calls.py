@@ -1,5 +1,5 @@
 """The worker processes' entry points, as references the engine process can send without
-importing them: ``engine.worker.process`` imports torch and the model code, which the engine
+importing them: ``triode.engine.worker.process`` imports torch and the model code, which the engine
 process never needs. A ``WorkerCall`` pickles by name (trio-parallel pickles every call) and
 imports its target when it runs, in the worker."""
 
@@ -13,10 +13,10 @@ import attrs
 
 @attrs.frozen
 class WorkerCall:
-    function: str  # a function of engine.worker.process
+    function: str  # a function of triode.engine.worker.process
 
     def __call__(self, *args: Any) -> Any:
-        return getattr(importlib.import_module("engine.worker.process"), self.function)(*args)
+        return getattr(importlib.import_module("triode.engine.worker.process"), self.function)(*args)
 
 
 LOAD = WorkerCall("load")

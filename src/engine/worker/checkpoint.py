@@ -1,11 +1,11 @@
 """Reading the tensors of a Hugging Face checkpoint, each converted to the model's dtype and,
 under tensor parallelism, sliced to a rank's shard while it is read. The files were found
-and checked by :mod:`engine.model_files.layout`.
+and checked by :mod:`triode.engine.model_files.layout`.
 
 A checkpoint that triode converted from GGUF may hold quantized weights: uint8 tensors of
 GGUF's blocks, named with their block type in the file's metadata under
-:data:`QUANTIZED_METADATA_KEY` (:mod:`engine.model_files.gguf_convert` writes them). They are
-read as :class:`kernels.quant_linear.QuantizedWeight` and sliced by whole rows or whole blocks
+:data:`QUANTIZED_METADATA_KEY` (:mod:`triode.engine.model_files.gguf_convert` writes them). They are
+read as :class:`triode.kernels.quant_linear.QuantizedWeight` and sliced by whole rows or whole blocks
 (a shard that would split blocks is read dequantized: :func:`blocks_kept_by_shards`).
 
 No trio here: this runs inside worker processes.
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import ModelLoadError
-from engine.model_files.layout import (
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_files.layout import (
     INDEX_FILE,
     QUANTIZED_METADATA_KEY,
     checkpoint_files,
     open_safetensors,
 )
-from engine.worker.host_memory import weight_tensor
-from kernels.quant_linear import QUANT_TYPES, QuantizedWeight
+from triode.engine.worker.host_memory import weight_tensor
+from triode.kernels.quant_linear import QUANT_TYPES, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

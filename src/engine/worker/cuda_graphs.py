@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import AttentionMetadata
+from triode.kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: how a Llama-family model is split over ranks, and the process group the
 ranks form over ``torch.distributed`` (gloo on CPU, NCCL on CUDA) once they have met
-(:mod:`engine.worker.rendezvous`).
+(:mod:`triode.engine.worker.rendezvous`).
 
 Partitioning rule (Megatron style, by whole GQA groups):
 
@@ -18,8 +18,8 @@ Partitioning rule (Megatron style, by whole GQA groups):
   gathered on rank 0, which alone samples (the other ranks need no token: the next plan
   carries it).
 
-The sizes a model supports are listed by :func:`engine.tensor_parallel.supported_sizes`;
-:func:`engine.tensor_parallel.check_tensor_parallel` raises naming them (the engine process
+The sizes a model supports are listed by :func:`triode.engine.tensor_parallel.supported_sizes`;
+:func:`triode.engine.tensor_parallel.check_tensor_parallel` raises naming them (the engine process
 calls it before it spawns any rank, ``Partition.of`` again in each rank). No trio here: this
 runs inside worker processes.
 """
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from engine.tensor_parallel import (
+from triode.engine.tensor_parallel import (
     Rendezvous,
     RendezvousError,
     balanced_share,
@@ -42,7 +42,7 @@ from engine.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
-    from engine.model_config import ModelConfig
+    from triode.engine.model_config import ModelConfig
 
 
 @attrs.frozen(kw_only=True)

@@ -21,7 +21,7 @@ import time
 
 import attrs
 
-from engine.errors import InvalidRequestError
+from triode.engine.errors import InvalidRequestError
 
 KINDS = ("crash", "hang", "raise")
 

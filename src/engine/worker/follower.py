@@ -1,4 +1,4 @@
-"""A tensor-parallel rank on another node: ``python -m engine.worker.follower --rank R``.
+"""A tensor-parallel rank on another node: ``python -m triode.engine.worker.follower --rank R``.
 
 The engine runs ranks ``0 .. TRIODE_TP_LOCAL_RANKS-1`` itself; every other rank is a
 follower started by hand (or by a service manager) on its own node, with the same
@@ -8,7 +8,7 @@ follower started by hand (or by a service manager) on its own node, with the sam
     MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 TRIODE_TP_LOCAL_RANKS=1 \\
         triode serve --tensor-parallel-size 2
     # node B:
-    MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.worker.follower --rank 1
+    MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m triode.engine.worker.follower --rank 1
 
 A follower waits for rank 0's announcement (the engine arguments and a group generation),
 loads its shard, joins the process group and then runs every plan rank 0 forwards through
@@ -34,8 +34,13 @@ from pathlib import Path
 
 import torch
 
-from engine.tensor_parallel import MASTER_PORT_ENV, Rendezvous, RendezvousError, rendezvous_address
-from engine.worker.rendezvous import PlanFeed, wait_for_announcement
+from triode.engine.tensor_parallel import (
+    MASTER_PORT_ENV,
+    Rendezvous,
+    RendezvousError,
+    rendezvous_address,
+)
+from triode.engine.worker.rendezvous import PlanFeed, wait_for_announcement
 
 
 def _say(message: str) -> None:
@@ -56,9 +61,9 @@ def serve(
     """Joins group after group as ``rank``; returns after ``groups`` groups (None: never)."""
     import torch.distributed as dist
 
-    from engine.model_files.resolve import resolve_model
-    from engine.worker.host_memory import keep_freed_memory
-    from engine.worker.runner import ModelRunner
+    from triode.engine.model_files.resolve import resolve_model
+    from triode.engine.worker.host_memory import keep_freed_memory
+    from triode.engine.worker.runner import ModelRunner
 
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
     keep_freed_memory()
@@ -99,7 +104,7 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.worker.follower", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m triode.engine.worker.follower", description=__doc__.split("\n")[0])
     parser.add_argument("--rank", type=int, required=True, help="this process's tensor-parallel rank (>= 1)")
     parser.add_argument("--model", default=None,
                         help="the model here, if its path differs from the engine's --model")

@@ -7,10 +7,10 @@ import logging
 
 import torch
 
-import kernels
-from engine.config import EngineArgs
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model_config import ModelConfig
+from triode import kernels
+from triode.engine.config import EngineArgs
+from triode.engine.errors import InvalidRequestError, ModelLoadError
+from triode.engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

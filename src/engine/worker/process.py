@@ -8,7 +8,7 @@ Tensor parallelism takes two calls: ``serve_rendezvous`` on rank 0 (its TCPStore
 port, a free one unless MASTER_PORT names it, and stays in this process), then ``load`` on
 every rank at once with the port it returned; the ranks join the process group there. With
 followers on other nodes, rank 0 also announces the group to them and forwards every plan
-(``engine.worker.follower``)."""
+(``triode.engine.worker.follower``)."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs
-from engine.tensor_parallel import Rendezvous
-from engine.worker import step_server
-from engine.worker.distributed import peak_resident_bytes
-from engine.worker.faults import Fault, inject, parse_fault_plan
-from engine.worker.host_memory import keep_freed_memory
-from engine.worker.rendezvous import PlanFeed, announce, serve_store
-from engine.worker.runner import ModelRunner
-from engine.worker_messages import StepPlan, StepResult, WorkerInfo
+from triode.engine.config import EngineArgs
+from triode.engine.tensor_parallel import Rendezvous
+from triode.engine.worker import step_server
+from triode.engine.worker.distributed import peak_resident_bytes
+from triode.engine.worker.faults import Fault, inject, parse_fault_plan
+from triode.engine.worker.host_memory import keep_freed_memory
+from triode.engine.worker.rendezvous import PlanFeed, announce, serve_store
+from triode.engine.worker.runner import ModelRunner
+from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 _runner: ModelRunner | None = None
 _store = None  # rank 0's rendezvous server, kept until the next load
@@ -103,7 +103,7 @@ def load(
 
 def serve_steps(address: str, token: bytes) -> None:
     """Runs the plans the engine sends over its step channel, until the engine closes it (the
-    one long call this process runs once loaded; engine.worker.step_server)."""
+    one long call this process runs once loaded; triode.engine.worker.step_server)."""
     step_server.serve(address, token, execute)
 
 

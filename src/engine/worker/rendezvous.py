@@ -1,7 +1,7 @@
 """The rendezvous store, inside the ranks: rank 0 serves a ``torch.distributed`` TCPStore
-where the ranks meet (the address is chosen and checked by :mod:`engine.tensor_parallel`)
-and form their process group (:class:`engine.worker.distributed.TensorParallelGroup`).
-Followers (ranks on other nodes, :mod:`engine.worker.follower`) read the engine arguments
+where the ranks meet (the address is chosen and checked by :mod:`triode.engine.tensor_parallel`)
+and form their process group (:class:`triode.engine.worker.distributed.TensorParallelGroup`).
+Followers (ranks on other nodes, :mod:`triode.engine.worker.follower`) read the engine arguments
 rank 0 announced in the store, and each step's plan from a :class:`PlanFeed` on it.
 
 No trio here: this runs inside worker processes.
@@ -13,7 +13,7 @@ import datetime
 
 import torch
 
-from engine.tensor_parallel import Rendezvous, RendezvousError
+from triode.engine.tensor_parallel import Rendezvous, RendezvousError
 
 _GENERATION_KEY = "triode/generation"
 _ARGS_KEY = "triode/args"

@@ -16,38 +16,42 @@ from pathlib import Path
 import attrs
 import torch
 
-import kernels
-from engine.config import EngineArgs
-from engine.core.kv_blocks import blocks_in_use_at_most
-from engine.errors import KVCacheTooSmallError
-from engine.model_config import ModelConfig
-from engine.model_files.layout import load_hf_config
-from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import Rendezvous
-from engine.worker.block_tables import BlockTables
-from engine.worker.checkpoint import blocks_kept_by_shards, iter_safetensors, quantized_tensors
-from engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
-from engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
-from engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
-from engine.worker.input_staging import InputStaging
-from engine.worker.models.llama import checkpoint_slices
-from engine.worker.models.registry import build_model
-from engine.worker.placement import (
+from triode import kernels
+from triode.engine.config import EngineArgs
+from triode.engine.core.kv_blocks import blocks_in_use_at_most
+from triode.engine.errors import KVCacheTooSmallError
+from triode.engine.model_config import ModelConfig
+from triode.engine.model_files.layout import load_hf_config
+from triode.engine.sampling_params import SamplingParams
+from triode.engine.tensor_parallel import Rendezvous
+from triode.engine.worker.block_tables import BlockTables
+from triode.engine.worker.checkpoint import (
+    blocks_kept_by_shards,
+    iter_safetensors,
+    quantized_tensors,
+)
+from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
+from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
+from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
+from triode.engine.worker.input_staging import InputStaging
+from triode.engine.worker.models.llama import checkpoint_slices
+from triode.engine.worker.models.registry import build_model
+from triode.engine.worker.placement import (
     kept_quantized,
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
     resolve_quantized_activations,
 )
-from engine.worker.sampler import Sampler, compute_logprobs
-from engine.worker.sampling_batch import (
+from triode.engine.worker.sampler import Sampler, compute_logprobs
+from triode.engine.worker.sampling_batch import (
     SamplingBatch,
     SamplingBatchCache,
     SamplingRow,
     samples_as_before,
 )
-from engine.worker.step_inputs import StepInputs
-from engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
+from triode.engine.worker.step_inputs import StepInputs
+from triode.engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 

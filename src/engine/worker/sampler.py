@@ -5,7 +5,7 @@ Processing order follows vLLM: logit bias and banned tokens, repetition penalty,
 presence penalties; then greedy rows take the argmax while random rows go through temperature,
 top-k, top-p and min-p, softmax and an exponential race. Logprobs describe the raw model
 distribution (vLLM v1's default), not the processed one. The step's rows arrive as a
-:class:`~engine.worker.sampling_batch.SamplingBatch`.
+:class:`~triode.engine.worker.sampling_batch.SamplingBatch`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-import kernels
-from engine.worker.sampling_batch import SamplingBatch
-from engine.worker_messages import TokenLogprobs
+from triode import kernels
+from triode.engine.worker.sampling_batch import SamplingBatch
+from triode.engine.worker_messages import TokenLogprobs
 
 _NEG_INF = float("-inf")
 # Exp(1) noise can be exactly 0; 0/0 would be NaN and argmax picks NaN, so floor it.

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from engine.sampling_params import SamplingParams
+from triode.engine.sampling_params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)

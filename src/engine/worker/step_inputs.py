@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from engine.worker.block_tables import BlockTables
-from engine.worker.input_staging import InputStaging
-from engine.worker_messages import ScheduledChunk
-from kernels import AttentionMetadata
+from triode.engine.worker.block_tables import BlockTables
+from triode.engine.worker.input_staging import InputStaging
+from triode.engine.worker_messages import ScheduledChunk
+from triode.kernels import AttentionMetadata
 
 
 @attrs.frozen(kw_only=True)

@@ -1,11 +1,11 @@
 """The worker's end of the step channel: plans in, results out, in plan order, over a Unix
-socket that the engine listens on (engine.actors.step_channel has the other end).
+socket that the engine listens on (triode.engine.actors.step_channel has the other end).
 
 Why not one trio-parallel call per step: a call is a round trip (the engine sends, the worker
 wakes, runs, replies, the engine wakes and only then sends the next plan), and the worker sat
 idle for all of it between two steps. Here the engine sends step N+1 while N runs; it waits
 in the socket's buffer, and the worker starts it the moment N is done (the tokens N sampled,
-which N+1 feeds, are the worker's own: engine.worker.runner). No trio: a blocking loop in the
+which N+1 feeds, are the worker's own: triode.engine.worker.runner). No trio: a blocking loop in the
 process trio-parallel started, as the one long call it runs.
 
 A frame is an 8-byte little-endian length and a pickle. The worker answers each plan with
@@ -21,8 +21,8 @@ import pickle
 import socket
 from collections.abc import Callable
 
-from engine.worker_messages import STEP_FRAME as FRAME
-from engine.worker_messages import StepPlan, StepResult
+from triode.engine.worker_messages import STEP_FRAME as FRAME
+from triode.engine.worker_messages import StepPlan, StepResult
 
 __all__ = ["serve"]
 

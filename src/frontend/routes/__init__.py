@@ -9,9 +9,9 @@ import uuid
 import attrs
 from quart import Quart, current_app, g, request
 
-from engine.inputs import ChatOptions
-from frontend.errors import APIError
-from frontend.lifecycle import EngineHost
+from triode.engine.inputs import ChatOptions
+from triode.frontend.errors import APIError
+from triode.frontend.lifecycle import EngineHost
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
@@ -58,9 +58,9 @@ def request_id() -> str:
 
 
 def register_routes(app: Quart) -> None:
-    from frontend.routes.generate import blueprint as generate
-    from frontend.routes.info import blueprint as info
-    from frontend.routes.tokens import blueprint as tokens
+    from triode.frontend.routes.generate import blueprint as generate
+    from triode.frontend.routes.info import blueprint as info
+    from triode.frontend.routes.tokens import blueprint as tokens
 
     app.register_blueprint(generate)
     app.register_blueprint(info)

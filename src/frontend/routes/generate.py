@@ -12,11 +12,11 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, current_app, jsonify, request
 
-from frontend import generation, sse
-from frontend.request_body import read_json_object
-from frontend.requests import ChatServing, GenerationRequest, parse_chat, parse_completion
-from frontend.responses import ResponseBuilder
-from frontend.routes import (
+from triode.frontend import generation, sse
+from triode.frontend.request_body import read_json_object
+from triode.frontend.requests import ChatServing, GenerationRequest, parse_chat, parse_completion
+from triode.frontend.responses import ResponseBuilder
+from triode.frontend.routes import (
     check_chat_template,
     check_model,
     host,

@@ -7,8 +7,8 @@ from importlib import metadata
 
 from quart import Blueprint, Response, jsonify
 
-from frontend.metrics import CONTENT_TYPE
-from frontend.routes import check_model, host
+from triode.frontend.metrics import CONTENT_TYPE
+from triode.frontend.routes import check_model, host
 
 blueprint = Blueprint("info", __name__)
 _STARTED = int(time.time())

@@ -7,11 +7,11 @@ import attrs
 import trio
 from quart import Blueprint, Response, jsonify, request
 
-from engine.errors import InvalidRequestError
-from frontend.errors import bad_request, from_engine_error
-from frontend.request_body import Reader, read_json_object
-from frontend.requests import parse_chat_options
-from frontend.routes import check_chat_template, check_model, host, with_server_chat_template
+from triode.engine.errors import InvalidRequestError
+from triode.frontend.errors import bad_request, from_engine_error
+from triode.frontend.request_body import Reader, read_json_object
+from triode.frontend.requests import parse_chat_options
+from triode.frontend.routes import check_chat_template, check_model, host, with_server_chat_template
 
 blueprint = Blueprint("tokens", __name__)
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from frontend.scenarios.client import RequestResult
-from frontend.scenarios.server import ServerProcess
-from frontend.scenarios.spec import Scenario
+from triode.frontend.scenarios.client import RequestResult
+from triode.frontend.scenarios.server import ServerProcess
+from triode.frontend.scenarios.spec import Scenario
 
 
 @attrs.define

@@ -15,11 +15,22 @@ import signal
 import attrs
 import trio
 
-from frontend.scenarios.client import Progress, RequestResult, RequestSpec, build_requests, play
-from frontend.scenarios.faults import alive, malformed_burst, sigkill_worker
-from frontend.scenarios.judge import Verdict, check_server_after, judge_requests, service_recovery
-from frontend.scenarios.server import ServerProcess
-from frontend.scenarios.spec import Scenario, Workload
+from triode.frontend.scenarios.client import (
+    Progress,
+    RequestResult,
+    RequestSpec,
+    build_requests,
+    play,
+)
+from triode.frontend.scenarios.faults import alive, malformed_burst, sigkill_worker
+from triode.frontend.scenarios.judge import (
+    Verdict,
+    check_server_after,
+    judge_requests,
+    service_recovery,
+)
+from triode.frontend.scenarios.server import ServerProcess
+from triode.frontend.scenarios.spec import Scenario, Workload
 
 # Fields of a workload that decide the greedy outputs; how the requests arrive does not.
 _OUTPUT_FIELDS = ("api", "requests", "prompt_tokens", "prompts", "max_tokens", "temperature", "seed")

@@ -33,7 +33,7 @@ class ServerProcess:
         self.load_seconds = 0.0
 
     async def start(self, *, limit: float = 180.0) -> None:
-        command = [sys.executable, "-m", "frontend.cli", "serve", "--host", "127.0.0.1",
+        command = [sys.executable, "-m", "triode.frontend.cli", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), *self.args]
         self.process = await trio.lowlevel.open_process(
             command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels.cpu_attention import HEAD_DIM_MULTIPLE, MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_HEADS
-from kernels.decode_stack import DecodeLayerWeights, DecodeStack, decode_stack_available
+from triode import kernels
+from triode.kernels.cpu_attention import HEAD_DIM_MULTIPLE, MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_HEADS
+from triode.kernels.decode_stack import DecodeLayerWeights, DecodeStack, decode_stack_available
 
 __all__ = ["build_decode_stack", "decode_stack_supported"]
 

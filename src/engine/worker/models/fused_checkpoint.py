@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-import kernels
-from engine.errors import ModelLoadError
-from engine.model_config import ModelConfig
-from engine.worker.models.weight_loading import CheckpointSlice
+from triode import kernels
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_config import ModelConfig
+from triode.engine.worker.models.weight_loading import CheckpointSlice
 
 Tensor = torch.Tensor | kernels.QuantizedWeight
 SliceOf = Callable[[str], CheckpointSlice]  # the slice of each part a rank keeps (checkpoint_slices)

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.model_config import ModelConfig
-from engine.worker.distributed import TensorParallelGroup
-from engine.worker.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
+from triode.engine.model_config import ModelConfig
+from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 
 
 class GemmaDecoderLayer(DecoderLayer):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.worker.host_memory import weight_tensor
-from kernels.packed_linear import PACK_MIN_WEIGHTS
+from triode import kernels
+from triode.engine.worker.host_memory import weight_tensor
+from triode.kernels.packed_linear import PACK_MIN_WEIGHTS
 
 __all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm", "interleaved_parts", "joined_parts"]
 

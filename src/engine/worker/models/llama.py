@@ -8,7 +8,7 @@ their weights are concatenated at load time (a checkpoint that fuses them, Phi-3
 into the parts first: models.fused_checkpoint).
 
 Tensor parallelism (``parallel`` given): the same modules hold one rank's shard, as
-``engine.worker.distributed.Partition`` assigns it: q/k/v and gate/up are column-parallel
+``triode.engine.worker.distributed.Partition`` assigns it: q/k/v and gate/up are column-parallel
 (their rows split), o_proj and down_proj row-parallel (columns split, then an all-reduce;
 their biases live on rank 0 only), the embedding and LM head vocabulary-parallel (masked
 lookup + all-reduce; partial logits gathered on rank 0). ``checkpoint_slices`` tells the
@@ -26,15 +26,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-import kernels
-from engine.model_config import ModelConfig
-from engine.worker.distributed import TensorParallelGroup
-from engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
-from engine.worker.models.layers import Embedding, Linear, RMSNorm, interleaved_parts
-from engine.worker.models.moe import SparseMoE
-from engine.worker.models.rope import cos_sin_cache
-from engine.worker.models.weight_loading import CheckpointLoading, checkpoint_slices
-from kernels.packed_linear import PACK_MIN_WEIGHTS
+from triode import kernels
+from triode.engine.model_config import ModelConfig
+from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
+from triode.engine.worker.models.layers import Embedding, Linear, RMSNorm, interleaved_parts
+from triode.engine.worker.models.moe import SparseMoE
+from triode.engine.worker.models.rope import cos_sin_cache
+from triode.engine.worker.models.weight_loading import CheckpointLoading, checkpoint_slices
+from triode.kernels.packed_linear import PACK_MIN_WEIGHTS
 
 __all__ = [
     "MLP",

@@ -19,12 +19,12 @@ import re
 import torch
 from torch import nn
 
-import kernels
-from engine.model_config import ModelConfig
-from engine.worker.distributed import TensorParallelGroup
-from engine.worker.models.layers import joined_parts
-from kernels.moe import fused_experts_reference
-from kernels.packed_linear import PACK_MIN_WEIGHTS
+from triode import kernels
+from triode.engine.model_config import ModelConfig
+from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.models.layers import joined_parts
+from triode.kernels.moe import fused_experts_reference
+from triode.kernels.packed_linear import PACK_MIN_WEIGHTS
 
 # layers.N.(mlp|block_sparse_moe).experts.E.(w1|w3|gate_proj|up_proj|w2|down_proj).weight
 _EXPERT_TENSOR = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."

@@ -7,12 +7,12 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from engine.errors import UnsupportedModelError
-from engine.model_config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
-from engine.worker.distributed import TensorParallelGroup
-from engine.worker.models.fused_checkpoint import unfuse, unfused_names
-from engine.worker.models.gemma import GemmaForCausalLM
-from engine.worker.models.llama import LlamaForCausalLM, checkpoint_slices
+from triode.engine.errors import UnsupportedModelError
+from triode.engine.model_config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
+from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.models.fused_checkpoint import unfuse, unfused_names
+from triode.engine.worker.models.gemma import GemmaForCausalLM
+from triode.engine.worker.models.llama import LlamaForCausalLM, checkpoint_slices
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),

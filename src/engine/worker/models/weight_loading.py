@@ -13,12 +13,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-import kernels
-from engine.errors import ModelLoadError
-from engine.model_config import ModelConfig
-from engine.worker.distributed import Partition
-from engine.worker.models.layers import Embedding, QuantizedParts
-from engine.worker.models.moe import EXPERT_PARTS, SparseMoE, expert_tensor
+from triode import kernels
+from triode.engine.errors import ModelLoadError
+from triode.engine.model_config import ModelConfig
+from triode.engine.worker.distributed import Partition
+from triode.engine.worker.models.layers import Embedding, QuantizedParts
+from triode.engine.worker.models.moe import EXPERT_PARTS, SparseMoE, expert_tensor
 
 __all__ = ["CheckpointLoading", "CheckpointSlice", "checkpoint_slices"]
 
