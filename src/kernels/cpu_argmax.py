@@ -13,13 +13,17 @@ import functools
 
 import torch
 
-from triode.kernels.native import bind
+from triode.kernels.native import bind, cpu_isa
 
 __all__ = ["argmax_cpu"]
 
 
-@functools.cache
 def _entry():
+    return _bound(cpu_isa())
+
+
+@functools.cache
+def _bound(isa: str):
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     return bind("triode_argmax_f32", pointer, i64, i64, i64, pointer)
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from triode.kernels.native import bind
+from triode.kernels.native import bind, cpu_isa
 
 _ENTRY_POINTS = {torch.float32: "triode_paged_decode_f32", torch.bfloat16: "triode_paged_decode_bf16"}
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64  # as in the C source
@@ -22,8 +22,12 @@ HEAD_DIM_MULTIPLE = 16  # the kernel's vectors are 16 floats
 __all__ = ["cpu_decode_available", "cpu_decode_supports", "paged_decode_cpu"]
 
 
-@functools.cache
 def _entry(dtype: torch.dtype):
+    return _bound(dtype, cpu_isa())
+
+
+@functools.cache
+def _bound(dtype: torch.dtype, isa: str):
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return bind(_ENTRY_POINTS[dtype], pointer, i64, pointer, pointer, pointer, i64, pointer, pointer,
                 i64, i32, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float)

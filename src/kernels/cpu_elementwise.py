@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from triode.kernels.native import bind
+from triode.kernels.native import bind, cpu_isa
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _POINTER, _I64, _I32, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -30,8 +30,12 @@ _SIGNATURES = {
 __all__ = ["rms_norm_cpu", "rotary_embedding_cpu", "silu_and_mul_cpu", "write_kv_cpu"]
 
 
-@functools.cache
 def _entry(op: str, dtype: torch.dtype):
+    return _bound(op, dtype, cpu_isa())
+
+
+@functools.cache
+def _bound(op: str, dtype: torch.dtype, isa: str):
     return bind(f"triode_{op}_{_SUFFIX[dtype]}", *_SIGNATURES[op])
 
 

@@ -4,9 +4,13 @@ Composes the two attention ops: rows ``0..num_decodes`` go to decode attention (
 sequence), the rest to prefill attention. The torch reference runs everywhere: decodes are
 batched into padded scaled_dot_product_attention calls, one per bucket of similar context
 lengths (see :func:`length_buckets`), prefill chunks go one sequence at a time. The CPU path
-is the reference with its decodes taken by the native kernel of :mod:`triode.kernels.cpu_attention`,
-which reads the cache in place. The Triton version launches the decode kernel(s) and the
-prefill kernel into one output tensor.
+runs every row through the native decode kernel of :mod:`triode.kernels.cpu_attention`, which
+reads the cache in place: a prefill token at position p is the decode of a sequence p + 1
+tokens long. Each row's reduction order then depends on its sequence alone, never on the
+step's batch (a token recomputed after a restart or a preemption, or read from the prefix
+cache, gets the bits it had), and on this CPU it was faster than the reference's prefill
+(docs/benchmarks.md). The Triton version launches the decode kernel(s) and the prefill kernel
+into one output tensor.
 """
 
 from __future__ import annotations
@@ -91,19 +95,16 @@ def paged_attention_cpu(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """As :func:`paged_attention_reference`, with the decodes read from the cache in place by
-    the native CPU kernel when it is built and fits these tensors."""
+    """As :func:`paged_attention_reference`, with every row read from the cache in place by
+    the native CPU decode kernel when it is built and fits these tensors."""
     rules = {"window": window, "softcap": softcap}
-    num_decodes = metadata.num_decodes
-    if not num_decodes or not cpu_decode_supports(query, k_cache):
+    if not cpu_decode_supports(query, k_cache):
         return paged_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, **rules)
     check_score_rules(window, softcap)
     check_decode_metadata(metadata, k_cache)
     out = torch.empty_like(query)
-    paged_decode_cpu(query[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
-                     metadata.seq_lens[:num_decodes], scale, out[:num_decodes], **rules)
-    if num_decodes < metadata.num_seqs:
-        prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out, **rules)
+    tables, seq_lens = _rows_as_decodes(metadata)
+    paged_decode_cpu(query, k_cache, v_cache, tables, seq_lens, scale, out, **rules)
     return out
 
 
@@ -144,15 +145,15 @@ def length_buckets(lengths: Sequence[int], block_size: int) -> list[tuple[list[i
     return buckets
 
 
-def _once_per_step(compute: Callable[[AttentionMetadata, int], _T]) -> Callable[[AttentionMetadata, int], _T]:
+def _once_per_step(compute: Callable[..., _T]) -> Callable[..., _T]:
     """Every layer of a step passes the same metadata: ``compute`` runs once per step (the
-    last metadata and argument are kept, not a growing cache)."""
+    last metadata and arguments are kept, not a growing cache)."""
     last: list = [None, None, None]
 
     @functools.wraps(compute)
-    def cached(metadata: AttentionMetadata, argument: int) -> _T:
-        if last[0] is not metadata or last[1] != argument:
-            last[:] = [metadata, argument, compute(metadata, argument)]
+    def cached(metadata: AttentionMetadata, *arguments: int) -> _T:
+        if last[0] is not metadata or last[1] != arguments:
+            last[:] = [metadata, arguments, compute(metadata, *arguments)]
         return last[2]
 
     return cached
@@ -166,6 +167,23 @@ def _decode_buckets(metadata: AttentionMetadata, block_size: int) -> list:
     return [(None, longest) if len(buckets) == 1 else
             (torch.tensor(members, dtype=torch.long, device=device), longest)
             for members, longest in buckets]
+
+
+@_once_per_step
+def _rows_as_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table, context length) of every query row: a prefill chunk's token at position
+    p is a decode of a sequence p + 1 tokens long, so that it is computed exactly as it would be
+    one token at a time."""
+    num_decodes, starts = metadata.num_decodes, metadata.query_start_loc_host
+    if num_decodes == metadata.num_seqs:
+        return metadata.block_tables, metadata.seq_lens
+    counts = torch.tensor([starts[s + 1] - starts[s] for s in range(metadata.num_seqs)])
+    owner = torch.repeat_interleave(torch.arange(metadata.num_seqs), counts)
+    rows = torch.arange(len(owner))
+    # a row's distance from its chunk's last token, subtracted from the sequence's length
+    back = torch.tensor(starts[1:])[owner] - 1 - rows
+    lengths = (torch.tensor(metadata.seq_lens_host)[owner] - back).to(torch.int32)
+    return metadata.block_tables.index_select(0, owner).contiguous(), lengths.contiguous()
 
 
 @_once_per_step

@@ -1,0 +1,198 @@
+"""Kernels: batch invariance. A token's result is the same bits whatever else its step holds:
+computed alone, inside batches of 2, 7, 64 and 300 rows, or (attention) as a decode or as a
+row of a prefill chunk of any size. That is what makes a request recomputed after a worker
+restart or a preemption, or resumed from the prefix cache, produce the tokens and logprobs
+it would have had (docs/architecture.md, "Batch invariance"). Each reduction the CPU path
+runs is checked with this CPU's build and the AVX2 one; the paths not listed here are not
+invariant yet (the float linear layers and float32 activations of quantized weights among
+them: docs/architecture.md says which)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_quant_linear import random_blocks
+from triode.kernels import native
+from triode.kernels.cpu_argmax import argmax_cpu
+from triode.kernels.cpu_attention import cpu_decode_available
+from triode.kernels.cpu_elementwise import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+from triode.kernels.metadata import AttentionMetadata
+from triode.kernels.paged_attention import paged_attention_cpu
+from triode.kernels.quant_linear import (
+    QuantizedWeight,
+    interleaved_kernels_available,
+    quantized_activations,
+    set_quantized_activations,
+)
+
+BATCHES = (2, 7, 64, 300)
+needs_native = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernels")
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request):
+    """Each test runs with this CPU's build and with the AVX2 one (TRIODE_CPU_ISA=avx2)."""
+    previous = native.cpu_isa()
+    native.set_cpu_isa(request.param)
+    yield request.param
+    native.set_cpu_isa(previous)
+
+
+def _in_batch(row: torch.Tensor, size: int, seed: int) -> tuple[torch.Tensor, int]:
+    """``row`` placed at a random index among ``size - 1`` random rows: (batch, index)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = torch.randn((size, *row.shape), generator=generator).to(row.dtype)
+    index = int(torch.randint(size, (1,), generator=generator))
+    batch[index] = row
+    return batch, index
+
+
+# --------------------------------------------------------------------------- attention
+
+BLOCK, KV_HEADS, GROUP, DIM = 16, 3, 3, 64
+TARGET_LEN = 70  # the target sequence's tokens: 4 blocks and a part
+
+
+class Cache:
+    """A paged cache holding one target sequence (its keys, values and per-position queries
+    fixed) and room for filler sequences of random content."""
+
+    def __init__(self, dtype: torch.dtype, blocks: int = 2400) -> None:
+        generator = torch.Generator().manual_seed(0)
+        shape = (blocks, BLOCK, KV_HEADS, DIM)
+        self.k = torch.randn(shape, generator=generator).to(dtype)
+        self.v = torch.randn(shape, generator=generator).to(dtype)
+        self.queries = torch.randn((TARGET_LEN, KV_HEADS * GROUP, DIM), generator=generator).to(dtype)
+        self.target_blocks = torch.randperm(blocks, generator=generator)[: -(-TARGET_LEN // BLOCK)]
+        self.free = [b for b in range(blocks) if b not in set(self.target_blocks.tolist())]
+        self.generator = generator
+
+    def filler(self, length: int) -> list[int]:
+        count = -(-length // BLOCK)
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+
+def _step(cache: Cache, decodes: list[int], chunks: list[int], target: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """Attention of one step: filler decodes of the given context lengths, then filler prefill
+    chunks of the given sizes (no cached prefix), with the target sequence's tokens
+    [start, end) inserted as a decode (end - start == 1, placed first) or as the last chunk.
+    Returns (the step's output, the row of the target's last token)."""
+    start, end = target
+    tables, lengths, query_lens = [], [], []
+    for length in decodes:
+        tables.append(cache.filler(length)), lengths.append(length), query_lens.append(1)
+    for size in chunks:
+        tables.append(cache.filler(size)), lengths.append(size), query_lens.append(size)
+    at = 0 if end - start == 1 else len(tables)
+    tables.insert(at, cache.target_blocks.tolist()), lengths.insert(at, end), query_lens.insert(at, end - start)
+    starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    width = max(len(t) for t in tables)
+    table_tensor = torch.zeros((len(tables), width), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        table_tensor[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    query = torch.randn((starts[-1], KV_HEADS * GROUP, DIM), generator=cache.generator).to(cache.k.dtype)
+    query[starts[at]: starts[at + 1]] = cache.queries[start:end]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32), block_tables=table_tensor,
+        num_decodes=len(decodes) + (at == 0 and end - start == 1), max_query_len=max(query_lens),
+        max_seq_len=max(lengths), query_start_loc_host=tuple(starts), seq_lens_host=tuple(lengths),
+    )
+    # The step's own keys are already in the cache (the CPU path reads only the cache).
+    key = value = torch.empty((starts[-1], KV_HEADS, DIM), dtype=cache.k.dtype)
+    out = paged_attention_cpu(query, key, value, cache.k, cache.v, metadata, DIM ** -0.5)
+    return out, starts[at + 1] - 1
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_a_token_is_the_same_in_any_step(isa, dtype):
+    cache = Cache(dtype)
+    alone, row = _step(cache, [], [], (TARGET_LEN - 1, TARGET_LEN))
+    expected = alone[row]
+    seen = 0
+    for size in BATCHES:
+        lengths = torch.randint(1, 200, (size - 1,), generator=cache.generator).tolist()
+        out, row = _step(cache, lengths, [], (TARGET_LEN - 1, TARGET_LEN))
+        assert torch.equal(out[row], expected), f"a decode among {size}"
+        seen += 1
+    for chunk in (2, 5, 16, 33, TARGET_LEN):
+        for neighbours in ([], [3, 40], [1] * 6):
+            out, row = _step(cache, neighbours, [7, 20], (TARGET_LEN - chunk, TARGET_LEN))
+            assert torch.equal(out[row], expected), f"the last row of a {chunk}-token chunk beside {neighbours}"
+            seen += 1
+    assert seen == len(BATCHES) + 5 * 3
+
+
+@needs_native
+def test_every_row_of_a_prefill_is_its_decode(isa):
+    """Each token of a one-shot prefill gets the bits of the decode at its position."""
+    cache = Cache(torch.float32)
+    whole, _ = _step(cache, [5], [], (0, TARGET_LEN))
+    first = 1  # the filler decode comes first
+    for position in range(TARGET_LEN):
+        decode, row = _step(cache, [], [], (position, position + 1))
+        assert torch.equal(whole[first + position], decode[row]), f"position {position}"
+
+
+# --------------------------------------------------------------------------- per-row ops
+
+ROW_OPS = {
+    "rms_norm": lambda x: rms_norm_cpu(x, torch.linspace(0.5, 1.5, x.shape[1]), 1e-6)[0],
+    "rms_norm_residual": lambda x: torch.cat(rms_norm_cpu(x, torch.linspace(0.5, 1.5, x.shape[1]), 1e-6,
+                                                          x.flip(1).clone()), dim=1),
+    "silu_and_mul": silu_and_mul_cpu,
+    "argmax": lambda x: argmax_cpu(x.round(decimals=1)),  # ties, broken the same way in any batch
+}
+
+
+@needs_native
+@pytest.mark.parametrize("op", sorted(ROW_OPS))
+def test_row_wise_ops_are_the_same_in_any_batch(isa, op):
+    row = torch.randn(576 * 4, generator=torch.Generator().manual_seed(1))
+    compute = ROW_OPS[op]
+    expected = compute(row[None].clone())[0]
+    for size in BATCHES:
+        batch, index = _in_batch(row, size, seed=size)
+        assert torch.equal(compute(batch)[index], expected), f"among {size} rows"
+
+
+@needs_native
+def test_rotary_is_the_same_in_any_batch(isa):
+    heads, kv_heads, dim = 9, 3, 64
+    generator = torch.Generator().manual_seed(2)
+    cos_sin = torch.randn((4096, dim), generator=generator)
+    query, key = torch.randn((1, heads, dim), generator=generator), torch.randn((1, kv_heads, dim), generator=generator)
+    expected_q, expected_k = query.clone(), key.clone()
+    assert rotary_embedding_cpu(torch.tensor([1234]), expected_q, expected_k, cos_sin)
+    for size in BATCHES:
+        queries, index = _in_batch(query[0], size, seed=size)
+        keys, _ = _in_batch(key[0], size, seed=size)
+        keys[index] = key[0]
+        positions = torch.randint(0, 4096, (size,), generator=generator)
+        positions[index] = 1234
+        assert rotary_embedding_cpu(positions, queries, keys, cos_sin)
+        assert torch.equal(queries[index], expected_q[0]) and torch.equal(keys[index], expected_k[0])
+
+
+# --------------------------------------------------------------------------- quantized linear
+
+@pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no AVX-512 VNNI (the interleaved kernels)")
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_interleaved_linear_is_the_same_in_any_batch(kind, activations):
+    previous = quantized_activations()
+    set_quantized_activations(activations)
+    try:
+        weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 96, 512, seed=3))).interleave()
+        row = torch.randn(512, generator=torch.Generator().manual_seed(4))
+        expected = weight.linear(row[None])[0]
+        for size in BATCHES:
+            batch, index = _in_batch(row, size, seed=size)
+            assert torch.equal(weight.linear(batch)[index], expected), f"among {size} rows"
+    finally:
+        set_quantized_activations(previous)
