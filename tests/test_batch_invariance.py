@@ -3,9 +3,9 @@ computed alone, inside batches of 2, 7, 64 and 300 rows, or (attention) as a dec
 row of a prefill chunk of any size. That is what makes a request recomputed after a worker
 restart or a preemption, or resumed from the prefix cache, produce the tokens and logprobs
 it would have had (docs/architecture.md, "Batch invariance"). Each reduction the CPU path
-runs is checked with this CPU's build and the AVX2 one; the paths not listed here are not
-invariant yet (the float linear layers and float32 activations of quantized weights among
-them: docs/architecture.md says which)."""
+runs is checked with this CPU's build and the AVX2 one; quantized weights in GGUF's layout
+only with ``set_batch_invariant(True)`` (``--batch-invariant``), which their fastest loop is
+not; the float linear layers are not invariant yet (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,11 @@ from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.paged_attention import paged_attention_cpu
 from triode.kernels.quant_linear import (
     QuantizedWeight,
+    batch_invariant,
     interleaved_kernels_available,
     quantized_activations,
+    quantized_kernels_available,
+    set_batch_invariant,
     set_quantized_activations,
 )
 
@@ -181,18 +184,55 @@ def test_rotary_is_the_same_in_any_batch(isa):
 
 # --------------------------------------------------------------------------- quantized linear
 
+
+@pytest.fixture
+def activations(request):
+    previous = quantized_activations()
+    set_quantized_activations(request.param)
+    yield request.param
+    set_quantized_activations(previous)
+
+
+def _linear_in_batches(weight: QuantizedWeight, in_features: int) -> int:
+    row = torch.randn(in_features, generator=torch.Generator().manual_seed(4))
+    expected = weight.linear(row[None])[0]
+    checked = 0
+    for size in BATCHES:
+        batch, index = _in_batch(row, size, seed=size)
+        assert torch.equal(weight.linear(batch)[index], expected), f"among {size} rows"
+        checked += 1
+    return checked
+
+
 @pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no AVX-512 VNNI (the interleaved kernels)")
-@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("activations", ["int8", "int16"], indirect=True)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_interleaved_linear_is_the_same_in_any_batch(kind, activations):
-    previous = quantized_activations()
-    set_quantized_activations(activations)
-    try:
-        weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 96, 512, seed=3))).interleave()
-        row = torch.randn(512, generator=torch.Generator().manual_seed(4))
-        expected = weight.linear(row[None])[0]
-        for size in BATCHES:
-            batch, index = _in_batch(row, size, seed=size)
-            assert torch.equal(weight.linear(batch)[index], expected), f"among {size} rows"
-    finally:
-        set_quantized_activations(previous)
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 96, 512, seed=3))).interleave()
+    assert _linear_in_batches(weight, 512) == len(BATCHES)
+
+
+@pytest.fixture
+def invariant():
+    previous = batch_invariant()
+    set_batch_invariant(True)
+    yield
+    set_batch_invariant(previous)
+
+
+@pytest.mark.skipif(not quantized_kernels_available(), reason="no quantized kernels (AVX2 and a C compiler)")
+@pytest.mark.parametrize("activations", ["float32"], indirect=True)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_layout_linear_is_the_same_in_any_batch_when_invariant(isa, kind, activations, invariant):
+    """Weights in GGUF's layout (float32 activations: the default on CPUs without AVX-512 VNNI)
+    under set_batch_invariant: the C loop at every row count, past FUSED_ROWS too."""
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 96, 512, seed=3)))
+    assert _linear_in_batches(weight, 512) == len(BATCHES)
+
+
+@pytest.mark.skipif(not quantized_kernels_available(), reason="no quantized kernels (AVX2 and a C compiler)")
+@pytest.mark.parametrize("activations", ["int8"], indirect=True)
+def test_int8_activations_over_gguf_layout_are_refused_when_invariant(activations, invariant):
+    weight = QuantizedWeight.from_bytes("Q4_0", torch.from_numpy(random_blocks("Q4_0", 96, 512, seed=3)))
+    with pytest.raises(RuntimeError, match="int8 activations over weights in GGUF's layout have no batch-invariant"):
+        weight.linear(torch.randn(2, 512))

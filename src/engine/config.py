@@ -128,6 +128,12 @@ class EngineArgs:
     async_scheduling: bool | None = None
     # No CUDA graphs: every decode step runs kernel by kernel (vLLM's --enforce-eager).
     enforce_eager: bool = False
+    # Every kernel computes a token's result in an order that does not depend on its step's
+    # batch (vLLM's VLLM_BATCH_INVARIANT): a sequence recomputed after a restart or a preemption
+    # gets the bits it had. The default model's path on AVX-512 VNNI CPUs is so without it; this
+    # also takes the invariant loop for quantized weights in GGUF's layout (a cost past a few
+    # rows), and refuses a model or device that has no invariant kernels (docs/architecture.md).
+    batch_invariant: bool = False
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     seed: int = 0

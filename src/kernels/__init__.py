@@ -52,9 +52,11 @@ from triode.kernels.paged_attention import (
 )
 from triode.kernels.quant_linear import (
     QuantizedWeight,
+    batch_invariant,
     interleaved_kernels_available,
     quantized_activations,
     quantized_kernels_available,
+    set_batch_invariant,
     set_quantized_activations,
 )
 from triode.kernels.rms_norm import rms_norm_reference, rms_norm_triton
@@ -71,6 +73,7 @@ __all__ = [
     "QuantizedWeight",
     "argmax",
     "backend_for",
+    "batch_invariant",
     "fused_experts",
     "gelu_tanh_and_mul",
     "get_backend",
@@ -85,6 +88,7 @@ __all__ = [
     "rotary_embedding",
     "route_experts",
     "set_backend",
+    "set_batch_invariant",
     "set_quantized_activations",
     "silu_and_mul",
     "write_kv",

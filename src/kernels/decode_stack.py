@@ -154,6 +154,8 @@ class DecodeStack:
             metadata.num_decodes == metadata.num_seqs == tokens
             and 0 < tokens <= (self.max_rows or tokens)
             and kv_caches is self.kv_caches
+            # its float32 loop tiles rows as the fastest order has it: not batch invariant
+            and (self.max_rows is None or not quant_linear.batch_invariant())
         )
 
     def run(

@@ -17,6 +17,11 @@ weights of 16 rows, several times fewer instructions per weight than GGUF's row-
 There the activations may also be 15-bit integers (``"int16"``, the default where available:
 two such products per weight byte, and results as close to float32 as its sums allow).
 
+With :func:`set_batch_invariant` ``(True)`` a row's result does not depend on the other rows of
+the call: weights in GGUF's layout then run the float32 C loop at every row count, in tiles
+whose sums keep one order (``triode_quant_linear_invariant``), never the panels; int8
+activations over them are refused. Interleaved weights are invariant as they are.
+
 On a CPU without AVX2, or without a C compiler, there are no quantized kernels
 (:func:`quantized_kernels_available` is False) and a model dequantizes its weights at load
 instead (:meth:`QuantizedWeight.dequantize` then uses the ``gguf`` package's numpy code).
@@ -59,6 +64,7 @@ INTERLEAVED_ROWS = 16
 # default model, where int8 ones moved them by 0.25 and changed its answers).
 ACTIVATIONS = ("float32", "int8", "int16")
 _activations = "float32"  # triode.engine.config.EngineArgs.quantized_activations sets it in a worker
+_batch_invariant = False  # triode.engine.config.EngineArgs.batch_invariant sets it in a worker
 
 __all__ = [
     "ACTIVATIONS",
@@ -66,10 +72,12 @@ __all__ = [
     "INTERLEAVED_ROWS",
     "QUANT_TYPES",
     "QuantizedWeight",
+    "batch_invariant",
     "interleaved_kernels_available",
     "interleaving",
     "quantized_activations",
     "quantized_kernels_available",
+    "set_batch_invariant",
     "set_quantized_activations",
 ]
 
@@ -90,6 +98,17 @@ def quantized_activations() -> str:
     return _activations
 
 
+def set_batch_invariant(on: bool) -> None:
+    """From now on in this process, whether each row's result must be independent of the
+    other rows of a call (at a cost for weights in GGUF's layout past a few rows)."""
+    global _batch_invariant
+    _batch_invariant = bool(on)
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
+
+
 @functools.cache
 def _entries(isa: str):
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -97,13 +116,14 @@ def _entries(isa: str):
     linear = bind("triode_quant_linear", *linear_args)
     linear_int8 = bind("triode_quant_linear_int8", *linear_args)
     dequantize = bind("triode_quant_dequantize", i32, pointer, i64, pointer, i64, i64, i32, pointer, i64)
-    if linear is None or linear_int8 is None or dequantize is None:
+    linear_invariant = bind("triode_quant_linear_invariant", *linear_args)
+    if linear is None or linear_int8 is None or dequantize is None or linear_invariant is None:
         return None
     x, weight, y = torch.zeros(1, 32), torch.zeros(1, 34, dtype=torch.uint8), torch.empty(1, 1)
     if linear(QUANT_TYPES["Q8_0"][0], x.data_ptr(), 32, weight.data_ptr(), 34, None, y.data_ptr(),
               1, 1, 32, 1) == _NOT_BUILT:
         return None  # built for a CPU without AVX2
-    return linear, dequantize, linear_int8
+    return linear, dequantize, linear_int8, linear_invariant
 
 
 @functools.cache
@@ -275,6 +295,12 @@ class QuantizedWeight:
             # at any row count (2-4x faster than dequantized panels from 16 to 2048 rows).
             wide = int(_activations != "int8")
             _check(_interleave_entry(cpu_isa())[1](kind, wide, *arguments), f"{self.kind} linear")
+            return out
+        if _batch_invariant:
+            if _activations == "int8":
+                raise RuntimeError("int8 activations over weights in GGUF's layout have no batch-invariant "
+                                   "kernel (their tiles' instantiations may round differently)")
+            _check(entries[3](kind, *arguments), f"{self.kind} linear")
             return out
         if rows <= FUSED_ROWS:
             fused = entries[2] if _activations == "int8" else entries[0]

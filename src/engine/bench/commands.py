@@ -27,6 +27,7 @@ def _step(namespace: argparse.Namespace) -> int:
         activations=tuple(namespace.quantized_activations),
         shape=namespace.shape,
         compare_eager=namespace.compare_eager,
+        compare_batch_invariant=namespace.compare_batch_invariant,
         output_dir=Path(namespace.output_dir),
     )
     return 0
@@ -38,6 +39,13 @@ def _moe(namespace: argparse.Namespace) -> int:
     shape = moe.MoEShape(experts=namespace.experts, top_k=namespace.top_k, expert_size=namespace.expert_size)
     moe.run(batch_sizes=tuple(namespace.batch_sizes), context=namespace.context, steps=namespace.steps,
             shape=shape, output_dir=Path(namespace.output_dir))
+    return 0
+
+
+def _attention(namespace: argparse.Namespace) -> int:
+    from triode.engine.bench import attention
+
+    attention.run(repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
     return 0
 
 
@@ -101,6 +109,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                       help="time a random-weight checkpoint of this model's shape (bfloat16) instead of --model")
     step.add_argument("--compare-eager", action="store_true",
                       help="also the runner with --enforce-eager, and the weight-read limit per step")
+    step.add_argument("--compare-batch-invariant", action="store_true",
+                      help="also the runner with --batch-invariant (the first --dtypes and activations)")
     step.add_argument("--overhead", action="store_true",
                       help="the host cost of a step: LLMEngine on a 2-layer hidden-64 model and on --model, "
                            "engine / round trip / worker time per step, async scheduling off and on")
@@ -126,6 +136,12 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     moe.add_argument("--expert-size", type=int, default=512, help="intermediate features of each expert")
     moe.add_argument("--output-dir", default="bench-results")
     moe.set_defaults(handler=_moe)
+
+    attention = benches.add_parser("attention", help="CPU attention of a step: the batch-invariant decode "
+                                                     "kernel for every row vs SDPA for prefill chunks")
+    attention.add_argument("--repeats", type=int, default=3, help="timed runs of each step (after one warm-up)")
+    attention.add_argument("--output-dir", default="bench-results")
+    attention.set_defaults(handler=_attention)
 
     throughput = benches.add_parser(
         "throughput", help="offline throughput: LLM.generate vs Hugging Face generate (W1, W1v)"

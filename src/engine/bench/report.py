@@ -52,6 +52,7 @@ def plot_lines(
     x: Sequence[float],
     series: dict[str, Sequence[float]],
     log_x: bool = False,
+    tick_labels: Sequence[str] | None = None,
 ) -> None:
     import matplotlib
 
@@ -63,7 +64,7 @@ def plot_lines(
         axis.plot(x, values, marker="o", label=label)
     if log_x:
         axis.set_xscale("log", base=2)
-    axis.set_xticks(list(x), [str(v) for v in x])
+    axis.set_xticks(list(x), list(tick_labels) if tick_labels is not None else [str(v) for v in x])
     axis.set_title(title)
     axis.set_xlabel(x_label)
     axis.set_ylabel(y_label)

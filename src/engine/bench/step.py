@@ -109,6 +109,7 @@ def run(
     activations: tuple[str, ...] = ("float32",),
     shape: str | None = None,
     compare_eager: bool = False,
+    compare_batch_invariant: bool = False,
     output_dir: Path = Path("bench-results"),
 ) -> list[dict]:
     with contextlib.ExitStack() as stack:
@@ -117,10 +118,12 @@ def run(
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model = str(write_random_model(scratch / shape, shape, device=device))
         return _run(model=model, batch_sizes=batch_sizes, context=context, steps=steps, dtypes=dtypes,
-                    activations=activations, compare_eager=compare_eager, output_dir=output_dir)
+                    activations=activations, compare_eager=compare_eager,
+                    compare_batch_invariant=compare_batch_invariant, output_dir=output_dir)
 
 
-def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eager, output_dir) -> list[dict]:
+def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eager, compare_batch_invariant,
+         output_dir) -> list[dict]:
     args = EngineArgs.from_env(model=model, kv_cache_memory="2GiB", max_num_seqs=max(256, *batch_sizes))
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
     # One runner per dtype; one that keeps quantized weights, one per activation type (loaded
@@ -141,11 +144,16 @@ def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eag
         runners["eager"] = ModelRunner(attrs.evolve(args, dtype=dtypes[0], enforce_eager=True,
                                                     quantized_activations=activations[0]), resolved.path)
         settings["eager"] = kernels.quantized_activations()
+    if compare_batch_invariant:  # a process-wide kernel setting too, set before each runner is timed
+        runners["invariant"] = ModelRunner(attrs.evolve(args, dtype=dtypes[0], batch_invariant=True,
+                                                        quantized_activations=activations[0]), resolved.path)
+        settings["invariant"] = kernels.quantized_activations()
     hf_model = load_hf_reference(resolved.path, first.dtype, first.device)
     vocab = first.config.vocab_size
     labels = {key: _label(runner, settings[key]) for key, runner in runners.items()}
     for key, runner in runners.items():
         labels[key] += ", --enforce-eager" if key == "eager" else ", eager" if runner.graphs is None else ", CUDA graphs"
+        labels[key] += ", --batch-invariant" if key == "invariant" else ""
     read_limit_ms = None
     if compare_eager:
         read_limit_ms = weight_bytes(resolved.path) / copy_bandwidth(first.device) * 1e3
@@ -159,6 +167,7 @@ def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eag
         row = {"batch": batch}
         for key, runner in runners.items():
             kernels.set_quantized_activations(settings[key])
+            kernels.set_batch_invariant(key == "invariant")
             row[f"triode_{key}_ms"] = time_ours(runner, prompts, steps) * 1e3
         row["hf_ms"] = time_hf(hf_model, prompts, steps) * 1e3
         if read_limit_ms is not None:

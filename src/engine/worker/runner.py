@@ -37,6 +37,7 @@ from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.models.registry import build_model
 from triode.engine.worker.placement import (
+    check_batch_invariant,
     kept_quantized,
     resolve_device,
     resolve_dtype,
@@ -121,6 +122,9 @@ class ModelRunner:
             device=self.device, max_positions=self.max_model_len, source=str(path),
             parallel=self.parallel, quantized=self.quantized,
         )
+        if args.batch_invariant:
+            check_batch_invariant(self.model, self.device)
+        kernels.set_batch_invariant(args.batch_invariant)
         if self.quantized:
             logger.info("%d quantized tensors kept as blocks, %s activations%s", len(self.quantized),
                         kernels.quantized_activations(),

@@ -27,10 +27,11 @@ def _row(verdict: Verdict) -> list[str]:
             num(verdict.load_seconds), num(verdict.wall_seconds)]
 
 
-async def run_all(target: Path, *, model: str | None, only: Collection[str] | None = None) -> list[Verdict]:
+async def run_all(target: Path, *, model: str | None, only: Collection[str] | None = None,
+                  batch_invariant: bool = True) -> list[Verdict]:
     """Plays the scenario files at ``target`` (those named in ``only``, if given) in order."""
     scenarios = [s for s in load_scenarios(target) if only is None or s.name in only]
-    runner = ScenarioRunner(model=model)
+    runner = ScenarioRunner(model=model, batch_invariant=batch_invariant)
     widths = [max(len(c), 12) for c in _COLUMNS]
     widths[0] = max(widths[0], *(len(s.name) for s in scenarios))
     print("  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)), flush=True)
@@ -62,7 +63,8 @@ def write_json(output: Path, verdicts: list[Verdict]) -> None:
 
 def _run(namespace: argparse.Namespace) -> int:
     try:
-        verdicts = trio.run(lambda: run_all(Path(namespace.path), model=namespace.model))
+        verdicts = trio.run(lambda: run_all(Path(namespace.path), model=namespace.model,
+                                            batch_invariant=namespace.batch_invariant))
     except ScenarioError as e:
         print(f"triode scenario: {e}")
         return 2
@@ -78,5 +80,8 @@ def add_scenario_commands(commands: argparse._SubParsersAction) -> None:
     run = actions.add_parser("run", help="play a scenario file or a folder of them")
     run.add_argument("path", help="a .toml scenario or a folder of them")
     run.add_argument("--model", default=None, help="model for the servers (default: the default model)")
+    run.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                     help="start the servers without --batch-invariant (for a model that has no invariant "
+                          "kernels; a recomputed greedy output may then differ at a near tie)")
     run.add_argument("--json", default="bench-results/scenarios.json", help="where to write the results")
     run.set_defaults(handler=_run)

@@ -60,15 +60,18 @@ def _client_specs(scenario: Scenario) -> list[RequestSpec]:
 
 
 class ScenarioRunner:
-    def __init__(self, *, model: str | None, scenario_timeout: float = 300.0) -> None:
+    def __init__(self, *, model: str | None, batch_invariant: bool = True, scenario_timeout: float = 300.0) -> None:
         self.model = model
+        # Every server computes with batch-invariant kernels, so that a request recomputed after
+        # a fault must give the reference's tokens exactly (match_reference).
+        self.batch_invariant = batch_invariant
         self.scenario_timeout = scenario_timeout  # a hang fails the scenario instead of the run
         self._references: dict[tuple, list[RequestResult]] = {}
         self._shared_servers: dict[tuple[str, ...], ServerProcess] = {}
 
     def _args(self, scenario: Scenario, *, reference: bool = False) -> list[str]:
         args = scenario.reference_args if reference else scenario.server_args
-        return ([self.model] if self.model else []) + list(args)
+        return ([self.model] if self.model else []) + (["--batch-invariant"] if self.batch_invariant else []) + list(args)
 
     async def _shared_server(self, args: list[str]) -> ServerProcess:
         server = self._shared_servers.get(tuple(args))

@@ -28,6 +28,10 @@
 #include "quant_blocks.h"
 
 #define MAX_ROWS 8
+/* The tiles of 1 to 3 rows keep NV partial sums a row, the larger ones one: a call whose
+ * results must not depend on how many rows it has (batch invariance) runs tiles of at most
+ * this many rows, so every row's sum is added in the same order. */
+#define INVARIANT_ROWS 3
 /* Below this many weights a call runs on the calling thread (waking the team costs more). */
 #define PARALLEL_MIN_WEIGHTS 65536
 
@@ -110,13 +114,13 @@ FOR_EACH_QUANT_TYPE(DEFINE_LINEAR)
 
 static int quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                         const float *bias, float *y, int64_t y_stride, int64_t rows, int in, int64_t out,
-                        int parallel)
+                        int parallel, int max_tile)
 {
     if (!block_bytes(type)) return -1;
     if (!valid_shape(type, row_bytes, in)) return -2;
     if (rows < 1) return -3;
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-        const int tile = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
+    for (int64_t r0 = 0; r0 < rows; r0 += max_tile) {
+        const int tile = rows - r0 < max_tile ? (int)(rows - r0) : max_tile;
         const float *xt = x + r0 * x_stride;
         float *yt = y + r0 * y_stride;
         switch (type) { FOR_EACH_QUANT_TYPE(LINEAR_CASE) }
@@ -131,7 +135,16 @@ int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_
                         int64_t rows, int in, int64_t out)
 {
     return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out,
-                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS);
+                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS, MAX_ROWS);
+}
+
+/* The same, each row's result independent of the other rows (tiles of INVARIANT_ROWS). */
+int triode_quant_linear_invariant(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                                  int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                                  int64_t rows, int in, int64_t out)
+{
+    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out,
+                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS, INVARIANT_ROWS);
 }
 
 /* The same on the calling thread only: a share of the output features for a caller that
@@ -140,7 +153,7 @@ int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                                int64_t rows, int in, int64_t out)
 {
-    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out, 0);
+    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out, 0, MAX_ROWS);
 }
 
 static inline __attribute__((always_inline)) void dequantize_row(
@@ -217,6 +230,13 @@ int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                                int64_t rows, int in, int64_t out)
+{
+    return NOT_BUILT;
+}
+
+int triode_quant_linear_invariant(int type, const float *x, int64_t x_stride, const uint8_t *w,
+                                  int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
+                                  int64_t rows, int in, int64_t out)
 {
     return NOT_BUILT;
 }
