@@ -54,7 +54,7 @@ class _Model(ctypes.Structure):
         "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
         "activations")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
                                 ("num_slots", ctypes.c_int64), ("max_positions", ctypes.c_int64),
-                                ("cos_sin", ctypes.c_void_p)]
+                                ("cos_sin", ctypes.c_void_p), ("invariant", ctypes.c_int32)]
 
 
 def _entry():
@@ -154,8 +154,6 @@ class DecodeStack:
             metadata.num_decodes == metadata.num_seqs == tokens
             and 0 < tokens <= (self.max_rows or tokens)
             and kv_caches is self.kv_caches
-            # its float32 loop tiles rows as the fastest order has it: not batch invariant
-            and (self.max_rows is None or not quant_linear.batch_invariant())
         )
 
     def run(
@@ -176,6 +174,7 @@ class DecodeStack:
         if positions.shape != (tokens,) or slots.shape != (tokens,) or slots.dtype != torch.int64:
             raise ValueError("positions and slot_mapping: one int64 entry per token")
         self._model.activations = _ACTIVATIONS[quant_linear.quantized_activations()]
+        self._model.invariant = quant_linear.batch_invariant()
         failed = ctypes.c_int(0)
         status = self._entry(
             ctypes.byref(self._model), self._layers, hidden.data_ptr(), residual.data_ptr(), tokens,

@@ -97,7 +97,8 @@ static void linear_columns(const step_state *st, thread_state *own, const quant_
         if (float_part(st->m, part)) {
             const float *bias = part->bias ? part->bias + (from - base) : NULL;
             triode_quant_linear_serial(part->type, x, in, part->data + (from - base) * part->row_bytes,
-                                       part->row_bytes, bias, y + from, y_stride, st->rows, in, to - from);
+                                       part->row_bytes, bias, y + from, y_stride, st->rows, in, to - from,
+                                       st->m->invariant);
             continue;
         }
         void *input = quantized_input(st, own, part->type & ~TYPE_X16, x, in);
@@ -233,7 +234,7 @@ static int check_step(const decode_model *m, const decode_layer *layers, int64_t
                 const quant_part *part = &matrices[i]->parts[p];
                 status = float_part(m, part)
                     ? triode_quant_linear_serial(part->type, NULL, 0, part->data, part->row_bytes, NULL, NULL,
-                                                 0, rows, inputs[i], 0)
+                                                 0, rows, inputs[i], 0, m->invariant)
                     : triode_quant_linear_q8(part->type, NULL, rows, inputs[i], part->data, part->row_bytes, NULL,
                                              NULL, 0, 0, 0);
                 if (status) return *failed_op = OP_LINEAR, status;

@@ -37,6 +37,7 @@ typedef struct {
     float eps, scale;
     int64_t num_slots, max_positions;
     const float *cos_sin;
+    int32_t invariant; /* float32 activations in tiles that keep each row's sums in one order */
 } decode_model;
 
 /* The op a failure came from (*failed_op), for the caller's message (kernels.decode_stack). */

@@ -7,7 +7,7 @@
 
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                               int64_t rows, int in, int64_t out);
+                               int64_t rows, int in, int64_t out, int invariant);
 int triode_quant_x16_linear(int type, int wide, const float *x, int64_t x_stride, const uint8_t *w,
                             int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t rows, int in,
                             int64_t out);

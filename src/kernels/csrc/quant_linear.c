@@ -148,12 +148,14 @@ int triode_quant_linear_invariant(int type, const float *x, int64_t x_stride, co
 }
 
 /* The same on the calling thread only: a share of the output features for a caller that
- * runs its own team (decode_stack.c). out = 0 checks the type and shape. */
+ * runs its own team (decode_stack.c), batch invariant when `invariant` is set. out = 0 checks
+ * the type and shape. */
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                               int64_t rows, int in, int64_t out)
+                               int64_t rows, int in, int64_t out, int invariant)
 {
-    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out, 0, MAX_ROWS);
+    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out, 0,
+                        invariant ? INVARIANT_ROWS : MAX_ROWS);
 }
 
 static inline __attribute__((always_inline)) void dequantize_row(
@@ -229,7 +231,7 @@ int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_
 
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                               int64_t rows, int in, int64_t out)
+                               int64_t rows, int in, int64_t out, int invariant)
 {
     return NOT_BUILT;
 }
