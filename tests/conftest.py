@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_models import ARCHITECTURES, build_tiny_model, train_tokenizer
+from triode.kernels import native
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +55,13 @@ def protocol_client(protocol_server):
     with openai.OpenAI(base_url=f"{protocol_server.url}/v1", api_key="unused", max_retries=0,
                        _strict_response_validation=True) as client:
         yield client
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request):
+    """The test runs with this CPU's build of the C kernels and with the AVX2 one
+    (TRIODE_CPU_ISA=avx2)."""
+    previous = native.cpu_isa()
+    native.set_cpu_isa(request.param)
+    yield request.param
+    native.set_cpu_isa(previous)

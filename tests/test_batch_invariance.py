@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.test_quant_linear import random_blocks
-from triode.kernels import native
 from triode.kernels.cpu_argmax import argmax_cpu
 from triode.kernels.cpu_attention import cpu_decode_available
 from triode.kernels.cpu_elementwise import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
@@ -32,15 +31,6 @@ from triode.kernels.quant_linear import (
 
 BATCHES = (2, 7, 64, 300)
 needs_native = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernels")
-
-
-@pytest.fixture(params=["native", "avx2"])
-def isa(request):
-    """Each test runs with this CPU's build and with the AVX2 one (TRIODE_CPU_ISA=avx2)."""
-    previous = native.cpu_isa()
-    native.set_cpu_isa(request.param)
-    yield request.param
-    native.set_cpu_isa(previous)
 
 
 def _in_batch(row: torch.Tensor, size: int, seed: int) -> tuple[torch.Tensor, int]:

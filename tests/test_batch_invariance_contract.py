@@ -15,6 +15,7 @@ import signal
 
 import pytest
 
+from tests.test_engine_contract import TEXTS
 from triode import LLM, SamplingParams
 from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError
@@ -24,17 +25,6 @@ from triode.kernels.quant_linear import interleaved_kernels_available
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 
 MAX_TOKENS = 24
-TEXTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "def quicksort(items):",
-    "The three laws of thermodynamics are",
-    "List five fruits:",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who every "
-    "morning walked down to the harbour before sunrise, and one day he found",
-    "Translate to French: good morning",
-    "1, 2, 3, 4,",
-]
 # (TRIODE_CPU_ISA, batch_invariant): the setting on this CPU's build and on the AVX2 one, and
 # the default where it is invariant without the setting.
 CONFIGURATIONS = [("native", True), ("avx2", True)] + [("native", False)] * interleaved_kernels_available()

@@ -24,7 +24,6 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from triode.engine.model_files.gguf_convert import KERNEL_TYPES
-from triode.kernels import native
 from triode.kernels.quant_linear import (
     FUSED_ROWS,
     QUANT_TYPES,
@@ -66,14 +65,6 @@ def through_a_gguf_file(path, kind: str, blocks: np.ndarray) -> np.ndarray:
     (tensor,) = gguf.GGUFReader(path).tensors
     assert tensor.tensor_type == T[kind]
     return np.array(tensor.data)
-
-
-@pytest.fixture(params=["native", "avx2"])
-def isa(request):
-    previous = native.cpu_isa()
-    native.set_cpu_isa(request.param)
-    yield request.param
-    native.set_cpu_isa(previous)
 
 
 @pytest.fixture
