@@ -5,7 +5,7 @@ kernel that interprets fine but does not compile (an unsupported construct, a ty
 a loop, a dot shape below the hardware minimum). Run it in a process where triton is imported
 in compile mode (TRITON_INTERPRET unset)::
 
-    PYTHONPATH=src python -m triode.kernels.compile_check [--arch 90]
+    python -m triode.kernels.compile_check [--arch 90]
 
 It prints each kernel's shared memory and register use and exits non-zero on a failure.
 """
