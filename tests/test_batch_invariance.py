@@ -74,13 +74,11 @@ def _step(cache: Cache, decodes: list[int], chunks: list[int], target: tuple[int
     [start, end) inserted as a decode (end - start == 1, placed first) or as the last chunk.
     Returns (the step's output, the row of the target's last token)."""
     start, end = target
-    tables, lengths, query_lens = [], [], []
-    for length in decodes:
-        tables.append(cache.filler(length)), lengths.append(length), query_lens.append(1)
-    for size in chunks:
-        tables.append(cache.filler(size)), lengths.append(size), query_lens.append(size)
-    at = 0 if end - start == 1 else len(tables)
-    tables.insert(at, cache.target_blocks.tolist()), lengths.insert(at, end), query_lens.insert(at, end - start)
+    # (block table, context length, query tokens) per sequence, decodes first
+    seqs = [(cache.filler(n), n, 1) for n in decodes] + [(cache.filler(n), n, n) for n in chunks]
+    at = 0 if end - start == 1 else len(seqs)
+    seqs.insert(at, (cache.target_blocks.tolist(), end, end - start))
+    tables, lengths, query_lens = (list(column) for column in zip(*seqs, strict=True))
     starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
     width = max(len(t) for t in tables)
     table_tensor = torch.zeros((len(tables), width), dtype=torch.int32)
