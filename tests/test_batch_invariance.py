@@ -4,8 +4,8 @@ row of a prefill chunk of any size. That is what makes a request recomputed afte
 restart or a preemption, or resumed from the prefix cache, produce the tokens and logprobs
 it would have had (docs/architecture.md, "Batch invariance"). Each reduction the CPU path
 runs is checked with this CPU's build and the AVX2 one; quantized weights in GGUF's layout
-only with ``set_batch_invariant(True)`` (``--batch-invariant``), which their fastest loop is
-not; the float linear layers are not invariant yet (docs/architecture.md)."""
+and float weights only with ``set_batch_invariant(True)`` (``--batch-invariant``), which their
+fastest kernels are not (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.test_quant_linear import random_blocks
 from triode.kernels.cpu_argmax import argmax_cpu
 from triode.kernels.cpu_attention import cpu_decode_available
 from triode.kernels.cpu_elementwise import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+from triode.kernels.cpu_linear import invariant_linear_cpu
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.paged_attention import paged_attention_cpu
 from triode.kernels.quant_linear import (
@@ -224,3 +225,19 @@ def test_int8_activations_over_gguf_layout_are_refused_when_invariant(activation
     weight = QuantizedWeight.from_bytes("Q4_0", torch.from_numpy(random_blocks("Q4_0", 96, 512, seed=3)))
     with pytest.raises(RuntimeError, match="int8 activations over weights in GGUF's layout have no batch-invariant"):
         weight.linear(torch.randn(2, 512))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_linear_is_the_same_in_any_batch_when_invariant(isa, dtype):
+    """Float weights under --batch-invariant: the C loop's tiles at every row count (oneDNN,
+    MKL and the few-row loop otherwise each sum in their own order)."""
+    generator = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn((200, 576), generator=generator).to(dtype), torch.randn(200, generator=generator).to(dtype)
+    row = torch.randn(576, generator=generator).to(dtype)
+    expected = invariant_linear_cpu(row[None], weight, bias)[0]
+    torch.testing.assert_close(expected.float(), (row.float() @ weight.float().T + bias.float()),
+                               rtol=2e-2, atol=2e-2)
+    for size in BATCHES:
+        batch, index = _in_batch(row, size, seed=size)
+        assert torch.equal(invariant_linear_cpu(batch, weight, bias)[index], expected), f"among {size} rows"

@@ -5,8 +5,9 @@ preemptions made it recompute, and after a worker SIGKILL made every running req
 recompute: with ``batch_invariant`` on this CPU's kernels and on the AVX2 build (float32
 activations, the default on CPUs without AVX-512 VNNI), and without it where the default
 path is invariant as it is (AVX-512 VNNI). ``--batch-invariant`` is refused, naming the
-reason, for a model whose kernels cannot honour it. The kernels behind it are checked one by
-one in tests/test_batch_invariance.py."""
+reason, where no kernel honours it. The kernels behind it are checked one by
+one in tests/test_batch_invariance.py; tiny float32 models of every family are checked here in
+the worker's runner (alone, together, chunked, recomputed)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ import signal
 
 import pytest
 
+from tests.driver import Driver
+from tests.hf_compare import TINY_MODEL_TEXTS, greedy_params
 from tests.test_engine_contract import TEXTS
-from triode import LLM, SamplingParams
+from triode import LLM, SamplingParams, kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError
+from triode.engine.model_files.resolve import resolve_model
 from triode.engine.worker.runner import ModelRunner
+from triode.kernels import native
 from triode.kernels.quant_linear import interleaved_kernels_available
 
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
@@ -81,9 +86,41 @@ def test_a_request_recomputed_or_batched_otherwise_keeps_its_logprobs(monkeypatc
     assert [trace(o) for o in preempted] == together
 
 
-def test_batch_invariant_is_refused_for_float_weights(tiny_model_factory):
-    path = tiny_model_factory("llama")
-    args = EngineArgs(model=str(path), kv_cache_memory="8MiB", max_model_len=64, batch_invariant=True)
-    with pytest.raises(ModelLoadError, match=r"--batch-invariant cannot be honoured: its linear layers "
-                                             r"include float weights .*use a GGUF file or --quantization"):
-        ModelRunner(args, path)
+@pytest.fixture
+def kernel_settings():
+    """The process-wide kernel settings that a runner made in this process changes, put back."""
+    activations, invariant = kernels.quantized_activations(), kernels.batch_invariant()
+    yield
+    kernels.set_quantized_activations(activations)
+    kernels.set_batch_invariant(invariant)
+
+
+def test_tiny_models_of_each_family_recompute_the_same_logprobs(tiny_model, tiny_tokenizer, kernel_settings):
+    """Float32 models of every family with --batch-invariant, in the worker's runner: each
+    prompt's logprobs decoded together are those decoded alone, recomputed as one prefill of
+    prompt + output (what a preemption or a restart runs) and prefilled in 7-token chunks."""
+    runner = ModelRunner(EngineArgs(model=str(tiny_model), kv_cache_memory="64MiB", max_model_len=256,
+                                    batch_invariant=True), tiny_model)
+    driver, prompts, steps = Driver(runner), [tiny_tokenizer.encode(text) for text in TINY_MODEL_TEXTS], 12
+    together = driver.generate(prompts, greedy_params(steps), name="together")
+    assert len(together) == len(prompts) >= 4
+    assert driver.generate(prompts[:1], greedy_params(steps), name="alone") == together[:1]
+    assert driver.generate(prompts, greedy_params(steps), chunk_size=7, name="chunked") == together
+    for index, (tokens, logprobs) in enumerate(together):
+        for step in (1, steps // 2, steps - 1):
+            [([token], [recomputed])] = driver.generate([prompts[index] + tokens[:step]], greedy_params(1),
+                                                      name=f"re-{index}-{step}")
+            assert (token, recomputed) == (tokens[step], logprobs[step]), f"prompt {index}, step {step}"
+
+
+def test_batch_invariant_is_refused_for_int8_activations_over_gguf_layout(kernel_settings):
+    path = resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
+    args = EngineArgs(kv_cache_memory="64MiB", max_model_len=128, batch_invariant=True, quantized_activations="int8")
+    previous = native.cpu_isa()
+    native.set_cpu_isa("avx2")  # no interleaved weights: int8 runs the loop over GGUF's layout
+    try:
+        with pytest.raises(ModelLoadError, match=r"--batch-invariant cannot be honoured: int8 activations over "
+                                                 r"weights in GGUF's layout"):
+            ModelRunner(args, path)
+    finally:
+        native.set_cpu_isa(previous)

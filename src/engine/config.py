@@ -131,8 +131,9 @@ class EngineArgs:
     # Every kernel computes a token's result in an order that does not depend on its step's
     # batch (vLLM's VLLM_BATCH_INVARIANT): a sequence recomputed after a restart or a preemption
     # gets the bits it had. The default model's path on AVX-512 VNNI CPUs is so without it; this
-    # also takes the invariant loop for quantized weights in GGUF's layout (a cost past a few
-    # rows), and refuses a model or device that has no invariant kernels (docs/architecture.md).
+    # also takes the invariant loops for quantized weights in GGUF's layout and for float
+    # weights (a cost past a few rows), and refuses a device that has no invariant kernels
+    # (docs/architecture.md).
     batch_invariant: bool = False
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)

@@ -30,8 +30,8 @@ _HELP = {
                         "GPU workers, off for CPU workers, which use every core)",
     "enforce_eager": "capture no CUDA graphs: run every decode step kernel by kernel",
     "batch_invariant": "compute each token in an order independent of its step's batch, so that a "
-                       "recomputed sequence gets the same logprobs bit for bit; refused where the model "
-                       "or device has no such kernels",
+                       "recomputed sequence gets the same logprobs bit for bit (slower past a few "
+                       "sequences); refused where the device has no such kernels",
     "step_timeout": "seconds a worker step may take before the worker is restarted",
     "shutdown_timeout": "seconds to let in-flight requests finish on shutdown",
     "max_queued_requests": "requests waiting for intake before new ones get 503",

@@ -38,7 +38,12 @@ from triode.kernels.cpu_elementwise import (
     silu_and_mul_cpu,
     write_kv_cpu,
 )
-from triode.kernels.cpu_linear import serial_linear, serial_linear_supports, small_linear_cpu
+from triode.kernels.cpu_linear import (
+    invariant_linear_cpu,
+    serial_linear,
+    serial_linear_supports,
+    small_linear_cpu,
+)
 from triode.kernels.decode_stack import DecodeStack
 from triode.kernels.kv_write import write_kv_reference, write_kv_triton
 from triode.kernels.metadata import AttentionMetadata
@@ -164,7 +169,13 @@ def linear(x, weight, bias=None, packed=None):
     """``x @ weight.T + bias``, x [rows, in], weight [out, in]; ``packed``: the weight as
     :func:`pack_linear_weight` made it, or None. On a CPU one row goes to the C loop, more
     rows to oneDNN with the packed weight (without one, the C loop takes a few rows; a small
-    float32 weight, which the models do not pack, torch's matmul on the calling thread)."""
+    float32 weight, which the models do not pack, torch's matmul on the calling thread). With
+    :func:`batch_invariant` on a CPU every row count takes the C loop's invariant form."""
+    if batch_invariant() and x.device.type == "cpu":
+        if (out := invariant_linear_cpu(x, weight, bias)) is None:
+            raise RuntimeError(f"no batch-invariant kernel takes a {x.dtype} linear layer of "
+                               f"{list(weight.shape)} here (the C kernels need a compiler)")
+        return out
     if _backend == "auto":
         if packed is None and serial_linear_supports(x, weight):
             return serial_linear(x, weight, bias)

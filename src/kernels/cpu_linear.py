@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from triode.kernels.native import bind
+from triode.kernels.native import bind, cpu_isa
 
 _ENTRY_POINTS = {torch.float32: "triode_small_linear_f32", torch.bfloat16: "triode_small_linear_bf16"}
+_INVARIANT_ENTRY_POINTS = {torch.float32: "triode_invariant_linear_f32", torch.bfloat16: "triode_invariant_linear_bf16"}
 MAX_ROWS = 8  # as in the C source
 # Rows the dispatch gives the loop, per dtype. Decode steps of the default model on this
 # 2-core CPU (ms, torch -> loop): float32 1 row 60 -> 21, 8 rows 91 -> 67; bfloat16 1 row
@@ -35,8 +36,8 @@ MAX_ROWS = 8  # as in the C source
 ROWS_TAKEN = {torch.float32: MAX_ROWS, torch.bfloat16: 3}
 SERIAL_MAX_WEIGHTS = 1 << 16  # as PARALLEL_MIN_WEIGHTS in the C sources
 
-__all__ = ["MAX_ROWS", "ROWS_TAKEN", "SERIAL_MAX_WEIGHTS", "serial_linear", "serial_linear_supports",
-           "small_linear_cpu", "small_linear_supports"]
+__all__ = ["MAX_ROWS", "ROWS_TAKEN", "SERIAL_MAX_WEIGHTS", "invariant_linear_cpu", "serial_linear",
+           "serial_linear_supports", "small_linear_cpu", "small_linear_supports"]
 
 
 @functools.cache
@@ -45,16 +46,25 @@ def _entry(dtype: torch.dtype):
     return bind(_ENTRY_POINTS[dtype], pointer, i64, pointer, pointer, pointer, i64, i32, i32, i64)
 
 
+@functools.cache
+def _invariant_entry(dtype: torch.dtype, isa: str):
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return bind(_INVARIANT_ENTRY_POINTS[dtype], pointer, i64, pointer, pointer, pointer, i64, i64, i32, i64)
+
+
 def small_linear_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the C loop takes ``linear(x, weight, bias)``: CPU, float32 or bfloat16 rows (1 to
     ``ROWS_TAKEN[dtype]``) with unit column stride, a contiguous weight and bias of that dtype,
     and no autograd to record (the loop is invisible to it: the model runs in inference mode)."""
+    return x.dim() == 2 and x.dtype in ROWS_TAKEN and 1 <= x.shape[0] <= ROWS_TAKEN[x.dtype] and _takes(x, weight, bias)
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and x.dim() == 2
         and x.dtype in ROWS_TAKEN
-        and 1 <= x.shape[0] <= ROWS_TAKEN[x.dtype]
         and x.stride(1) == 1
         and weight.dtype == x.dtype
         and weight.dim() == 2
@@ -80,6 +90,22 @@ def small_linear_cpu(
     )
     if status:
         raise ValueError(f"small_linear_cpu: {rows} rows; the loop takes 1..{MAX_ROWS}")
+    return out
+
+
+def invariant_linear_cpu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for any number of rows, each row's result independent of the
+    others (``triode_invariant_linear_*``: the loop's tiles at every row count), or None when
+    the loop does not take these tensors."""
+    if not (_takes(x, weight, bias) and (entry := _invariant_entry(x.dtype, cpu_isa())) is not None):
+        return None
+    rows, features = x.shape
+    out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+    if rows:
+        entry(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+              out.data_ptr(), out.stride(0), rows, features, weight.shape[0])
     return out
 
 

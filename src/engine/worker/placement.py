@@ -11,7 +11,6 @@ from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import InvalidRequestError, ModelLoadError
 from triode.engine.model_config import ModelConfig
-from triode.engine.worker.models.layers import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +60,18 @@ def resolve_quantized_activations(name: str) -> str:
     return name
 
 
-def check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None:
-    """Refuses ``--batch-invariant`` where some kernel of this model would not honour it: a
-    GPU (the Triton kernels are not invariant yet), a CPU without the C kernels (the torch
-    references are not), or float weights in a linear layer (oneDNN, the C loop and torch's
-    matmul each sum in their own order)."""
+def check_batch_invariant(device: torch.device, *, quantized: bool) -> None:
+    """Refuses ``--batch-invariant`` where some kernel would not honour it: a GPU (the Triton
+    kernels are not invariant yet), a CPU without the C kernels (the torch references are not),
+    or int8 activations over ``quantized`` weights in GGUF's layout (their loop's tile sizes
+    round differently)."""
     reason = None
     if device.type != "cpu":
         reason = f"this worker is on {device}, whose Triton kernels are not batch invariant yet"
-    elif not kernels.cpu_attention.cpu_decode_available() or not kernels.quantized_kernels_available():
-        reason = "this CPU has no C kernels (they need a C compiler, and AVX2 for quantized weights)"
-    else:
-        floats = [name for name, module in model.named_modules() if isinstance(module, Linear) and module.parts is None]
-        floats += [name for name, tensor in model.named_parameters() if tensor.dim() > 2]  # float experts
-        if getattr(model, "lm_head", True) is None and model.embed_tokens.parts is None:
-            floats.append("the LM head tied to the float embedding")
-        if kernels.quantized_activations() == "int8" and not kernels.quant_linear.interleaving():
-            reason = "int8 activations over weights in GGUF's layout have no invariant kernel (use float32)"
-        elif floats:
-            reason = (f"its linear layers include float weights ({floats[0]}, {len(floats)} in all), whose "
-                      f"kernels are not batch invariant yet: use a GGUF file or --quantization int8|int4")
+    elif not kernels.cpu_attention.cpu_decode_available():
+        reason = "this CPU has no C kernels (they need a C compiler)"
+    elif quantized and kernels.quantized_activations() == "int8" and not kernels.quant_linear.interleaving():
+        reason = "int8 activations over weights in GGUF's layout have no invariant kernel (use float32)"
     if reason:
         raise ModelLoadError(f"--batch-invariant cannot be honoured: {reason}")
 

@@ -81,7 +81,7 @@ def add_scenario_commands(commands: argparse._SubParsersAction) -> None:
     run.add_argument("path", help="a .toml scenario or a folder of them")
     run.add_argument("--model", default=None, help="model for the servers (default: the default model)")
     run.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                     help="start the servers without --batch-invariant (for a model that has no invariant "
+                     help="start the servers without --batch-invariant (where the device has no invariant "
                           "kernels; a recomputed greedy output may then differ at a near tie)")
     run.add_argument("--json", default="bench-results/scenarios.json", help="where to write the results")
     run.set_defaults(handler=_run)

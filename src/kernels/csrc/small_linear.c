@@ -71,3 +71,23 @@ int NAME(const ELEM *x, int64_t x_stride, const ELEM *w, const ELEM *bias, ELEM 
 
 DEFINE_ENTRY(triode_small_linear_f32, row_f32, float)
 DEFINE_ENTRY(triode_small_linear_bf16, row_bf16, uint16_t)
+
+/* Any number of rows, each through the one-row form of the loop: its 16 lanes summed over the
+ * input in order, then the lanes in order, so a row's result depends on that row alone, not on
+ * how many others the call has (batch invariance; the forms for 2 to 8 rows may round
+ * differently under -ffast-math, and did). Each weight row is read from memory once and used
+ * for every row of x while it sits in L1. Slower than oneDNN's blocked kernels past a few
+ * rows; only `--batch-invariant` runs it. */
+#define DEFINE_INVARIANT_ENTRY(NAME, ROW, ELEM)                                                 \
+int NAME(const ELEM *x, int64_t x_stride, const ELEM *w, const ELEM *bias, ELEM *y,            \
+         int64_t y_stride, int64_t rows, int in, int64_t out)                                   \
+{                                                                                               \
+    _Pragma("omp parallel for schedule(static) if ((int64_t)in * out >= PARALLEL_MIN_WEIGHTS)") \
+    for (int64_t j = 0; j < out; j++)                                                           \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            ROW(1, x + r * x_stride, x_stride, w + j * in, bias, y + r * y_stride, y_stride, j, in); \
+    return 0;                                                                                   \
+}
+
+DEFINE_INVARIANT_ENTRY(triode_invariant_linear_f32, row_f32, float)
+DEFINE_INVARIANT_ENTRY(triode_invariant_linear_bf16, row_bf16, uint16_t)
