@@ -12,7 +12,11 @@ the worker's runner (alone, together, chunked, recomputed)."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +128,34 @@ def test_batch_invariant_is_refused_for_int8_activations_over_gguf_layout(kernel
             ModelRunner(args, path)
     finally:
         native.set_cpu_isa(previous)
+
+
+_THREADS_PROBE = """
+import pickle, sys
+from tests.driver import Driver
+from tests.hf_compare import greedy_params
+from triode.engine.config import EngineArgs
+from triode.engine.inputs import load_tokenizer
+from triode.engine.model_files.resolve import resolve_model
+from triode.engine.worker.runner import ModelRunner
+
+path = resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
+runner = ModelRunner(EngineArgs(kv_cache_memory="64MiB", max_model_len=256, batch_invariant=True), path)
+prompts = [load_tokenizer(path).encode(text) for text in sys.argv[1:]]
+sys.stdout.buffer.write(pickle.dumps(Driver(runner).generate(prompts, greedy_params(8))))
+"""
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_logprobs_do_not_depend_on_the_thread_count(isa):
+    """The same prompts in a runner whose kernels use one thread and one with two (OpenMP's and
+    torch's): the C kernels divide rows, heads and output features among threads, never a sum."""
+    outputs = []
+    for threads in ("1", "2"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "TRIODE_CPU_ISA": isa}
+        done = subprocess.run([sys.executable, "-c", _THREADS_PROBE, *TEXTS[:4]], env=env, capture_output=True,
+                              timeout=300, cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        outputs.append(pickle.loads(done.stdout))
+    assert len(outputs[0]) == 4
+    assert outputs[0] == outputs[1]
