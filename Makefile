@@ -30,7 +30,6 @@ serve: setup
 
 # Everything but the cases marked slow (under 15 minutes on two cores); test-all runs those too.
 test: setup
-	$(BIN)/python scripts/check_lock.py
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 

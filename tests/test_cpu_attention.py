@@ -158,7 +158,7 @@ def test_shapes_beyond_the_kernel_take_the_reference(head_dim):
 
 
 def _forget_the_library() -> None:
-    for cached in (native._library, cpu_attention._bound, cpu_linear._entry, cpu_elementwise._bound):
+    for cached in (native._library, cpu_attention._bound, cpu_linear._bound, cpu_linear._invariant_entry, cpu_elementwise._bound):
         cached.cache_clear()
 
 

@@ -40,8 +40,12 @@ __all__ = ["MAX_ROWS", "ROWS_TAKEN", "SERIAL_MAX_WEIGHTS", "invariant_linear_cpu
            "serial_linear_supports", "small_linear_cpu", "small_linear_supports"]
 
 
-@functools.cache
 def _entry(dtype: torch.dtype):
+    return _bound(dtype, cpu_isa())
+
+
+@functools.cache
+def _bound(dtype: torch.dtype, isa: str):
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return bind(_ENTRY_POINTS[dtype], pointer, i64, pointer, pointer, pointer, i64, i32, i32, i64)
 

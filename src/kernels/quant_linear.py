@@ -19,7 +19,7 @@ two such products per weight byte, and results as close to float32 as its sums a
 
 With :func:`set_batch_invariant` ``(True)`` a row's result does not depend on the other rows of
 the call: weights in GGUF's layout then run the float32 C loop at every row count, in tiles
-whose sums keep one order (``triode_quant_linear_invariant``), never the panels; int8
+whose sums keep one order (``triode_quant_linear``'s ``invariant``), never the panels; int8
 activations over them are refused. Interleaved weights are invariant as they are.
 
 On a CPU without AVX2, or without a C compiler, there are no quantized kernels
@@ -113,17 +113,16 @@ def batch_invariant() -> bool:
 def _entries(isa: str):
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     linear_args = (i32, pointer, i64, pointer, i64, pointer, pointer, i64, i64, i32, i64)
-    linear = bind("triode_quant_linear", *linear_args)
+    linear = bind("triode_quant_linear", *linear_args, i32)  # the last: batch invariant
     linear_int8 = bind("triode_quant_linear_int8", *linear_args)
     dequantize = bind("triode_quant_dequantize", i32, pointer, i64, pointer, i64, i64, i32, pointer, i64)
-    linear_invariant = bind("triode_quant_linear_invariant", *linear_args)
-    if linear is None or linear_int8 is None or dequantize is None or linear_invariant is None:
+    if linear is None or linear_int8 is None or dequantize is None:
         return None
     x, weight, y = torch.zeros(1, 32), torch.zeros(1, 34, dtype=torch.uint8), torch.empty(1, 1)
     if linear(QUANT_TYPES["Q8_0"][0], x.data_ptr(), 32, weight.data_ptr(), 34, None, y.data_ptr(),
-              1, 1, 32, 1) == _NOT_BUILT:
+              1, 1, 32, 1, 0) == _NOT_BUILT:
         return None  # built for a CPU without AVX2
-    return linear, dequantize, linear_int8, linear_invariant
+    return linear, dequantize, linear_int8
 
 
 @functools.cache
@@ -296,15 +295,15 @@ class QuantizedWeight:
             wide = int(_activations != "int8")
             _check(_interleave_entry(cpu_isa())[1](kind, wide, *arguments), f"{self.kind} linear")
             return out
+        if _batch_invariant and _activations == "int8":
+            raise RuntimeError("int8 activations over weights in GGUF's layout have no batch-invariant "
+                               "kernel (their tiles' instantiations may round differently)")
         if _batch_invariant:
-            if _activations == "int8":
-                raise RuntimeError("int8 activations over weights in GGUF's layout have no batch-invariant "
-                                   "kernel (their tiles' instantiations may round differently)")
-            _check(entries[3](kind, *arguments), f"{self.kind} linear")
+            _check(entries[0](kind, *arguments, 1), f"{self.kind} linear")
             return out
         if rows <= FUSED_ROWS:
-            fused = entries[2] if _activations == "int8" else entries[0]
-            _check(fused(kind, *arguments), f"{self.kind} linear")
+            status = entries[2](kind, *arguments) if _activations == "int8" else entries[0](kind, *arguments, 0)
+            _check(status, f"{self.kind} linear")
             return out
         step = max(1, PANEL_WEIGHTS // self.in_features)
         panel = torch.empty((min(step, self.out_features), self.in_features), dtype=torch.float32)

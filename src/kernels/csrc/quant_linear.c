@@ -129,22 +129,14 @@ static int quant_linear(int type, const float *x, int64_t x_stride, const uint8_
 }
 
 /* Returns 0; -1 for a type not decoded here; -2 when in and row_bytes disagree with the
- * type's blocks; -3 for rows < 1. */
+ * type's blocks; -3 for rows < 1. With `invariant`, each row's result is independent of the
+ * other rows (tiles of INVARIANT_ROWS). */
 int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,
                         int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                        int64_t rows, int in, int64_t out)
+                        int64_t rows, int in, int64_t out, int invariant)
 {
     return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out,
-                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS, MAX_ROWS);
-}
-
-/* The same, each row's result independent of the other rows (tiles of INVARIANT_ROWS). */
-int triode_quant_linear_invariant(int type, const float *x, int64_t x_stride, const uint8_t *w,
-                                  int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                                  int64_t rows, int in, int64_t out)
-{
-    return quant_linear(type, x, x_stride, w, row_bytes, bias, y, y_stride, rows, in, out,
-                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS, INVARIANT_ROWS);
+                        (int64_t)in * out >= PARALLEL_MIN_WEIGHTS, invariant ? INVARIANT_ROWS : MAX_ROWS);
 }
 
 /* The same on the calling thread only: a share of the output features for a caller that
@@ -224,7 +216,7 @@ int triode_quant_dequantize(int type, const uint8_t *w, int64_t row_bytes, const
 
 int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *w,
                         int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                        int64_t rows, int in, int64_t out)
+                        int64_t rows, int in, int64_t out, int invariant)
 {
     return NOT_BUILT;
 }
@@ -232,13 +224,6 @@ int triode_quant_linear(int type, const float *x, int64_t x_stride, const uint8_
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                                int64_t rows, int in, int64_t out, int invariant)
-{
-    return NOT_BUILT;
-}
-
-int triode_quant_linear_invariant(int type, const float *x, int64_t x_stride, const uint8_t *w,
-                                  int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
-                                  int64_t rows, int in, int64_t out)
 {
     return NOT_BUILT;
 }
