@@ -352,6 +352,68 @@ def check_silu(ctx: Context, bench, tokens: int, intermediate: int, *, dtype=Non
     return row
 
 
+def check_invariant_linear(ctx: Context, bench, features: int, out_features: int, *, dtype=None) -> Row:
+    """--batch-invariant's linear layer: a row's bits alone and at a random place among 2, 7,
+    64, 300 (and 2048) rows; accuracy and time against torch's matmul (cuBLAS) at the largest."""
+    torch = ctx.torch
+    from triode.kernels.invariant_matmul import invariant_linear_triton
+
+    dtype = dtype or ctx.dtype
+    row = Row("invariant linear", f"{features}->{out_features} {str(dtype)[6:]}")
+    gen = torch.Generator(device=ctx.device).manual_seed(features)
+    weight = (torch.randn(out_features, features, device=ctx.device, generator=gen) / features ** 0.5).to(dtype)
+    x = torch.randn(1, features, device=ctx.device, generator=gen).to(dtype)
+    alone = invariant_linear_triton(x, weight)[0]
+    sizes = (2, 7, 64, 300, 2048) if ctx.gpu else (2, 7, 40)
+    differ = []
+    for size in sizes:
+        batch = torch.randn(size, features, device=ctx.device, generator=gen).to(dtype)
+        place = size // 3
+        batch[place] = x[0]
+        if not torch.equal(invariant_linear_triton(batch, weight)[place], alone):
+            differ.append(size)
+    judge(ctx, row, invariant_linear_triton(batch, weight), batch.float() @ weight.float().T,
+          torch.nn.functional.linear(batch, weight))
+    if differ:
+        row.ok = False
+        row.note = (row.note + f" the row differs among {differ} rows").strip()
+    row.flops = 2.0 * batch.shape[0] * features * out_features
+    row.triton_us = bench(lambda: invariant_linear_triton(batch, weight))
+    row.ref_us = bench(lambda: torch.nn.functional.linear(batch, weight))
+    return row
+
+
+def check_invariant_attention(ctx: Context, name: str, seqs, num_decodes: int, **shape) -> Row:
+    """--batch-invariant's attention: every row of a mixed batch gets the bits of its own decode
+    launched alone (the tiling fixed, whatever the batch)."""
+    torch = ctx.torch
+    from triode.kernels.decode_attention import launch_decode
+    from triode.kernels.invariance import set_batch_invariant
+    from triode.kernels.paged_attention import _rows_as_decodes, paged_attention_triton
+    from triode.kernels.testing import make_paged_batch
+
+    row = Row("invariant attention", f"{name} {str(ctx.dtype)[6:]}")
+    batch = make_paged_batch(seqs, num_decodes=num_decodes, dtype=ctx.dtype, device=ctx.device, seed=7, **shape)
+    md = batch.metadata
+    set_batch_invariant(True)
+    try:
+        out = paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
+        tables, lengths = _rows_as_decodes(md)
+        rows = range(0, out.shape[0], max(1, out.shape[0] // 64))
+        differ = 0
+        for r in rows:
+            alone = torch.empty_like(out[r:r + 1])
+            launch_decode(batch.query[r:r + 1], batch.k_cache, batch.v_cache, tables[r:r + 1], lengths[r:r + 1],
+                          int(lengths[r]), batch.scale, alone, None, None, invariant=True)
+            differ += not torch.equal(alone, out[r:r + 1])
+    finally:
+        set_batch_invariant(False)
+    if differ:
+        row.ok = False
+    row.note = f"{differ} of {len(rows)} rows differ from their decode alone"
+    return row
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -419,6 +481,10 @@ def plan(ctx: Context, bench) -> list[tuple[str, Callable[[], Row]]]:
     cases.append(("rotary", lambda: check_rotary(c, bench, tokens, **({} if ctx.gpu else dict(
         heads=4, kv_heads=2, max_positions=64)))))
     cases.append(("silu_and_mul", lambda: check_silu(c, bench, tokens, intermediate)))
+    cases.append(("invariant linear", lambda: check_invariant_linear(c, bench, hidden, intermediate)))
+    cases.append(("invariant attention", lambda: check_invariant_attention(
+        c, "mixed", variant_mixed, mixed_decodes, head_dim=64, block_size=16,
+        **(dict(kv_heads=8, group=4) if ctx.gpu else dict(kv_heads=2, group=2)))))
     return cases
 
 

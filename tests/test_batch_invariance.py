@@ -2,36 +2,73 @@
 computed alone, inside batches of 2, 7, 64 and 300 rows, or (attention) as a decode or as a
 row of a prefill chunk of any size. That is what makes a request recomputed after a worker
 restart or a preemption, or resumed from the prefix cache, produce the tokens and logprobs
-it would have had (docs/architecture.md, "Batch invariance"). Each reduction the CPU path
-runs is checked with this CPU's build and the AVX2 one; quantized weights in GGUF's layout
-and float weights only with ``set_batch_invariant(True)`` (``--batch-invariant``), which their
-fastest kernels are not (docs/architecture.md)."""
+it would have had (docs/architecture.md, "Batch invariance"). Each reduction is checked on
+every path that runs it: this CPU's build of the C kernels and the AVX2 one, the torch
+references and the Triton kernels (under triton's interpreter). Attention and the row-wise ops
+of the C kernels are invariant as they are; linear layers (but interleaved quantized weights),
+the experts and the other paths with ``set_batch_invariant(True)`` (``--batch-invariant``),
+which their fastest kernels are not (docs/architecture.md)."""
 
 from __future__ import annotations
+
+import contextlib
+import importlib.util
 
 import numpy as np
 import pytest
 import torch
 
 from tests.test_quant_linear import random_blocks
-from triode.kernels.cpu_argmax import argmax_cpu
+from triode import kernels
+from triode.kernels import native
 from triode.kernels.cpu_attention import cpu_decode_available
-from triode.kernels.cpu_elementwise import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
-from triode.kernels.cpu_linear import invariant_linear_cpu
+from triode.kernels.invariance import batch_invariant, set_batch_invariant
 from triode.kernels.metadata import AttentionMetadata
-from triode.kernels.paged_attention import paged_attention_cpu
 from triode.kernels.quant_linear import (
     QuantizedWeight,
-    batch_invariant,
     interleaved_kernels_available,
     quantized_activations,
     quantized_kernels_available,
-    set_batch_invariant,
     set_quantized_activations,
 )
+from triode.kernels.testing import triton_interpreter
 
 BATCHES = (2, 7, 64, 300)
-needs_native = pytest.mark.skipif(not cpu_decode_available(), reason="no C compiler to build the kernels")
+
+
+@pytest.fixture(params=["native", "avx2", "torch", "triton"])
+def path(request):
+    """The kernels that run the op: this CPU's build of the C kernels, the AVX2 one
+    (TRIODE_CPU_ISA=avx2), the torch references or the Triton kernels under the interpreter;
+    the last two with set_batch_invariant(True), as a worker sets it."""
+    name, backend, isa = request.param, kernels.get_backend(), native.cpu_isa()
+    if name in ("native", "avx2") and not cpu_decode_available():
+        pytest.skip("no C compiler to build the kernels")
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    with contextlib.ExitStack() as stack:
+        if name in ("native", "avx2"):
+            native.set_cpu_isa(name)
+        else:
+            kernels.set_backend(name)
+            stack.enter_context(invariant_setting(True))
+        if name == "triton":
+            stack.enter_context(triton_interpreter())
+        try:
+            yield name
+        finally:
+            kernels.set_backend(backend)
+            native.set_cpu_isa(isa)
+
+
+@contextlib.contextmanager
+def invariant_setting(on: bool):
+    previous = batch_invariant()
+    set_batch_invariant(on)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)
 
 
 def _in_batch(row: torch.Tensor, size: int, seed: int) -> tuple[torch.Tensor, int]:
@@ -96,37 +133,76 @@ def _step(cache: Cache, decodes: list[int], chunks: list[int], target: tuple[int
     )
     # The step's own keys are already in the cache (the CPU path reads only the cache).
     key = value = torch.empty((starts[-1], KV_HEADS, DIM), dtype=cache.k.dtype)
-    out = paged_attention_cpu(query, key, value, cache.k, cache.v, metadata, DIM ** -0.5)
+    out = kernels.paged_attention(query, key, value, cache.k, cache.v, metadata, DIM ** -0.5)
     return out, starts[at + 1] - 1
 
 
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_of_a_token_is_the_same_in_any_step(isa, dtype):
-    cache = Cache(dtype)
+def _target_attention(cache: Cache, position: int) -> torch.Tensor:
+    """The target's token at ``position`` attending to its keys up to itself, in float64."""
+    slots = torch.arange(position + 1)
+    blocks = cache.target_blocks[slots // BLOCK]
+    keys = cache.k[blocks, slots % BLOCK].double().repeat_interleave(GROUP, dim=1)  # [len, heads, dim]
+    values = cache.v[blocks, slots % BLOCK].double().repeat_interleave(GROUP, dim=1)
+    scores = torch.einsum("hd,lhd->hl", cache.queries[position].double(), keys) * DIM ** -0.5
+    return torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values)
+
+
+def _interpretable(path: str, dtype: torch.dtype) -> torch.dtype:
+    """triton's interpreter has no bfloat16 matmul (tests/test_kernels.py): float16 there."""
+    return torch.float16 if path == "triton" and dtype == torch.bfloat16 else dtype
+
+
+def _attention_in_steps(path: str, dtype: torch.dtype, batches: tuple[int, ...], chunks: tuple[int, ...],
+                        other_chunks: tuple[int, ...] = (7, 20)) -> int:
+    """The target's last token as a decode alone, among ``batches`` of decodes, and as the last
+    row of prefill chunks of the sizes ``chunks`` beside decodes and ``other_chunks``: the same
+    bits each time. Returns the number of steps compared."""
+    cache = Cache(_interpretable(path, dtype))
     alone, row = _step(cache, [], [], (TARGET_LEN - 1, TARGET_LEN))
     expected = alone[row]
+    torch.testing.assert_close(expected.double(), _target_attention(cache, TARGET_LEN - 1), atol=2e-2, rtol=2e-2)
     seen = 0
-    for size in BATCHES:
+    for size in batches:
         lengths = torch.randint(1, 200, (size - 1,), generator=cache.generator).tolist()
         out, row = _step(cache, lengths, [], (TARGET_LEN - 1, TARGET_LEN))
         assert torch.equal(out[row], expected), f"a decode among {size}"
         seen += 1
-    for chunk in (2, 5, 16, 33, TARGET_LEN):
+    for chunk in chunks:
         for neighbours in ([], [3, 40], [1] * 6):
-            out, row = _step(cache, neighbours, [7, 20], (TARGET_LEN - chunk, TARGET_LEN))
+            out, row = _step(cache, neighbours, list(other_chunks), (TARGET_LEN - chunk, TARGET_LEN))
             assert torch.equal(out[row], expected), f"the last row of a {chunk}-token chunk beside {neighbours}"
             seen += 1
-    assert seen == len(BATCHES) + 5 * 3
+    return seen
 
 
-@needs_native
-def test_every_row_of_a_prefill_is_its_decode(isa):
+CHUNKS = (2, 5, 16, 33, TARGET_LEN)
+
+
+@pytest.mark.parametrize(("path", "dtype"), [
+    *((path, dtype) for path in ("native", "avx2", "torch") for dtype in (torch.float32, torch.bfloat16)),
+    ("triton", torch.float32),
+    pytest.param("triton", torch.bfloat16, marks=pytest.mark.slow),
+], indirect=["path"])
+def test_attention_of_a_token_is_the_same_in_any_step(path, dtype):
+    if path == "triton":  # the interpreter runs one program at a time: the large steps are slow cases
+        steps = _attention_in_steps(path, dtype, BATCHES[:2], (2, 16), other_chunks=(3,))
+        assert steps == 2 + 3 * 2
+    else:
+        assert _attention_in_steps(path, dtype, BATCHES, CHUNKS) == len(BATCHES) + 3 * len(CHUNKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["triton"], indirect=True)
+def test_triton_attention_of_a_token_is_the_same_in_large_steps(path):
+    assert _attention_in_steps(path, torch.float32, BATCHES[2:], CHUNKS) == 2 + 3 * len(CHUNKS)
+
+
+def test_every_row_of_a_prefill_is_its_decode(path):
     """Each token of a one-shot prefill gets the bits of the decode at its position."""
     cache = Cache(torch.float32)
     whole, _ = _step(cache, [5], [], (0, TARGET_LEN))
     first = 1  # the filler decode comes first
-    for position in range(TARGET_LEN):
+    for position in range(0, TARGET_LEN, 7 if path == "triton" else 1):
         decode, row = _step(cache, [], [], (position, position + 1))
         assert torch.equal(whole[first + position], decode[row]), f"position {position}"
 
@@ -134,17 +210,16 @@ def test_every_row_of_a_prefill_is_its_decode(isa):
 # --------------------------------------------------------------------------- per-row ops
 
 ROW_OPS = {
-    "rms_norm": lambda x: rms_norm_cpu(x, torch.linspace(0.5, 1.5, x.shape[1]), 1e-6)[0],
-    "rms_norm_residual": lambda x: torch.cat(rms_norm_cpu(x, torch.linspace(0.5, 1.5, x.shape[1]), 1e-6,
-                                                          x.flip(1).clone()), dim=1),
-    "silu_and_mul": silu_and_mul_cpu,
-    "argmax": lambda x: argmax_cpu(x.round(decimals=1)),  # ties, broken the same way in any batch
+    "rms_norm": lambda x: kernels.rms_norm(x, torch.linspace(0.5, 1.5, x.shape[1]), 1e-6)[0],
+    "rms_norm_residual": lambda x: torch.cat(kernels.rms_norm(x, torch.linspace(0.5, 1.5, x.shape[1]), 1e-6,
+                                                              x.flip(1).clone()), dim=1),
+    "silu_and_mul": kernels.silu_and_mul,
+    "argmax": lambda x: kernels.argmax(x.round(decimals=1)),  # ties, broken the same way in any batch
 }
 
 
-@needs_native
 @pytest.mark.parametrize("op", sorted(ROW_OPS))
-def test_row_wise_ops_are_the_same_in_any_batch(isa, op):
+def test_row_wise_ops_are_the_same_in_any_batch(path, op):
     row = torch.randn(576 * 4, generator=torch.Generator().manual_seed(1))
     compute = ROW_OPS[op]
     expected = compute(row[None].clone())[0]
@@ -153,21 +228,20 @@ def test_row_wise_ops_are_the_same_in_any_batch(isa, op):
         assert torch.equal(compute(batch)[index], expected), f"among {size} rows"
 
 
-@needs_native
-def test_rotary_is_the_same_in_any_batch(isa):
+def test_rotary_is_the_same_in_any_batch(path):
     heads, kv_heads, dim = 9, 3, 64
     generator = torch.Generator().manual_seed(2)
     cos_sin = torch.randn((4096, dim), generator=generator)
     query, key = torch.randn((1, heads, dim), generator=generator), torch.randn((1, kv_heads, dim), generator=generator)
     expected_q, expected_k = query.clone(), key.clone()
-    assert rotary_embedding_cpu(torch.tensor([1234]), expected_q, expected_k, cos_sin)
+    kernels.rotary_embedding(torch.tensor([1234]), expected_q, expected_k, cos_sin)
     for size in BATCHES:
         queries, index = _in_batch(query[0], size, seed=size)
         keys, _ = _in_batch(key[0], size, seed=size)
         keys[index] = key[0]
         positions = torch.randint(0, 4096, (size,), generator=generator)
         positions[index] = 1234
-        assert rotary_embedding_cpu(positions, queries, keys, cos_sin)
+        kernels.rotary_embedding(positions, queries, keys, cos_sin)
         assert torch.equal(queries[index], expected_q[0]) and torch.equal(keys[index], expected_k[0])
 
 
@@ -203,10 +277,8 @@ def test_interleaved_linear_is_the_same_in_any_batch(kind, activations):
 
 @pytest.fixture
 def invariant():
-    previous = batch_invariant()
-    set_batch_invariant(True)
-    yield
-    set_batch_invariant(previous)
+    with invariant_setting(True):
+        yield
 
 
 @pytest.mark.skipif(not quantized_kernels_available(), reason="no quantized kernels (AVX2 and a C compiler)")
@@ -227,17 +299,40 @@ def test_int8_activations_over_gguf_layout_are_refused_when_invariant(activation
         weight.linear(torch.randn(2, 512))
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float_linear_is_the_same_in_any_batch_when_invariant(isa, dtype):
+def test_float_linear_is_the_same_in_any_batch_when_invariant(path, dtype):
     """Float weights under --batch-invariant: the C loop's tiles at every row count (oneDNN,
-    MKL and the few-row loop otherwise each sum in their own order)."""
+    MKL and the few-row loop otherwise each sum in their own order), the fixed-tile Triton
+    matmul, or torch one row at a time."""
+    dtype = _interpretable(path, dtype)
     generator = torch.Generator().manual_seed(5)
     weight, bias = torch.randn((200, 576), generator=generator).to(dtype), torch.randn(200, generator=generator).to(dtype)
     row = torch.randn(576, generator=generator).to(dtype)
-    expected = invariant_linear_cpu(row[None], weight, bias)[0]
-    torch.testing.assert_close(expected.float(), (row.float() @ weight.float().T + bias.float()),
-                               rtol=2e-2, atol=2e-2)
-    for size in BATCHES:
-        batch, index = _in_batch(row, size, seed=size)
-        assert torch.equal(invariant_linear_cpu(batch, weight, bias)[index], expected), f"among {size} rows"
+    with invariant_setting(True):
+        expected = kernels.linear(row[None], weight, bias)[0]
+        torch.testing.assert_close(expected.float(), (row.float() @ weight.float().T + bias.float()),
+                                   rtol=2e-2, atol=2e-2)
+        for size in BATCHES:
+            batch, index = _in_batch(row, size, seed=size)
+            assert torch.equal(kernels.linear(batch, weight, bias)[index], expected), f"among {size} rows"
+
+
+def test_experts_of_a_token_are_the_same_in_any_batch_when_invariant(path):
+    """A mixture-of-experts layer: each expert's matmul over however many tokens chose it, and
+    the token's weighted sum over its experts, in one order."""
+    num_experts, top_k, hidden, intermediate = 8, 2, 64, 96
+    generator = torch.Generator().manual_seed(6)
+    w_gate_up = torch.randn((num_experts, 2 * intermediate, hidden), generator=generator) * 0.2
+    w_down = torch.randn((num_experts, hidden, intermediate), generator=generator) * 0.2
+    row = torch.randn(hidden, generator=generator)
+    router = torch.randn((num_experts, hidden), generator=generator)
+
+    def experts(x):
+        weights, chosen = kernels.route_experts(kernels.linear(x, router), top_k, normalize=True)
+        return kernels.fused_experts(x, weights, chosen, w_gate_up, w_down)
+
+    with invariant_setting(True):
+        expected = experts(row[None])[0]
+        for size in BATCHES:
+            batch, index = _in_batch(row, size, seed=size)
+            assert torch.equal(experts(batch)[index], expected), f"among {size} tokens"

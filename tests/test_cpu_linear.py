@@ -105,7 +105,11 @@ def test_small_float32_weights_take_torch_on_the_calling_thread(monkeypatch):
 
     monkeypatch.setattr(kernels, "serial_linear", recording)
     weight, bias = torch.randn(128, 64), torch.randn(128)
-    available = cpu_linear._mkl_threads_of_this_thread() is not None
+    set_local = cpu_linear._mkl_threads_of_this_thread()
+    available = set_local is not None
+    if available:  # this thread's setting as the test found it (torch.set_num_threads sets it too)
+        before = set_local(0)
+        set_local(before)
     assert serial_linear_supports(torch.randn(4, 64), weight) == available
     assert not serial_linear_supports(torch.randn(4, 256), torch.randn(256, 256))
     assert not serial_linear_supports(torch.randn(4, 64).bfloat16(), weight.bfloat16())
@@ -114,4 +118,4 @@ def test_small_float32_weights_take_torch_on_the_calling_thread(monkeypatch):
         torch.testing.assert_close(kernels.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
     assert taken == ([1, MAX_ROWS, 64, 256] if available else [])
     if available:
-        assert cpu_linear._mkl_threads_of_this_thread()(0) == 0  # no per-thread setting left behind
+        assert set_local(before) == before  # the per-thread setting put back

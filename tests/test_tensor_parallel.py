@@ -13,6 +13,7 @@ any rank is spawned."""
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ import torch
 
 from tests.hf_compare import greedy_params, ours_greedy
 from tests.tp_ranks import Job, run_sharded
-from triode import LLM, EngineArgs, SamplingParams
+from triode import LLM, EngineArgs, SamplingParams, kernels
 from triode.engine.errors import KVCacheTooSmallError
 from triode.engine.model_config import ModelConfig
 from triode.engine.model_files.layout import load_hf_config
@@ -508,3 +509,44 @@ def test_rank_load_error_fails_the_start_and_leaves_no_rank(tiny_model_factory):
     with pytest.raises(KVCacheTooSmallError, match="kv_cache_memory"):
         LLM(str(path), tensor_parallel_size=2, kv_cache_memory=4096, max_model_len=256)
     assert alive_children() <= before
+
+
+def _sum_rank(rank: int, port: int, results) -> None:
+    """One of three ranks: the all-reduce of a row alone and inside a batch of 300."""
+    import types
+
+    import torch.distributed as dist
+
+    from triode.engine.worker.distributed import TensorParallelGroup
+
+    torch.set_num_threads(1)
+    kernels.set_batch_invariant(True)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+        group = types.SimpleNamespace(size=3, collective_seconds=0.0)  # what all_reduce reads
+        generator = torch.Generator().manual_seed(rank)
+        row, batch = torch.randn(1, 4096, generator=generator), torch.randn(300, 4096, generator=generator)
+        batch[123] = row[0]
+        alone = TensorParallelGroup.all_reduce(group, row.clone())[0]
+        results.put((rank, alone, TensorParallelGroup.all_reduce(group, batch)[123], row[0]))
+        dist.destroy_process_group()
+    except BaseException as error:
+        results.put((rank, None, None, repr(error)))
+
+
+def test_three_ranks_sum_a_row_in_rank_order_when_invariant():
+    """--batch-invariant with three ranks: each element summed rank 0, 1, 2 whatever the
+    message's size (gloo's ring chunks a message by its size)."""
+    context = mp.get_context("spawn")
+    results, port = context.Queue(), _free_port()
+    ranks = [context.Process(target=_sum_rank, args=(rank, port, results)) for rank in range(3)]
+    for process in ranks:
+        process.start()
+    outcomes = sorted((results.get(timeout=120) for _ in ranks), key=lambda outcome: outcome[0])
+    for process in ranks:
+        process.join(timeout=30)
+    assert len(outcomes) == 3
+    assert all(alone is not None for _, alone, _, _ in outcomes), outcomes
+    in_rank_order = outcomes[0][3] + outcomes[1][3] + outcomes[2][3]
+    for rank, alone, in_batch, _ in outcomes:
+        assert torch.equal(alone, in_rank_order) and torch.equal(in_batch, in_rank_order), f"rank {rank}"

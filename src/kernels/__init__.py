@@ -45,6 +45,12 @@ from triode.kernels.cpu_linear import (
     small_linear_cpu,
 )
 from triode.kernels.decode_stack import DecodeStack
+from triode.kernels.invariance import (
+    batch_invariant,
+    invariant_linear_reference,
+    set_batch_invariant,
+)
+from triode.kernels.invariant_matmul import invariant_linear_triton
 from triode.kernels.kv_write import write_kv_reference, write_kv_triton
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.moe import fused_experts_reference, fused_experts_triton, route
@@ -57,11 +63,9 @@ from triode.kernels.paged_attention import (
 )
 from triode.kernels.quant_linear import (
     QuantizedWeight,
-    batch_invariant,
     interleaved_kernels_available,
     quantized_activations,
     quantized_kernels_available,
-    set_batch_invariant,
     set_quantized_activations,
 )
 from triode.kernels.rms_norm import rms_norm_reference, rms_norm_triton
@@ -170,12 +174,9 @@ def linear(x, weight, bias=None, packed=None):
     :func:`pack_linear_weight` made it, or None. On a CPU one row goes to the C loop, more
     rows to oneDNN with the packed weight (without one, the C loop takes a few rows; a small
     float32 weight, which the models do not pack, torch's matmul on the calling thread). With
-    :func:`batch_invariant` on a CPU every row count takes the C loop's invariant form."""
-    if batch_invariant() and x.device.type == "cpu":
-        if (out := invariant_linear_cpu(x, weight, bias)) is None:
-            raise RuntimeError(f"no batch-invariant kernel takes a {x.dtype} linear layer of "
-                               f"{list(weight.shape)} here (the C kernels need a compiler)")
-        return out
+    :func:`batch_invariant`, :func:`_invariant_linear`."""
+    if batch_invariant():
+        return _invariant_linear(x, weight, bias)
     if _backend == "auto":
         if packed is None and serial_linear_supports(x, weight):
             return serial_linear(x, weight, bias)
@@ -184,6 +185,16 @@ def linear(x, weight, bias=None, packed=None):
         if packed is not None and packed_linear_supports(x, packed, bias):
             return packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _invariant_linear(x, weight, bias=None):
+    """:func:`linear` with each row's result independent of the other rows: the fixed-tile
+    Triton matmul, on a CPU the C loop's invariant form, else torch one row at a time."""
+    if _use_triton(x):
+        return invariant_linear_triton(x.contiguous(), weight, bias)
+    if _backend == "auto" and (out := invariant_linear_cpu(x, weight, bias)) is not None:
+        return out
+    return invariant_linear_reference(x, weight, bias)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

@@ -39,6 +39,11 @@ __all__ = [
 PROGRAMS_PER_SM = 8
 MIN_PARTITION = 256
 DEFAULT_BLOCK_N = 64
+# The tiling of a batch-invariant launch: every row's context split at the same places and
+# its partitions combined by the same reduction, whatever the batch (the default tiling
+# follows the batch's size and longest context).
+INVARIANT_PARTITION = 256
+INVARIANT_BLOCK_P = 32
 
 
 def decode_attention_reference(
@@ -172,8 +177,10 @@ def launch_decode(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """The launch without the argument checks (the caller has made them)."""
+    """The launch without the argument checks (the caller has made them). ``invariant``: the
+    batch-invariant tiling (a row's bits depend on its own context alone)."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     device = query.device
@@ -181,10 +188,13 @@ def launch_decode(
         return out.zero_() if max_seq_len == 0 else out
     group = num_heads // kv_heads
     block_n = block_n or DEFAULT_BLOCK_N
-    if partition_size is None:
+    if invariant:
+        partition_size, block_n = INVARIANT_PARTITION, DEFAULT_BLOCK_N
+    elif partition_size is None:
         partition_size = choose_partition_size(num_seqs, kv_heads, max_seq_len, block_n, device)
     num_partitions = cdiv(max_seq_len, partition_size)
-    split = num_partitions > 1
+    # one partition writes its output directly, which rounds otherwise than the reduction
+    split = invariant or num_partitions > 1
     block_g = max(16, next_power_of_2(group))
     block_d = max(16, next_power_of_2(head_dim))
     scale_log2e = float(scale) * LOG2E
@@ -207,7 +217,8 @@ def launch_decode(
         decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, seq_lens, out.stride(0), out.stride(1),
             partition_size, num_partitions, max_seq_len,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=min(32, next_power_of_2(num_partitions)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_P=INVARIANT_BLOCK_P if invariant else min(32, next_power_of_2(num_partitions)),
             num_warps=4,
         )
     return out

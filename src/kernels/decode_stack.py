@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from triode.kernels import quant_linear
+from triode.kernels.invariance import batch_invariant
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.native import bind
 from triode.kernels.paged_attention import check_decode_metadata
@@ -174,7 +175,7 @@ class DecodeStack:
         if positions.shape != (tokens,) or slots.shape != (tokens,) or slots.dtype != torch.int64:
             raise ValueError("positions and slot_mapping: one int64 entry per token")
         self._model.activations = _ACTIVATIONS[quant_linear.quantized_activations()]
-        self._model.invariant = quant_linear.batch_invariant()
+        self._model.invariant = batch_invariant()
         failed = ctypes.c_int(0)
         status = self._entry(
             ctypes.byref(self._model), self._layers, hidden.data_ptr(), residual.data_ptr(), tokens,

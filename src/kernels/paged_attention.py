@@ -11,6 +11,10 @@ step's batch (a token recomputed after a restart or a preemption, or read from t
 cache, gets the bits it had), and on this CPU it was faster than the reference's prefill
 (docs/benchmarks.md). The Triton version launches the decode kernel(s) and the prefill kernel
 into one output tensor.
+
+Under :func:`~triode.kernels.invariance.batch_invariant` the other two paths take every row as a
+decode too: the reference one row at a time (its padded batches and prefill chunks sum in
+orders that follow the batch), the Triton one through the decode kernel with its fixed tiling.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from triode.kernels.checks import (
 )
 from triode.kernels.cpu_attention import cpu_decode_supports, paged_decode_cpu
 from triode.kernels.decode_attention import check_tiling, decode_attention_reference, launch_decode
+from triode.kernels.invariance import batch_invariant
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
 
@@ -63,6 +68,8 @@ def paged_attention_reference(
     tanh(s / softcap)."""
     check_score_rules(window, softcap)
     rules = {"window": window, "softcap": softcap}
+    if batch_invariant():
+        return _rows_one_at_a_time(query, k_cache, v_cache, metadata, scale, **rules)
     out = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
@@ -80,6 +87,19 @@ def paged_attention_reference(
             ))
     if num_decodes < metadata.num_seqs:
         prefill_attention_reference(query, key, value, k_cache, v_cache, metadata, scale, out, **rules)
+    return out
+
+
+def _rows_one_at_a_time(query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+                        **rules) -> torch.Tensor:
+    """The reference's batch-invariant form: each row the decode of its own context, alone."""
+    tables, seq_lens = _rows_as_decodes(metadata)
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(query)
+    for row, length in enumerate(seq_lens.tolist()):
+        out[row:row + 1] = decode_attention_reference(
+            query[row:row + 1], k_cache, v_cache, tables[row:row + 1], seq_lens[row:row + 1],
+            -(-length // block_size) * block_size, scale, **rules)
     return out
 
 
@@ -183,7 +203,9 @@ def _rows_as_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.T
     # a row's distance from its chunk's last token, subtracted from the sequence's length
     back = torch.tensor(starts[1:])[owner] - 1 - rows
     lengths = (torch.tensor(metadata.seq_lens_host)[owner] - back).to(torch.int32)
-    return metadata.block_tables.index_select(0, owner).contiguous(), lengths.contiguous()
+    device = metadata.block_tables.device
+    tables = metadata.block_tables.index_select(0, owner.to(device)).contiguous()
+    return tables, lengths.to(device).contiguous()
 
 
 @_once_per_step
@@ -265,7 +287,8 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """Same result as :func:`paged_attention_reference` (reads every key from the cache, so
     the step's keys must have been written first). ``partition_size``/``block_n``/``block_m``
-    override the tiling; ``out`` (optional, [tokens, heads, dim]) receives the result."""
+    override the tiling, except under :func:`batch_invariant`; ``out`` (optional, [tokens,
+    heads, dim]) receives the result."""
     check_attention_args(query, k_cache, v_cache, metadata)
     check_score_rules(window, softcap)
     check_launch_device("query", query)
@@ -280,6 +303,10 @@ def paged_attention_triton(
     else:
         check_tensor("out", out, shape=query.shape, dtype=query.dtype, device=query.device)
     num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs
+    if batch_invariant():
+        tables, seq_lens = _rows_as_decodes(metadata)
+        return launch_decode(query, k_cache, v_cache, tables, seq_lens, metadata.max_seq_len, scale, out,
+                             None, None, window=window, softcap=softcap, invariant=True)
     if num_decodes:
         launch_decode(
             query[:num_decodes], k_cache, v_cache, metadata.block_tables,

@@ -35,6 +35,7 @@ import functools
 import attrs
 import torch
 
+from triode.kernels.invariance import batch_invariant
 from triode.kernels.native import bind, cpu_isa
 
 # GGUF type name -> (GGMLQuantizationType value, weights per block, bytes per block).
@@ -64,7 +65,6 @@ INTERLEAVED_ROWS = 16
 # default model, where int8 ones moved them by 0.25 and changed its answers).
 ACTIVATIONS = ("float32", "int8", "int16")
 _activations = "float32"  # triode.engine.config.EngineArgs.quantized_activations sets it in a worker
-_batch_invariant = False  # triode.engine.config.EngineArgs.batch_invariant sets it in a worker
 
 __all__ = [
     "ACTIVATIONS",
@@ -72,12 +72,10 @@ __all__ = [
     "INTERLEAVED_ROWS",
     "QUANT_TYPES",
     "QuantizedWeight",
-    "batch_invariant",
     "interleaved_kernels_available",
     "interleaving",
     "quantized_activations",
     "quantized_kernels_available",
-    "set_batch_invariant",
     "set_quantized_activations",
 ]
 
@@ -96,17 +94,6 @@ def set_quantized_activations(name: str) -> None:
 
 def quantized_activations() -> str:
     return _activations
-
-
-def set_batch_invariant(on: bool) -> None:
-    """From now on in this process, whether each row's result must be independent of the
-    other rows of a call (at a cost for weights in GGUF's layout past a few rows)."""
-    global _batch_invariant
-    _batch_invariant = bool(on)
-
-
-def batch_invariant() -> bool:
-    return _batch_invariant
 
 
 @functools.cache
@@ -295,10 +282,10 @@ class QuantizedWeight:
             wide = int(_activations != "int8")
             _check(_interleave_entry(cpu_isa())[1](kind, wide, *arguments), f"{self.kind} linear")
             return out
-        if _batch_invariant and _activations == "int8":
+        if batch_invariant() and _activations == "int8":
             raise RuntimeError("int8 activations over weights in GGUF's layout have no batch-invariant "
                                "kernel (their tiles' instantiations may round differently)")
-        if _batch_invariant:
+        if batch_invariant():
             _check(entries[0](kind, *arguments, 1), f"{self.kind} linear")
             return out
         if rows <= FUSED_ROWS:

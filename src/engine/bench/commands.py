@@ -50,11 +50,13 @@ def _attention(namespace: argparse.Namespace) -> int:
 
 
 def _throughput(namespace: argparse.Namespace) -> int:
-    if namespace.compare_async_scheduling:
-        from triode.engine.bench import async_compare
+    if namespace.compare_async_scheduling or namespace.compare_batch_invariant:
+        from triode.engine.bench import setting_compare
 
-        async_compare.run(model=namespace.model, workloads=tuple(namespace.workloads), rounds=namespace.rounds,
-                          dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
+        setting_compare.run(
+            setting="async_scheduling" if namespace.compare_async_scheduling else "batch_invariant",
+            model=namespace.model, workloads=tuple(namespace.workloads), rounds=namespace.rounds,
+            dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
     if namespace.structured:
         from triode.engine.bench import structured
@@ -154,9 +156,12 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                             help="weights and activations of both engines (the targets are float32)")
     throughput.add_argument("--structured", action="store_true",
                             help="W1 with a JSON schema on every request vs W1 unconstrained")
-    throughput.add_argument("--compare-async-scheduling", action="store_true",
-                            help="triode only, async scheduling off vs on, alternated round by round")
-    throughput.add_argument("--rounds", type=int, default=2, help="with --compare-async-scheduling")
+    compare = throughput.add_mutually_exclusive_group()
+    compare.add_argument("--compare-async-scheduling", action="store_true",
+                         help="triode only, async scheduling off vs on, alternated round by round")
+    compare.add_argument("--compare-batch-invariant", action="store_true",
+                         help="triode only, --batch-invariant off vs on, alternated round by round")
+    throughput.add_argument("--rounds", type=int, default=2, help="with --compare-*")
     throughput.add_argument("--shape", choices=sorted(SHAPES), default=None,
                             help="a random-weight checkpoint of this model's shape (in --dtype) instead of --model")
     throughput.add_argument("--output-dir", default="bench-results")

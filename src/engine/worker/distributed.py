@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from triode import kernels
 from triode.engine.tensor_parallel import (
     Rendezvous,
     RendezvousError,
@@ -172,9 +173,19 @@ class TensorParallelGroup:
                 dist.destroy_process_group()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` over the ranks, in place."""
+        """Sums ``x`` over the ranks, in place. Under ``--batch-invariant`` with more than two
+        ranks, in rank order: a ring or tree all-reduce chunks the message by its size, so the
+        order of each element's sum would follow the batch (two ranks' one addition has none)."""
         started = time.perf_counter()
-        torch.distributed.all_reduce(x)
+        if self.size > 2 and kernels.batch_invariant():
+            pieces = [torch.empty_like(x) for _ in range(self.size)]
+            torch.distributed.all_gather(pieces, x.contiguous())
+            total = pieces[0]
+            for piece in pieces[1:]:
+                total = total + piece
+            x.copy_(total)
+        else:
+            torch.distributed.all_reduce(x)
         self.collective_seconds += time.perf_counter() - started
         return x
 

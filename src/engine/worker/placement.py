@@ -60,20 +60,13 @@ def resolve_quantized_activations(name: str) -> str:
     return name
 
 
-def check_batch_invariant(device: torch.device, *, quantized: bool) -> None:
-    """Refuses ``--batch-invariant`` where some kernel would not honour it: a GPU (the Triton
-    kernels are not invariant yet), a CPU without the C kernels (the torch references are not),
-    or int8 activations over ``quantized`` weights in GGUF's layout (their loop's tile sizes
-    round differently)."""
-    reason = None
-    if device.type != "cpu":
-        reason = f"this worker is on {device}, whose Triton kernels are not batch invariant yet"
-    elif not kernels.cpu_attention.cpu_decode_available():
-        reason = "this CPU has no C kernels (they need a C compiler)"
-    elif quantized and kernels.quantized_activations() == "int8" and not kernels.quant_linear.interleaving():
-        reason = "int8 activations over weights in GGUF's layout have no invariant kernel (use float32)"
-    if reason:
-        raise ModelLoadError(f"--batch-invariant cannot be honoured: {reason}")
+def check_batch_invariant(*, quantized: bool) -> None:
+    """Refuses ``--batch-invariant`` where some kernel would not honour it: int8 activations
+    over ``quantized`` weights in GGUF's layout (their loop's tile sizes round differently).
+    Every other path has an invariant form (:mod:`triode.kernels.invariance`)."""
+    if quantized and kernels.quantized_activations() == "int8" and not kernels.quant_linear.interleaving():
+        raise ModelLoadError("--batch-invariant cannot be honoured: int8 activations over weights in "
+                             "GGUF's layout have no invariant kernel (use float32)")
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:

@@ -123,7 +123,7 @@ class ModelRunner:
             parallel=self.parallel, quantized=self.quantized,
         )
         if args.batch_invariant:
-            check_batch_invariant(self.device, quantized=bool(self.quantized))
+            check_batch_invariant(quantized=bool(self.quantized))
         kernels.set_batch_invariant(args.batch_invariant)
         if self.quantized:
             logger.info("%d quantized tensors kept as blocks, %s activations%s", len(self.quantized),

@@ -1,6 +1,6 @@
-"""`triode bench throughput --compare-async-scheduling`: W1 and W1v through ``LLM.generate``
-with async scheduling off and on, two engines side by side, alternated round by round so that
-a machine's drift hits both alike."""
+"""`triode bench throughput --compare-async-scheduling` / `--compare-batch-invariant`: W1 and
+W1v through ``LLM.generate`` with one engine setting off and on, two engines side by side,
+alternated round by round so that a machine's drift hits both alike."""
 
 from __future__ import annotations
 
@@ -11,16 +11,20 @@ from triode.engine.bench.throughput import run_triode
 from triode.engine.bench.workloads import make_workload
 from triode.engine.llm import LLM
 
+# EngineArgs field -> what the report calls it
+SETTINGS = {"async_scheduling": "async scheduling", "batch_invariant": "--batch-invariant"}
 MODES = {"off": False, "on": True}
 
 
-def run(*, model: str | None, workloads: tuple[str, ...] = ("W1", "W1v"), rounds: int = 2,
+def run(*, setting: str, model: str | None, workloads: tuple[str, ...] = ("W1", "W1v"), rounds: int = 2,
         dtype: str = "float32", output_dir: Path = Path("bench-results")) -> dict:
-    print(f"triode bench throughput --compare-async-scheduling ({dtype}, {rounds} rounds) on "
-          f"{machine_description()}")
+    if setting not in SETTINGS:
+        raise ValueError(f"setting: one of {', '.join(SETTINGS)}; got {setting!r}")
+    flag, name_of = f"--compare-{setting.replace('_', '-')}", SETTINGS[setting]
+    print(f"triode bench throughput {flag} ({dtype}, {rounds} rounds) on {machine_description()}")
     runs: dict[str, dict[str, list[dict]]] = {name: {mode: [] for mode in MODES} for name in workloads}
-    engines = {mode: LLM(model, kv_cache_memory="4GiB", max_model_len=1024, dtype=dtype, async_scheduling=flag)
-               for mode, flag in MODES.items()}
+    engines = {mode: LLM(model, kv_cache_memory="4GiB", max_model_len=1024, dtype=dtype, **{setting: on})
+               for mode, on in MODES.items()}
     try:
         for _ in range(rounds):
             for name in workloads:
@@ -39,12 +43,12 @@ def run(*, model: str | None, workloads: tuple[str, ...] = ("W1", "W1v"), rounds
           best[name]["off"], best[name]["on"], f"{best[name]['on'] / best[name]['off']:.2f}x"]
          for name in workloads],
     )
-    results = {"dtype": dtype, "rounds": rounds, "runs": runs, "best": best}
-    write_json(output_dir / "throughput-async-scheduling.json", results)
-    plot_bars(output_dir / "throughput-async-scheduling.png",
-              title=f"LLM.generate output tokens/s, async scheduling off vs on ({dtype}, best of {rounds})",
+    results = {"setting": setting, "dtype": dtype, "rounds": rounds, "runs": runs, "best": best}
+    stem = f"throughput-{setting.replace('_', '-')}"
+    write_json(output_dir / f"{stem}.json", results)
+    plot_bars(output_dir / f"{stem}.png",
+              title=f"LLM.generate output tokens/s, {name_of} off vs on ({dtype}, best of {rounds})",
               y_label="output tokens / s", groups=list(workloads),
-              series={f"async scheduling {mode}": [best[name][mode] for name in workloads] for mode in MODES})
-    print(f"wrote {output_dir / 'throughput-async-scheduling.json'} and "
-          f"{output_dir / 'throughput-async-scheduling.png'}")
+              series={f"{name_of} {mode}": [best[name][mode] for name in workloads] for mode in MODES})
+    print(f"wrote {output_dir / f'{stem}.json'} and {output_dir / f'{stem}.png'}")
     return results
