@@ -80,6 +80,7 @@ def test_json_schema_and_json_object_outputs_validate(client, temperature):
         model=model(client), messages=ASK_PERSON, max_completion_tokens=120, temperature=temperature,
         seed=3, n=2, response_format=json_schema_format(PERSON_SCHEMA),
     )
+    assert len(completion.choices) == 2
     for choice in completion.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), PERSON_SCHEMA)
@@ -90,6 +91,7 @@ def test_json_schema_and_json_object_outputs_validate(client, temperature):
         messages=[{"role": "user", "content": "Give me a JSON object with the keys a and b."}],
         response_format={"type": "json_object"},
     )
+    assert len(completion.choices) == 3
     for choice in completion.choices:
         assert choice.finish_reason == "stop"
         assert isinstance(json.loads(choice.message.content), dict)

@@ -100,6 +100,7 @@ def test_required_at_temperature_one_without_parallel_calls_gives_one_call(clien
         model=model(client), messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
         parallel_tool_calls=False, max_completion_tokens=120, temperature=1.0, seed=2, n=3,
     )
+    assert len(completion.choices) == 3
     for choice in completion.choices:
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         check_calls(choice.message.tool_calls)

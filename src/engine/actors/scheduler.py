@@ -150,6 +150,3 @@ class SchedulerActor:
             in_flight.append(_SubmittedStep(self.supervisor.submit(plan), trio.current_time()))
         self.engine_seconds += time.perf_counter() - timer
 
-    @property
-    def idle_seconds(self) -> float:
-        return self.core.idle_seconds

@@ -113,10 +113,6 @@ class WorkerSupervisor:
         ``await step.result()``, awaited in submission order."""
         return SupervisedStep(self, plan, self._group.submit(plan), self._generation, trio.current_time())
 
-    async def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step on every rank in lockstep and returns rank 0's result."""
-        return await self.submit(plan).result()
-
     async def _supervise(self, step: SupervisedStep) -> StepResult:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead)) from self._dead

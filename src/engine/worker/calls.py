@@ -20,6 +20,5 @@ class WorkerCall:
 
 
 LOAD = WorkerCall("load")
-EXECUTE = WorkerCall("execute")
 SERVE_STEPS = WorkerCall("serve_steps")
 SERVE_RENDEZVOUS = WorkerCall("serve_rendezvous")
