@@ -10,7 +10,7 @@ LOCK := requirements.lock
 PYTEST_ARGS ?=
 # The tools that write the lock, pinned like everything else; they live in a venv of their own.
 LOCK_TOOLS := pip==26.3 pip-tools==7.7.0
-PIP_COMPILE_FLAGS := --quiet --extra test --all-build-deps --allow-unsafe --strip-extras \
+PIP_COMPILE_FLAGS := --quiet --extra bench --extra test --all-build-deps --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links --no-emit-trusted-host
 
 .PHONY: setup serve test test-all test-scenarios test-latest lint lock lock-upgrade bench-step clean

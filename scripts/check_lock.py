@@ -1,5 +1,5 @@
 """Checks that requirements.lock satisfies pyproject.toml: every requirement of triode (its
-dependencies, the `test` extra and the build backend) is pinned in the lock, at a version its range
+dependencies, the `bench` and `test` extras and the build backend) is pinned in the lock, at a version its range
 admits. `make setup` and `make test` run it; a lock that disagrees means pyproject.toml changed
 without `make lock`. With --compare-installed it lists instead the packages that this interpreter
 has at other versions than the lock (`make test-latest` prints that).
@@ -21,13 +21,15 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
+LOCKED_EXTRAS = ("bench", "test")  # the Makefile's `make lock` compiles these in
 
 
 def requirements(pyproject: Path) -> list[Requirement]:
-    """What triode asks for: its dependencies, the test extra and the build system."""
+    """What triode asks for: its dependencies, the extras the lock holds and the build system."""
     config = tomllib.loads(pyproject.read_text())
+    extras = config["project"].get("optional-dependencies", {})
     lines = [*config["project"]["dependencies"],
-             *config["project"].get("optional-dependencies", {}).get("test", []),
+             *(line for extra in LOCKED_EXTRAS for line in extras.get(extra, [])),
              *config["build-system"]["requires"]]
     return [Requirement(line) for line in lines]
 
@@ -49,7 +51,8 @@ def disagreements(pyproject: Path, lock: Path) -> list[str]:
     pinned = pins(lock)
     problems = []
     for requirement in requirements(pyproject):
-        if requirement.marker is not None and not requirement.marker.evaluate({"extra": "test"}):
+        if requirement.marker is not None and not any(
+                requirement.marker.evaluate({"extra": extra}) for extra in LOCKED_EXTRAS):
             continue
         version = pinned.get(canonicalize_name(requirement.name))
         if version is None:

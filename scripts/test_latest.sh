@@ -16,7 +16,7 @@ echo "== a fresh venv in $venv with the newest admitted releases ($torch_pin kep
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "$torch_pin"
-"$venv/bin/python" -m pip install --quiet --upgrade --upgrade-strategy eager --editable '.[test]'
+"$venv/bin/python" -m pip install --quiet --upgrade --upgrade-strategy eager --editable '.[bench,test]'
 
 echo "== versions that differ from requirements.lock"
 "$venv/bin/python" scripts/check_lock.py --compare-installed

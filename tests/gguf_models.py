@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from triode.engine.bench.synthetic_gguf import add_bpe_tokenizer
+from triode.bench.synthetic_gguf import add_bpe_tokenizer
 
 
 def tiny_quantizable_llama(tokenizer) -> LlamaForCausalLM:

@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from tests.driver import Driver
-from triode.engine.bench.report import load_hf_reference
+from triode.bench.report import load_hf_reference
 from triode.engine.config import EngineArgs
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker.runner import ModelRunner

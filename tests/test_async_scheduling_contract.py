@@ -91,10 +91,11 @@ def test_an_abort_while_a_step_is_planned_ahead_spares_the_others(engines, sync_
     assert not ahead.has_unfinished_requests()
 
 
-def test_a_worker_sigkill_while_a_step_is_planned_ahead_loses_nothing(sync_outputs):
+def test_a_worker_sigkill_while_a_step_is_planned_ahead_loses_nothing(sync_outputs, monkeypatch):
     # The worker kills itself as step 6 starts: step 7, planned ahead, waits behind it and is
     # dropped with it; every running sequence is recomputed on the restarted worker.
-    with LLM(async_scheduling=True, fault_plan="crash@6", **OPTIONS) as llm:
+    monkeypatch.setenv("TRIODE_FAULT_PLAN", "crash@6")
+    with LLM(async_scheduling=True, **OPTIONS) as llm:
         outputs = llm.generate(TEXTS, _params(), use_tqdm=False)
         stats = llm.llm_engine.statistics()
     assert [_summary(o) for o in outputs] == [_summary(o) for o in sync_outputs]

@@ -11,8 +11,8 @@ import pytest
 from gguf.quants import dequantize
 
 from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
-from triode.engine.bench.synthetic_gguf import SHAPES, random_blocks, tensor_kinds
-from triode.frontend.bench_peer import decode_weight_bytes, no_eos_bias
+from triode.bench.peer import decode_weight_bytes, no_eos_bias
+from triode.bench.synthetic_gguf import SHAPES, random_blocks, tensor_kinds
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_0", "Q8_0"])
@@ -47,7 +47,7 @@ def test_decode_weight_bytes_and_the_eos_bias(tmp_path, tiny_tokenizer):
 def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path):
     import argparse
 
-    from triode.engine.bench.synthetic_gguf import command
+    from triode.bench.synthetic_gguf import command
 
     target = tmp_path / "new" / "model.bin"
     with pytest.raises(SystemExit, match=r"writes a \.gguf file"):
@@ -57,7 +57,7 @@ def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path):
 
 def test_the_peer_is_built_without_amx_where_the_cpu_reports_it(tmp_path):
     """llama.cpp's AMX matmul died of a general protection fault on such a CPU here."""
-    from triode.frontend.bench_peer import llama_cpp_build_flags
+    from triode.bench.peer import llama_cpp_build_flags
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni amx_tile amx_int8\n")

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from tests.http_server import BIN
-from triode.frontend.bench_load import one_request, open_client
+from triode.bench.load import one_request, open_client
 
 
 @pytest.mark.slow
@@ -103,3 +103,16 @@ async def test_load_generator_records_error_events_and_statuses():
         nursery.cancel_scope.cancel()
     assert not streamed.ok and "boom" in streamed.error
     assert not refused.ok and refused.error.startswith("HTTP 503") and "full" in refused.error
+
+
+def test_a_bench_without_its_extra_is_refused_before_measuring(monkeypatch, capsys):
+    from triode.bench import commands
+    from triode.frontend import cli
+
+    real = commands.importlib.util.find_spec
+    monkeypatch.setattr(commands.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "matplotlib" else real(name, *args))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "step", "--model", "no-such-model"])
+    assert exit_info.value.code == 2
+    assert "triode bench needs matplotlib: pip install 'triode[bench]'" in capsys.readouterr().err

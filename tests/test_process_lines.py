@@ -22,3 +22,32 @@ def test_the_engine_process_imports_no_torch():
 
 def test_worker_modules_import_no_trio():
     assert _imports("triode.engine.worker.process, triode.engine.worker.sampler, triode.engine.worker.calls", "trio") == []
+
+
+def _runtime_modules() -> list[str]:
+    """Every module of the runtime packages but the command line (which registers the tools'
+    subcommands)."""
+    import pkgutil
+
+    import triode
+
+    names = []
+    for package in ("engine", "frontend", "kernels"):
+        module = __import__(f"triode.{package}", fromlist=["__path__"])
+        names += [info.name for info in pkgutil.walk_packages(module.__path__, f"triode.{package}.")
+                  if info.name != "triode.frontend.cli"]
+    assert names and triode.__name__ == "triode"
+    return names
+
+
+def test_the_runtime_imports_no_tool():
+    modules = _runtime_modules()
+    assert len(modules) > 100
+    assert _imports(", ".join(modules), "triode.bench") == []
+    assert _imports(", ".join(modules), "triode.scenarios") == []
+
+
+def test_the_scenario_runner_imports_nothing_of_the_runtime():
+    """It drives servers through their command line, HTTP and signals, as a user would."""
+    for package in ("triode.engine", "triode.frontend", "triode.kernels"):
+        assert _imports("triode.scenarios.command", package) == []

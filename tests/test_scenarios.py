@@ -9,10 +9,10 @@ import attrs
 import pytest
 import trio
 
-from triode.frontend.scenarios.client import Progress
-from triode.frontend.scenarios.command import run_all
-from triode.frontend.scenarios.runner import reference_key
-from triode.frontend.scenarios.spec import ScenarioError, load_scenario, load_scenarios
+from triode.scenarios.client import Progress
+from triode.scenarios.command import run_all
+from triode.scenarios.runner import reference_key
+from triode.scenarios.spec import ScenarioError, load_scenario, load_scenarios
 
 pytestmark = [pytest.mark.default_model]
 

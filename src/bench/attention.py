@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from triode.engine.bench.report import machine_description, plot_lines, print_table, write_json
+from triode.bench.report import machine_description, plot_lines, print_table, write_json
 from triode.kernels.cpu_attention import paged_decode_cpu
 from triode.kernels.paged_attention import paged_attention_cpu
 from triode.kernels.prefill_attention import prefill_attention_reference

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from triode.engine.config import QUANTIZED_ACTIVATIONS
 
+BENCH_EXTRA = ("matplotlib", "psutil")  # pyproject.toml's `bench` extra
+
+
+def missing_bench_extra() -> list[str]:
+    """The packages of the ``bench`` extra this interpreter lacks (checked before a benchmark
+    runs, not after minutes of measuring)."""
+    return [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+
 
 def _step(namespace: argparse.Namespace) -> int:
     if namespace.overhead:
-        from triode.engine.bench import overhead
+        from triode.bench import overhead
 
         overhead.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64, 256)),
                      steps=namespace.steps or 64, model_steps=namespace.model_steps,
                      repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
         return 0
-    from triode.engine.bench import step
+    from triode.bench import step
 
     step.run(
         model=namespace.model,
@@ -34,7 +43,7 @@ def _step(namespace: argparse.Namespace) -> int:
 
 
 def _moe(namespace: argparse.Namespace) -> int:
-    from triode.engine.bench import moe
+    from triode.bench import moe
 
     shape = moe.MoEShape(experts=namespace.experts, top_k=namespace.top_k, expert_size=namespace.expert_size)
     moe.run(batch_sizes=tuple(namespace.batch_sizes), context=namespace.context, steps=namespace.steps,
@@ -43,7 +52,7 @@ def _moe(namespace: argparse.Namespace) -> int:
 
 
 def _attention(namespace: argparse.Namespace) -> int:
-    from triode.engine.bench import attention
+    from triode.bench import attention
 
     attention.run(repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
     return 0
@@ -51,7 +60,7 @@ def _attention(namespace: argparse.Namespace) -> int:
 
 def _throughput(namespace: argparse.Namespace) -> int:
     if namespace.compare_async_scheduling or namespace.compare_batch_invariant:
-        from triode.engine.bench import setting_compare
+        from triode.bench import setting_compare
 
         setting_compare.run(
             setting="async_scheduling" if namespace.compare_async_scheduling else "batch_invariant",
@@ -59,11 +68,11 @@ def _throughput(namespace: argparse.Namespace) -> int:
             dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
     if namespace.structured:
-        from triode.engine.bench import structured
+        from triode.bench import structured
 
         structured.run(model=namespace.model, dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
-    from triode.engine.bench import throughput
+    from triode.bench import throughput
 
     throughput.run(
         model=namespace.model,
@@ -78,7 +87,7 @@ def _throughput(namespace: argparse.Namespace) -> int:
 
 
 def _tp(namespace: argparse.Namespace) -> int:
-    from triode.engine.bench import tp
+    from triode.bench import tp
 
     tp.run(
         model=namespace.model,
@@ -92,7 +101,7 @@ def _tp(namespace: argparse.Namespace) -> int:
 
 
 def _write_gguf(namespace: argparse.Namespace) -> int:
-    from triode.engine.bench import synthetic_gguf
+    from triode.bench import synthetic_gguf
 
     return synthetic_gguf.command(namespace)
 
@@ -105,7 +114,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
     step.add_argument("--steps", type=int, default=None,
                       help="decode steps timed per batch size (default: 8; with --overhead: 64 on the tiny model)")
-    from triode.engine.bench.synthetic_gguf import SHAPES
+    from triode.bench.synthetic_gguf import SHAPES
 
     step.add_argument("--shape", choices=sorted(SHAPES), default=None,
                       help="time a random-weight checkpoint of this model's shape (bfloat16) instead of --model")
@@ -178,7 +187,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
 
-    from triode.engine.bench.synthetic_gguf import FILE_TYPES
+    from triode.bench.synthetic_gguf import FILE_TYPES
 
     write_gguf = benches.add_parser(
         "write-gguf", help="a GGUF file of a real model's shape with random weights (no download)"

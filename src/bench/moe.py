@@ -19,8 +19,8 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from triode.engine.bench.report import machine_description, plot_lines, print_table, write_json
-from triode.engine.bench.step import _context, time_ours
+from triode.bench.report import machine_description, plot_lines, print_table, write_json
+from triode.bench.step import _context, time_ours
 from triode.engine.config import EngineArgs
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.worker.runner import ModelRunner

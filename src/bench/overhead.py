@@ -28,8 +28,8 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from triode.engine.bench.random_models import copy_tokenizer
-from triode.engine.bench.report import machine_description, plot_lines, print_table, write_json
+from triode.bench.random_models import copy_tokenizer
+from triode.bench.report import machine_description, plot_lines, print_table, write_json
 from triode.engine.config import EngineArgs
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.llm_engine import LLMEngine

@@ -37,10 +37,10 @@ _READY_TIMEOUT_S = 600.0
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     import trio
 
-    from triode.engine.bench.report import machine_description, write_json
+    from triode.bench.load import conversations
+    from triode.bench.report import machine_description, write_json
+    from triode.bench.sweep import start_server, stop_server, sweep
     from triode.engine.config import EngineArgs
-    from triode.frontend.bench_load import conversations
-    from triode.frontend.bench_serve import start_server, stop_server, sweep
 
     output_dir = Path(ns.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +228,7 @@ def resident_bytes(pid: int) -> int:
 
 
 def _print_comparison(report: dict[str, Any]) -> None:
-    from triode.engine.bench.report import print_table
+    from triode.bench.report import print_table
 
     rows = []
     for ours, theirs in zip(report["triode"], report["llama_cpp"], strict=True):
@@ -254,7 +254,7 @@ def _ratio(ours: float, theirs: float) -> float | None:
 def _plot(path: Path, report: dict[str, Any]) -> None:
     import matplotlib
 
-    from triode.frontend.bench_serve import save_sweep_figure
+    from triode.bench.sweep import save_sweep_figure
 
     matplotlib.use("Agg")
     from matplotlib import pyplot

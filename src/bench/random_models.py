@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from triode.engine.bench.synthetic_gguf import SHAPES
+from triode.bench.synthetic_gguf import SHAPES
 
 
 def write_random_model(directory: Path, shape_name: str, *, dtype: torch.dtype = torch.bfloat16,

@@ -11,12 +11,11 @@ OpenAI-compatible server (``ignore_eos`` is sent as an extra field, as vLLM acce
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
 
 SERVER_LOG = "serve-server.log"
 
@@ -47,7 +46,7 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
 
 def _command(namespace: argparse.Namespace) -> int:
     if namespace.peer:
-        from triode.frontend import bench_peer
+        from triode.bench import peer as bench_peer
 
         bench_peer.run(namespace)
     else:
@@ -58,8 +57,8 @@ def _command(namespace: argparse.Namespace) -> int:
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     import trio
 
-    from triode.engine.bench.report import machine_description, print_table, write_json
-    from triode.frontend.bench_load import conversations
+    from triode.bench.load import conversations
+    from triode.bench.report import machine_description, print_table, write_json
 
     output_dir = Path(ns.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -116,54 +115,6 @@ def _cell(value: Any) -> Any:
     return "-" if value is None else value
 
 
-async def sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list], *,
-                request_fields: dict[str, Any] | None = None, label: str = "") -> dict[str, Any]:
-    """Every level of ``levels`` against the server at ``base_url``, after one warm-up request."""
-    from tqdm import tqdm
-
-    from triode.frontend.bench_load import one_request, open_client, run_level, served_model
-
-    async with open_client(base_url, ns.api_key) as client:
-        model = ns.model_name or await served_model(client)
-        # First-request costs.
-        warm = await one_request(client, model, levels[min(levels)][0], 4, request_fields)
-        if not warm.ok:
-            raise SystemExit(f"triode: error: the server at {base_url} failed a request: {warm.error}")
-        results = []
-        for concurrency, chats in levels.items():
-            with tqdm(total=len(chats), desc=f"{label}concurrency {concurrency}", unit="req") as progress:
-                results.append(await run_level(client, model, chats, concurrency=concurrency,
-                                               output_tokens=ns.output_tokens, progress=progress,
-                                               request_fields=request_fields))
-    return {"model": model, "levels": results}
-
-
-def start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-c", "import sys; from triode.frontend.cli import main; sys.exit(main())", "serve",
-               *([ns.model] if ns.model else []), "--host", "127.0.0.1", "--port", "0",
-               "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
-               "--dtype", ns.dtype]
-    log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    print(f"starting triode serve (log: {log_path}) ...", flush=True)
-    while process.poll() is None:
-        for line in log_path.read_text().splitlines():
-            if line.startswith("triode: serving ") and " at http://" in line:
-                url = line.split(" at ", 1)[1].split()[0]
-                return process, f"{url}/v1"
-        time.sleep(0.2)
-    raise SystemExit(f"triode: error: the server exited ({process.returncode}); see {log_path}")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def _offline(ns: argparse.Namespace, chats: list, **engine_args: Any) -> dict[str, Any]:
     from triode.engine.llm import LLM
     from triode.engine.sampling_params import SamplingParams
@@ -200,18 +151,3 @@ def _plot(path: Path, levels: list[dict[str, Any]], offline: dict[str, Any] | No
         right.plot(x, [r[key] if r[key] is not None else float("nan") for r in levels], marker="o", label=label)
     right.set(title="Latency", xlabel="concurrent clients", ylabel="ms", yscale="log")
     save_sweep_figure(figure, (left, right), x, path)
-
-
-def save_sweep_figure(figure: Any, axes: Any, concurrency: list[int], path: Path) -> None:
-    """Log-2 concurrency axes with a grid and legend on every axis, then the PNG."""
-    from matplotlib import pyplot
-
-    for axis in axes:
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(concurrency, [str(v) for v in concurrency])
-        axis.grid(True, alpha=0.3)
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    pyplot.close(figure)
-

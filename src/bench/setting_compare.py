@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triode.engine.bench.report import machine_description, plot_bars, print_table, write_json
-from triode.engine.bench.throughput import run_triode
-from triode.engine.bench.workloads import make_workload
+from triode.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.bench.throughput import run_triode
+from triode.bench.workloads import make_workload
 from triode.engine.llm import LLM
 
 # EngineArgs field -> what the report calls it

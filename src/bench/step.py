@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from triode import kernels
-from triode.engine.bench.random_models import copy_bandwidth, weight_bytes, write_random_model
-from triode.engine.bench.report import (
+from triode.bench.random_models import copy_bandwidth, weight_bytes, write_random_model
+from triode.bench.report import (
     load_hf_reference,
     machine_description,
     plot_lines,

@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from triode.engine.bench.random_models import copy_tokenizer, write_random_model
-from triode.engine.bench.report import (
+from triode.bench.random_models import copy_tokenizer, write_random_model
+from triode.bench.report import (
     load_hf_reference,
     machine_description,
     plot_bars,
     print_table,
     write_json,
 )
-from triode.engine.bench.workloads import Workload, make_workload
+from triode.bench.workloads import Workload, make_workload
 from triode.engine.config import EngineArgs
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.llm import LLM

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from triode.engine.bench.report import machine_description, plot_bars, print_table, write_json
-from triode.engine.bench.throughput import timed_generate
-from triode.engine.bench.workloads import Workload, make_workload
+from triode.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.bench.throughput import timed_generate
+from triode.bench.workloads import Workload, make_workload
 from triode.engine.llm import LLM
 
 MiB = 1 << 20

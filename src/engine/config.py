@@ -89,12 +89,6 @@ def _quantization(instance: object, attribute: attrs.Attribute, value: str | Non
                                   field="quantization")
 
 
-def _valid_fault_plan(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from triode.engine.worker.faults import parse_fault_plan
-
-    parse_fault_plan(value)
-
-
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """Everything that configures one engine. Field names match vLLM's where the meaning matches."""
@@ -147,8 +141,6 @@ class EngineArgs:
     # Seconds a request's structured_outputs may take to compile before it is refused (400).
     structured_outputs_compile_timeout: float = attrs.field(default=5.0, validator=_positive)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
-    # Test facility: faults the workers inflict on themselves (see triode.engine.worker.faults).
-    fault_plan: str | None = attrs.field(default=None, validator=_valid_fault_plan)
 
     def __attrs_post_init__(self) -> None:
         if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):

@@ -7,13 +7,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from triode.engine.bench.commands import add_bench_commands
+from triode.bench.commands import add_bench_commands, missing_bench_extra
+from triode.bench.serve import add_bench_serve
 from triode.engine.config import parse_size
 from triode.engine.errors import TriodeError
-from triode.frontend.bench_serve import add_bench_serve
 from triode.frontend.engine_flags import add_engine_flags, engine_args_from
-from triode.frontend.scenarios.command import add_scenario_commands
 from triode.frontend.tool_parsers import TOOL_PARSERS
+from triode.scenarios.command import add_scenario_commands
 
 
 def _serve(namespace: argparse.Namespace) -> int:
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='let the model decide when to call tools (tool_choice "auto"); needs '
                             "--tool-call-parser (default: $TRIODE_ENABLE_AUTO_TOOL_CHOICE or no)")
     add_engine_flags(serve)
+    # once a flag; now refused with where it belongs rather than as an unknown argument
+    serve.add_argument("--fault-plan", help=argparse.SUPPRESS, default=None)
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
@@ -69,7 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    namespace = build_parser().parse_args(argv)
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    if getattr(namespace, "fault_plan", None) is not None:
+        parser.error("--fault-plan is not a serving option: fault injection is a test facility, which "
+                     "`triode scenario run` drives (it sets TRIODE_FAULT_PLAN for the servers it starts; "
+                     "scenarios/README.md)")
+    if namespace.command == "bench" and (missing := missing_bench_extra()):
+        parser.error(f"triode bench needs {', '.join(missing)}: pip install 'triode[bench]'")
     try:
         return namespace.handler(namespace)
     except TriodeError as e:

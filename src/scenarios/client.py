@@ -10,7 +10,7 @@ import attrs
 import httpx2
 import trio
 
-from triode.frontend.scenarios.spec import Workload
+from triode.scenarios.spec import Workload
 
 
 @attrs.frozen(kw_only=True)

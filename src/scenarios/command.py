@@ -11,9 +11,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from triode.frontend.scenarios.judge import Verdict
-from triode.frontend.scenarios.runner import ScenarioRunner
-from triode.frontend.scenarios.spec import ScenarioError, load_scenarios
+from triode.scenarios.judge import Verdict
+from triode.scenarios.runner import ScenarioRunner
+from triode.scenarios.spec import ScenarioError, load_scenarios
 
 _COLUMNS = ("scenario", "verdict", "requests", "lost", "mismatched", "recovery s", "p99 s", "load s", "wall s")
 

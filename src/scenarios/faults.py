@@ -9,7 +9,7 @@ import signal
 import httpx2
 import trio
 
-from triode.frontend.scenarios.server import ServerProcess
+from triode.scenarios.server import ServerProcess
 
 # Bodies (or whole requests) that must each get a 4xx, never a 5xx or a hang.
 _MALFORMED: list[tuple[str, str, bytes, dict[str, str]]] = [

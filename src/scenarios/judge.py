@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from triode.frontend.scenarios.client import RequestResult
-from triode.frontend.scenarios.server import ServerProcess
-from triode.frontend.scenarios.spec import Scenario
+from triode.scenarios.client import RequestResult
+from triode.scenarios.server import ServerProcess
+from triode.scenarios.spec import Scenario
 
 
 @attrs.define

@@ -15,22 +15,22 @@ import signal
 import attrs
 import trio
 
-from triode.frontend.scenarios.client import (
+from triode.scenarios.client import (
     Progress,
     RequestResult,
     RequestSpec,
     build_requests,
     play,
 )
-from triode.frontend.scenarios.faults import alive, malformed_burst, sigkill_worker
-from triode.frontend.scenarios.judge import (
+from triode.scenarios.faults import alive, malformed_burst, sigkill_worker
+from triode.scenarios.judge import (
     Verdict,
     check_server_after,
     judge_requests,
     service_recovery,
 )
-from triode.frontend.scenarios.server import ServerProcess
-from triode.frontend.scenarios.spec import Scenario, Workload
+from triode.scenarios.server import ServerProcess
+from triode.scenarios.spec import Scenario, Workload
 
 # Fields of a workload that decide the greedy outputs; how the requests arrive does not.
 _OUTPUT_FIELDS = ("api", "requests", "prompt_tokens", "prompts", "max_tokens", "temperature", "seed")
@@ -123,7 +123,7 @@ class ScenarioRunner:
                 if shared:
                     server = await self._shared_server(args)
                 else:
-                    server = ServerProcess(args + (["--fault-plan", scenario.fault_plan] if scenario.fault_plan else []))
+                    server = ServerProcess(args, fault_plan=scenario.fault_plan)
                     await server.start()
                 verdict.load_seconds = server.load_seconds
                 pids_seen.update(await server.worker_pids())

@@ -24,10 +24,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[str]) -> None:
+    def __init__(self, args: Sequence[str], *, fault_plan: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
+        # the engine's test hook: its environment, not a serve flag (triode.engine.worker.faults)
+        self.environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.environment.pop("TRIODE_FAULT_PLAN", None)
+        if fault_plan:
+            self.environment["TRIODE_FAULT_PLAN"] = fault_plan
         self._log = tempfile.TemporaryFile()
         self.process: trio.Process | None = None
         self.load_seconds = 0.0
@@ -36,7 +41,7 @@ class ServerProcess:
         command = [sys.executable, "-m", "triode.frontend.cli", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), *self.args]
         self.process = await trio.lowlevel.open_process(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=self.environment
         )
         started = trio.current_time()
         with trio.move_on_after(limit):

@@ -47,6 +47,7 @@ from triode.engine.tensor_parallel import (
     rendezvous_address,
 )
 from triode.engine.worker import calls
+from triode.engine.worker.faults import fault_plan_from_env
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 _CONNECT_SECONDS = 60.0  # from a loaded worker's serving call to its step channel
@@ -155,10 +156,12 @@ class ProcessWorkerGroup:
     """N trio-parallel worker contexts, each with its own CapacityLimiter(1): the default
     limiter is global and would let one rank spawn a second process."""
 
-    def __init__(self, args: EngineArgs, model_path: str, contexts: list[trio_parallel.WorkerContext],
-                 listeners: list[tuple[str, trio.socket.SocketType]], nursery: trio.Nursery) -> None:
+    def __init__(self, args: EngineArgs, model_path: str, fault_plan: str | None,
+                 contexts: list[trio_parallel.WorkerContext], listeners: list[tuple[str, trio.socket.SocketType]],
+                 nursery: trio.Nursery) -> None:
         self.args = args
         self.model_path = model_path
+        self.fault_plan = fault_plan  # tests' and scenarios' (triode.engine.worker.faults)
         self._contexts = contexts
         self._limiters = [trio.CapacityLimiter(1) for _ in contexts]
         self._listeners = listeners  # (address, socket) per rank, for its step channel
@@ -174,13 +177,14 @@ class ProcessWorkerGroup:
     @contextlib.asynccontextmanager
     async def open(cls, args: EngineArgs, model_path: str):
         await trio.to_thread.run_sync(check_before_spawn, args, model_path)
+        fault_plan = fault_plan_from_env()
         async with contextlib.AsyncExitStack() as stack:
             # Ranks past TRIODE_TP_LOCAL_RANKS run on other nodes (followers), not here.
             local = local_rank_count(args.tensor_parallel_size)
             contexts = [await stack.enter_async_context(_worker_context()) for _ in range(local)]
             listeners = [await stack.enter_async_context(open_listener()) for _ in range(local)]
             nursery = await stack.enter_async_context(trio.open_nursery())
-            group = cls(args, model_path, contexts, listeners, nursery)
+            group = cls(args, model_path, fault_plan, contexts, listeners, nursery)
             try:
                 yield group
             finally:
@@ -233,7 +237,7 @@ class ProcessWorkerGroup:
         if size == 1:
             # One rank: no process group at all.
             infos = await self._on_ranks(
-                range(1), lambda rank: (calls.LOAD, (self.args, self.model_path, threads))
+                range(1), lambda rank: (calls.LOAD, (self.args, self.model_path, self.fault_plan, threads))
             )
         else:
             host, port = rendezvous_address()
@@ -246,7 +250,8 @@ class ProcessWorkerGroup:
             )
             infos = await self._on_ranks(
                 range(local),
-                lambda rank: (calls.LOAD, (self.args, self.model_path, threads, rank, rendezvous)),
+                lambda rank: (calls.LOAD, (self.args, self.model_path, self.fault_plan, threads, rank,
+                                           rendezvous)),
             )
         self.infos = tuple(infos)
         self.pids = tuple(info.pid for info in infos)

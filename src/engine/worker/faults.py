@@ -2,8 +2,11 @@
 given engine steps. Normal serving never sets one; it exists so that crash, hang and error
 handling can be exercised through the real worker processes.
 
-Grammar (``EngineArgs.fault_plan`` / ``TRIODE_FAULT_PLAN`` / ``--fault-plan``): a comma-
-separated list of ``KIND@STEP`` or ``KIND@FIRST..LAST``, with KIND one of
+The plan is not an engine argument: a serving deployment has no business setting it. The engine
+process reads it from the ``TRIODE_FAULT_PLAN`` variable of its own environment at start-up
+(where ``triode scenario`` and the tests set it), refuses a malformed one, and hands it to each
+worker it loads. Grammar: a comma-separated list of ``KIND@STEP`` or ``KIND@FIRST..LAST``, with
+KIND one of
 
 - ``crash``: the worker process kills itself with SIGKILL (as an OOM kill would);
 - ``hang``: the step never returns (the step watchdog must fire);
@@ -40,6 +43,16 @@ class Fault:
         return self.first_step <= step_id <= self.last_step
 
 
+FAULT_PLAN_ENV = "TRIODE_FAULT_PLAN"
+
+
+def fault_plan_from_env() -> str | None:
+    """The plan ``TRIODE_FAULT_PLAN`` sets in this process's environment, checked, or None."""
+    text = os.environ.get(FAULT_PLAN_ENV) or None
+    parse_fault_plan(text)
+    return text
+
+
 def parse_fault_plan(text: str | None) -> tuple[Fault, ...]:
     if not text:
         return ()
@@ -53,9 +66,9 @@ def parse_fault_plan(text: str | None) -> tuple[Fault, ...]:
             fault = None
         if fault is None or kind not in KINDS or fault.first_step > fault.last_step or fault.first_step < 0:
             raise InvalidRequestError(
-                f"fault_plan: {item.strip()!r} is not KIND@STEP or KIND@FIRST..LAST with KIND in "
+                f"{FAULT_PLAN_ENV}: {item.strip()!r} is not KIND@STEP or KIND@FIRST..LAST with KIND in "
                 f"{', '.join(KINDS)}",
-                field="fault_plan",
+                field=FAULT_PLAN_ENV,
             )
         faults.append(fault)
     return tuple(faults)

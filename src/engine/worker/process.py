@@ -34,7 +34,7 @@ from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 _runner: ModelRunner | None = None
 _store = None  # rank 0's rendezvous server, kept until the next load
 _feed: PlanFeed | None = None  # rank 0 with followers on other nodes: their plans
-_faults: tuple[Fault, ...] = ()  # EngineArgs.fault_plan (tests and scenarios only)
+_faults: tuple[Fault, ...] = ()  # the engine's TRIODE_FAULT_PLAN (tests and scenarios only)
 
 
 def _end_without_collecting() -> None:
@@ -63,6 +63,7 @@ def serve_rendezvous(host: str, port: int | None, timeout_s: float) -> int:
 def load(
     args: EngineArgs,
     model_path: str,
+    fault_plan: str | None,
     num_threads: int | None = None,
     rank: int = 0,
     rendezvous: Rendezvous | None = None,
@@ -77,7 +78,7 @@ def load(
     if _runner is not None:
         _runner.close()
     _runner = _feed = None
-    _faults = parse_fault_plan(args.fault_plan)
+    _faults = parse_fault_plan(fault_plan)
     store = _store if rendezvous is not None and rank == 0 else None
     if store is not None and rendezvous.has_followers:
         _feed = PlanFeed(store, announce(store, args, rendezvous))
