@@ -13,7 +13,7 @@ LOCK_TOOLS := pip==26.3 pip-tools==7.7.0
 PIP_COMPILE_FLAGS := --quiet --extra bench --extra test --all-build-deps --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links --no-emit-trusted-host
 
-.PHONY: setup serve test test-all test-scenarios test-latest lint lock lock-upgrade bench-step clean
+.PHONY: setup serve test typecheck test-all test-scenarios test-latest lint lock lock-upgrade bench-step clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,11 @@ serve: setup
 # Everything but the cases marked slow (under 15 minutes on two cores); test-all runs those too.
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/typecheck.py
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+typecheck: setup
+	$(BIN)/python scripts/typecheck.py
 
 test-all: setup
 	$(BIN)/ruff check .

@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from triode.engine.actors.messages import AddRequest, NewRequest, SchedulerMessage
-from triode.engine.errors import QueueFull, TriodeError
+from triode.engine.errors import InvalidRequestError, QueueFull, TriodeError
 from triode.engine.inputs import InputProcessor, ProcessedPrompt
 
 
@@ -71,8 +71,11 @@ class IntakeActor:
                 ))
 
     def _process(self, request: AddRequest) -> ProcessedPrompt:
-        prompt = request.chat if request.chat is not None else request.prompt
-        return self.processor.process(prompt, request.params)
+        if request.chat is not None:
+            return self.processor.process(request.chat, request.params)
+        if request.prompt is None:
+            raise InvalidRequestError("a request needs a prompt or a chat", field="prompt")
+        return self.processor.process(request.prompt, request.params)
 
     def statistics(self) -> IntakeStatistics:
         return IntakeStatistics(

@@ -75,8 +75,8 @@ class OutputActor:
                     self._deliver(output)
             case Aborted(request_ids=request_ids):
                 for request_id in request_ids:
-                    if (output := self.processor.abort(request_id, trio.current_time())) is not None:
-                        self._deliver(output)
+                    if (aborted := self.processor.abort(request_id, trio.current_time())) is not None:
+                        self._deliver(aborted)
             case EngineFailed(error=error):
                 for stream in self._streams.values():
                     stream.fail(error)

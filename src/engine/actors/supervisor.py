@@ -111,7 +111,13 @@ class WorkerSupervisor:
     def submit(self, plan: StepPlan) -> SupervisedStep:
         """Sends the plan to every rank now, after those submitted before it; its result is
         ``await step.result()``, awaited in submission order."""
-        return SupervisedStep(self, plan, self._group.submit(plan), self._generation, trio.current_time())
+        return SupervisedStep(self, plan, self._workers.submit(plan), self._generation, trio.current_time())
+
+    @property
+    def _workers(self) -> WorkerGroup:
+        if self._group is None:
+            raise EngineDeadError("the workers were never started (run the supervisor first)")
+        return self._group
 
     async def _supervise(self, step: SupervisedStep) -> StepResult:
         if self._dead is not None:
@@ -121,6 +127,7 @@ class WorkerSupervisor:
             raise WorkerFailure(f"step {plan.step_id} was not run: the workers it was sent to were restarted "
                                 f"after a step before it failed ({self._last_failure})")
         failure: WorkerFailure | None = None
+        cause: BaseExceptionGroup[Exception] | None = None
         try:
             with trio.fail_after(self.args.step_timeout):
                 result = await step.ticket.result()
@@ -131,14 +138,15 @@ class WorkerSupervisor:
         except* WorkerCrashed as group:
             failure, cause = WorkerFailure(f"step {plan.step_id}: {group.exceptions[0]}"), group
         except* StepRaised as group:
-            first = group.exceptions[0]
-            failure, cause = WorkerFailure(f"step {plan.step_id} raised {first.remote_type}: {first}"), group
+            raised = group.exceptions[0]
+            kind = raised.remote_type if isinstance(raised, StepRaised) else type(raised).__name__
+            failure, cause = WorkerFailure(f"step {plan.step_id} raised {kind}: {raised}"), group
         except* Exception as group:
             first = group.exceptions[0]
             failure, cause = WorkerFailure(
                 f"step {plan.step_id} raised {type(first).__name__}: {first}"
             ), group
-        if failure is not None:
+        if failure is not None and cause is not None:  # set together
             if step.generation != self._generation or self.restarting:
                 # A step before it failed (or one beside it, whose result was awaited first)
                 # and restarts the workers: this one was lost with them.
@@ -187,8 +195,8 @@ class WorkerSupervisor:
         self.restarting = True
         self._restarted = trio.Event()
         try:
-            await self._group.kill()
-            self.info = await self._group.load()
+            await self._workers.kill()
+            self.info = await self._workers.load()
         except Exception as e:
             self._dead = EngineDeadError(f"restarting the workers failed after: {failure}")
             raise self._dead from e

@@ -41,7 +41,7 @@ def _without_main_module(original: Callable[[str], dict[str, Any]]) -> Callable[
 def _install() -> None:
     # Both spawn and forkserver Popen look the function up on the module at each start.
     if not hasattr(spawn.get_preparation_data, "triode_original"):
-        spawn.get_preparation_data = _without_main_module(spawn.get_preparation_data)
+        spawn.get_preparation_data = _without_main_module(spawn.get_preparation_data)  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import contextlib
 import math
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import attrs
@@ -54,11 +54,11 @@ _CONNECT_SECONDS = 60.0  # from a loaded worker's serving call to its step chann
 _CLOSE_SECONDS = 5.0
 
 
-async def _first_of(accepting, died):
+async def _first_of(accepting: Awaitable[trio.SocketStream], died: Awaitable[None]) -> trio.SocketStream | None:
     """The accepted stream, or None if the worker's call ended first."""
-    outcome: list = []
+    outcome: list[trio.SocketStream | None] = []
 
-    async def run(awaitable, cancel_scope: trio.CancelScope) -> None:
+    async def run(awaitable: Awaitable[trio.SocketStream | None], cancel_scope: trio.CancelScope) -> None:
         value = await awaitable
         if not outcome:
             outcome.append(value)
@@ -89,7 +89,7 @@ WORKER_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
 
 
 @contextlib.asynccontextmanager
-async def _worker_context():
+async def _worker_context() -> AsyncIterator[trio_parallel.WorkerContext]:
     for name, value in WORKER_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     # On the way out a context reports a worker that was killed (by a fault, or by us after
@@ -127,7 +127,7 @@ class GroupStep:
         if errors:
             crashes = [(rank, e) for rank, e in errors if isinstance(e, WorkerCrashed)]
             raise min(crashes or errors, key=lambda entry: entry[0])[1]
-        results = [p.result for p in self._pendings]
+        results = [p.result for p in self._pendings if p.result is not None]  # each settled with one
         if len(results) == 1:
             return results[0]
         return attrs.evolve(
@@ -175,7 +175,7 @@ class ProcessWorkerGroup:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, args: EngineArgs, model_path: str):
+    async def open(cls, args: EngineArgs, model_path: str) -> AsyncIterator[ProcessWorkerGroup]:
         await trio.to_thread.run_sync(check_before_spawn, args, model_path)
         fault_plan = fault_plan_from_env()
         async with contextlib.AsyncExitStack() as stack:
@@ -193,14 +193,15 @@ class ProcessWorkerGroup:
                 if group._serving is not None:
                     group._serving.cancel()
 
-    async def _run_on(self, rank: int, fn: Callable, *args: Any, kill_on_cancel: bool = False) -> Any:
+    async def _run_on(self, rank: int, fn: Callable[..., Any], *args: Any, kill_on_cancel: bool = False) -> Any:
         # Any call may start the rank's process (the first, and the first after a kill).
         with starting_engine_workers():
             return await self._contexts[rank].run_sync(
                 fn, *args, kill_on_cancel=kill_on_cancel, limiter=self._limiters[rank]
             )
 
-    async def _on_ranks(self, ranks: range, call: Callable[[int], tuple[Callable, tuple]]) -> list:
+    async def _on_ranks(self, ranks: range,
+                        call: Callable[[int], tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
         """Runs ``fn(*args)`` from ``call(rank)`` on each rank at once. The first failure
         cancels (and so kills) the other ranks; a crash is reported before the errors it
         causes on its peers (a collective whose peer died)."""
@@ -256,7 +257,7 @@ class ProcessWorkerGroup:
         self.infos = tuple(infos)
         self.pids = tuple(info.pid for info in infos)
         await self._start_serving()
-        return infos[0]
+        return self.infos[0]
 
     def submit(self, plan: StepPlan) -> GroupStep:
         """Sends ``plan`` to every rank now (after the plans submitted before it)."""
@@ -270,13 +271,13 @@ class ProcessWorkerGroup:
         """Each rank's one long call: run the plans of its step channel (calls.SERVE_STEPS)."""
         # Shielded: an engine that is cancelled closes the channels (open's cleanup), so the
         # workers finish their loop and exit as they would idle; kill() cancels it.
-        self._serving = trio.CancelScope(shield=True)
+        self._serving = serving = trio.CancelScope(shield=True)
         self._served = trio.Event()
         done = [trio.Event() for _ in self._contexts]
 
         async def serve_all(task_status: trio.TaskStatus[list[StepChannel]] = trio.TASK_STATUS_IGNORED) -> None:
             try:
-                with self._serving:
+                with serving:
                     async with trio.open_nursery() as nursery:
                         channels = [await nursery.start(self._serve_rank, rank, done[rank])
                                     for rank in range(len(self._contexts))]

@@ -83,7 +83,8 @@ class IncrementalDetokenizer:
         self.finished = False
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        text: str = self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return text
 
     def update(
         self,

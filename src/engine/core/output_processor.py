@@ -61,13 +61,23 @@ class _Sample:
 
 
 @attrs.define
+class _Timeline:
+    """When a request arrived, was first scheduled, and got its first and latest token."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@attrs.define
 class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     samples: list[_Sample]
-    metrics: dict[str, float | None]
+    timeline: _Timeline
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
@@ -119,8 +129,7 @@ class OutputProcessor:
             prompt_token_ids=tuple(prompt_token_ids),
             params=params,
             samples=samples,
-            metrics={"arrival_time": arrival_time, "first_scheduled_time": None,
-                     "first_token_time": None, "last_token_time": None},
+            timeline=_Timeline(arrival_time),
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self._request_of_seq.update(dict.fromkeys(seq_ids, request_id))
@@ -129,8 +138,8 @@ class OutputProcessor:
         """Records when a step that runs these sequences started (the end of queueing)."""
         for seq_id in seq_ids:
             state = self.requests.get(self._request_of_seq.get(seq_id, ""))
-            if state is not None and state.metrics["first_scheduled_time"] is None:
-                state.metrics["first_scheduled_time"] = when
+            if state is not None and state.timeline.first_scheduled_time is None:
+                state.timeline.first_scheduled_time = when
 
     def process(self, updates: Iterable[SequenceUpdate], now: float) -> ProcessedStep:
         touched: dict[str, _RequestState] = {}
@@ -155,11 +164,11 @@ class OutputProcessor:
         return ProcessedStep(outputs=outputs, stop_string_finished=stops)
 
     def _apply_tokens(self, state: _RequestState, sample: _Sample, update: SequenceUpdate, now: float) -> None:
-        if state.metrics["first_token_time"] is None:
-            state.metrics["first_token_time"] = now
-        state.metrics["last_token_time"] = now
+        if state.timeline.first_token_time is None:
+            state.timeline.first_token_time = now
+        state.timeline.last_token_time = now
         sample.token_ids.extend(update.new_token_ids)
-        if sample.logprobs is not None:
+        if sample.logprobs is not None and sample.cumulative_logprob is not None:
             for entry in update.logprobs:
                 if entry is not None:
                     sample.logprobs.append(self.decode_token.logprobs(entry))
@@ -217,11 +226,10 @@ class OutputProcessor:
             sample.finish_sent = sample.finish_reason is not None
         prompt_logprobs = None
         # Prompt logprobs go out once complete (a chunked prefill delivers them in parts).
-        complete = state.prompt_logprobs is not None and (
-            len(state.prompt_logprobs) >= len(state.prompt_token_ids) or finished
-        )
-        if complete and not (delta and state.prompt_logprobs_sent):
-            prompt_logprobs = list(state.prompt_logprobs)
+        gathered = state.prompt_logprobs
+        complete = gathered is not None and (len(gathered) >= len(state.prompt_token_ids) or finished)
+        if gathered is not None and complete and not (delta and state.prompt_logprobs_sent):
+            prompt_logprobs = list(gathered)
             state.prompt_logprobs_sent = True
         if finished:
             del self.requests[state.request_id]
@@ -235,10 +243,10 @@ class OutputProcessor:
             outputs=tuple(completions),
             finished=finished,
             metrics=RequestMetrics(
-                arrival_time=state.metrics["arrival_time"],
-                first_scheduled_time=state.metrics["first_scheduled_time"],
-                first_token_time=state.metrics["first_token_time"],
-                last_token_time=state.metrics["last_token_time"],
+                arrival_time=state.timeline.arrival_time,
+                first_scheduled_time=state.timeline.first_scheduled_time,
+                first_token_time=state.timeline.first_token_time,
+                last_token_time=state.timeline.last_token_time,
                 finished_time=now if finished else None,
             ),
             num_cached_tokens=state.num_cached_tokens,

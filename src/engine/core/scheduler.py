@@ -309,7 +309,7 @@ class Scheduler:
         token_ids = request.all_token_ids
         sampled_input = end > len(token_ids)  # the token a step in flight samples
         block_ids = request.block_ids
-        new_block_ids = ()
+        new_block_ids: tuple[int, ...] = ()
         if request.num_blocks_sent < len(block_ids):
             new_block_ids = tuple(block_ids[request.num_blocks_sent:])
             request.num_blocks_sent = len(block_ids)

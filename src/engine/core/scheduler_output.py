@@ -15,7 +15,7 @@ class SequenceUpdate(NamedTuple):
 
     seq_id: str
     request_id: str  # the user's request id (the parent of an n > 1 sequence)
-    index: int  # which of the parent's n outputs
+    index: int  # type: ignore[assignment]  # which of the parent's n outputs (vLLM's name; shadows tuple.index)
     new_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] = ()  # one per new token, when requested
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # for prompt tokens this step computed
