@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.http_server import running, triode_serve
+
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +28,21 @@ TIMEOUT_S = 600  # the first run on a fresh machine also downloads and converts 
 CONCURRENT = 3
 
 
-def readme_python_blocks() -> list[str]:
+README_SERVER = "http://127.0.0.1:8000"  # where README's client examples find `make serve`
+
+
+def _readme_blocks() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+
+
+def readme_python_blocks() -> list[str]:
+    """README's examples that run on their own."""
+    return [block for block in _readme_blocks() if README_SERVER not in block]
+
+
+def readme_client_blocks() -> list[str]:
+    """README's examples that talk to the server `make serve` starts."""
+    return [block for block in _readme_blocks() if README_SERVER in block]
 
 
 VLLM_QUICKSTART = """\
@@ -234,6 +249,19 @@ def runs(tiny_model_factory, tmp_path_factory):
 
 def test_readme_has_python_examples():
     assert len(readme_python_blocks()) >= 2
+    assert len(readme_client_blocks()) >= 1
+
+
+def test_readme_client_examples_run_against_the_server(tmp_path):
+    """Against the default model served as `make serve` serves it (on another port here)."""
+    blocks = readme_client_blocks()
+    assert len(blocks) == 1
+    with running(triode_serve(None)) as server:
+        for index, block in enumerate(blocks):
+            result = _run(tmp_path / f"client-{index}", ["client.py"], None,
+                          {"client.py": block.replace(README_SERVER, server.url)})
+            report = f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+            assert result.returncode == 0 and "Paris" in result.stdout, report
 
 
 @pytest.mark.parametrize("name", NAMES)

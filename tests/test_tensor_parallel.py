@@ -528,7 +528,9 @@ def _sum_rank(rank: int, port: int, results) -> None:
         row, batch = torch.randn(1, 4096, generator=generator), torch.randn(300, 4096, generator=generator)
         batch[123] = row[0]
         alone = TensorParallelGroup.all_reduce(group, row.clone())[0]
-        results.put((rank, alone, TensorParallelGroup.all_reduce(group, batch)[123], row[0]))
+        in_batch = TensorParallelGroup.all_reduce(group, batch)[123]
+        # numpy arrays travel by value (a tensor's shared memory would go with the process)
+        results.put((rank, alone.numpy(), in_batch.numpy(), row[0].numpy()))
         dist.destroy_process_group()
     except BaseException as error:
         results.put((rank, None, None, repr(error)))
@@ -547,6 +549,8 @@ def test_three_ranks_sum_a_row_in_rank_order_when_invariant():
         process.join(timeout=30)
     assert len(outcomes) == 3
     assert all(alone is not None for _, alone, _, _ in outcomes), outcomes
-    in_rank_order = outcomes[0][3] + outcomes[1][3] + outcomes[2][3]
+    parts = [torch.from_numpy(outcome[3]) for outcome in outcomes]
+    in_rank_order = parts[0] + parts[1] + parts[2]
     for rank, alone, in_batch, _ in outcomes:
-        assert torch.equal(alone, in_rank_order) and torch.equal(in_batch, in_rank_order), f"rank {rank}"
+        assert torch.equal(torch.from_numpy(alone), in_rank_order), f"rank {rank} alone"
+        assert torch.equal(torch.from_numpy(in_batch), in_rank_order), f"rank {rank} in a batch"
