@@ -1,6 +1,7 @@
 """Script tests: Python code run the way people run it, each in its own interpreter, through
 ``tests/script_runner.py`` (which fails a run that leaves a process behind): every
-```python block of README.md as a file and on stdin, a ``python -c`` one-liner, a script
+```python block of README.md as a file and on stdin (a client example against a served default
+model), a ``python -c`` one-liner, a script
 with a main guard and a module run with ``-m`` without one, scripts in vLLM's documented
 idiom with only the import changed, and an interrupted ``generate``.
 
