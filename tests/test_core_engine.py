@@ -1,6 +1,7 @@
 """Unit tests: the sans-IO engine core (triode.engine.core.engine_core) that both drivers run:
 admission all or none, aborts by the user's id, stop-string finishes, every end-of-sequence
-id, the step cycle with its failure path and idle-time accounting; and the output side's
+id, the step cycle with its failure path and idle-time accounting, the step pipeline (steps out
+with their tickets, dropped on a failure); and the output side's
 vLLM-shaped logprobs (triode.engine.core.output_processor)."""
 
 from __future__ import annotations
@@ -108,6 +109,32 @@ def test_a_failed_step_recomputes_everything_that_ran():
     plan = core.schedule(5.0)  # the idle clock restarted with the failure: nothing counted
     assert [n.output_token_ids for n in plan.new_sequences] == [(1,)]
     assert core.idle_seconds == pytest.approx(0.5)
+
+
+def test_the_pipeline_keeps_two_steps_out_with_async_scheduling_and_drops_them_on_a_failure():
+    scheduler = Scheduler(BlockManager(32, 4, True), max_num_seqs=16, max_num_batched_tokens=256,
+                          max_steps_in_flight=2)
+    core = EngineCore(scheduler, max_model_len=64, eos_token_ids=EOS_IDS)
+    core.add_request("a", [1, 2, 3], params(), arrival_time=0.0)
+    sent: list[StepPlan] = []
+
+    def send(plan: StepPlan) -> str:
+        sent.append(plan)
+        return f"ticket {plan.step_id}"
+
+    core.send_steps(send, 0.5)
+    assert len(sent) == 2  # the next step planned while the first runs
+    assert [step.ticket for step in core.steps_sent()] == [f"ticket {p.step_id}" for p in sent]
+    step, updates = core.complete_step(result_for(sent[0], {"a": 4}), 1.0)
+    assert step.plan is sent[0] and step.started == 0.5 and [u.new_token_ids for u in updates] == [(4,)]
+    assert core.oldest_step().plan is sent[1]
+    core.send_steps(send, 1.0)
+    assert len(sent) == 3 and len(core.steps_sent()) == 2
+    (requeued,) = core.step_failed()
+    assert core.oldest_step() is None and core.steps_sent() == ()
+    assert requeued.request_id == "a" and requeued.num_computed_tokens == 0
+    core.send_steps(send, 2.0)
+    assert len(sent) == 5 and [n.output_token_ids for n in sent[3].new_sequences] == [(4,)]
 
 
 def test_idle_time_counts_only_between_steps_with_work_left():

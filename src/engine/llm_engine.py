@@ -16,14 +16,11 @@ The workers stop on ``close``, when the engine is garbage-collected, or at inter
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
-
-import attrs
 
 from triode.engine.actors.supervisor import WorkerSupervisor
 from triode.engine.config import EngineArgs
@@ -37,13 +34,6 @@ from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.sync_bridge import TrioThread, deferred_keyboard_interrupt
 from triode.engine.worker_messages import StepPlan, StepResult
-
-
-@attrs.frozen
-class _StepInFlight:
-    plan: StepPlan
-    started: float
-    result: concurrent.futures.Future[StepResult]
 
 
 class LLMEngine:
@@ -62,7 +52,6 @@ class LLMEngine:
         self.core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
         self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._in_flight: collections.deque[_StepInFlight] = collections.deque()  # plan order
         self._engine_seconds = 0.0  # in the core and the output processor, for statistics()
         self._dead: EngineDeadError | None = None
 
@@ -107,45 +96,39 @@ class LLMEngine:
         self._check_alive()
         with deferred_keyboard_interrupt():
             started = time.perf_counter()
-            # One step out, or with async scheduling two: the next is planned before we wait.
-            while self.core.can_schedule():
-                plan = self.core.schedule(time.monotonic())
-                if plan is None:
-                    break
-                future = self._loop.submit(lambda plan=plan: self.supervisor.submit(plan).result)
-                self._in_flight.append(_StepInFlight(plan, time.monotonic(), future))
+            self.core.send_steps(self._send, time.monotonic())
             self._engine_seconds += time.perf_counter() - started
-        if not self._in_flight:
+        if (step := self.core.oldest_step()) is None:
             return []
-        step = self._in_flight[0]
         try:
-            result = step.result.result()  # where a KeyboardInterrupt lands: the step goes on
+            result = step.ticket.result()  # where a KeyboardInterrupt lands: the step goes on
         except WorkerFailure:
             with deferred_keyboard_interrupt():
-                self._drop_steps_in_flight()
+                self._collect_steps_sent()
                 self.core.step_failed()
             return []
         except EngineDeadError as error:
-            self._drop_steps_in_flight()
+            self._collect_steps_sent()
             self._dead = error
             raise
         with deferred_keyboard_interrupt():
             started = time.perf_counter()
-            self._in_flight.popleft()
             now = time.monotonic()
+            step, updates = self.core.complete_step(result, now)
             self.outputs.mark_scheduled((s.seq_id for s in step.plan.new_sequences), step.started)
-            processed = self.outputs.process(self.core.update_from_output(result, now), now)
+            processed = self.outputs.process(updates, now)
             for seq_id, stop_string in processed.stop_string_finished:
                 self.core.finish_on_stop_string(seq_id, stop_string)
             self._engine_seconds += time.perf_counter() - started
         return processed.outputs
 
-    def _drop_steps_in_flight(self) -> None:
-        """After a failed step: the steps planned behind it were lost with the restarted
-        workers and fail at once; their outcomes are collected and dropped."""
-        for step in self._in_flight:
-            concurrent.futures.wait([step.result])
-        self._in_flight.clear()
+    def _send(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
+        return self._loop.submit(lambda: self.supervisor.submit(plan).result)
+
+    def _collect_steps_sent(self) -> None:
+        """After a failed step: the steps sent behind it were lost with the restarted workers
+        and fail at once; their outcomes are collected before the core drops them."""
+        concurrent.futures.wait([step.ticket for step in self.core.steps_sent()])
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import time
 
-import attrs
 import trio
 
 from triode.engine.actors.messages import (
@@ -33,15 +32,9 @@ from triode.engine.actors.messages import (
     StepUpdates,
     StopStringFound,
 )
-from triode.engine.actors.supervisor import SupervisedStep, WorkerSupervisor
+from triode.engine.actors.supervisor import WorkerSupervisor
 from triode.engine.core.engine_core import EngineCore
 from triode.engine.errors import EngineDeadError, InvalidRequestError, WorkerFailure
-
-
-@attrs.frozen
-class _SubmittedStep:
-    step: SupervisedStep
-    started: float
 
 
 class SchedulerActor:
@@ -108,45 +101,31 @@ class SchedulerActor:
             await self._to_output.send(self._outbox.popleft())
 
     async def _run_steps(self) -> None:
-        in_flight: collections.deque[_SubmittedStep] = collections.deque()  # plan order
         while True:
             await self._flush()
-            self._submit_steps(in_flight)
-            if not in_flight:
+            timer = time.perf_counter()
+            self.core.send_steps(self.supervisor.submit, trio.current_time())
+            self.engine_seconds += time.perf_counter() - timer
+            if (step := self.core.oldest_step()) is None:
                 await self._work.wait()
                 self._work = trio.Event()
                 continue
-            submitted = in_flight.popleft()
             try:
-                result = await submitted.step.result()
+                result = await step.ticket.result()
             except WorkerFailure:
-                in_flight.clear()  # sent to the workers that were restarted: lost with them
-                self.core.step_failed()
+                self.core.step_failed()  # what was sent behind it went with the restarted workers
                 continue
             except EngineDeadError as error:
-                in_flight.clear()
                 self.dead = error
                 await self._flush()
                 await self._to_output.send(EngineFailed(error=error))
                 return
             now = trio.current_time()
             timer = time.perf_counter()
-            updates = self.core.update_from_output(result, now)
+            step, updates = self.core.complete_step(result, now)
             self.engine_seconds += time.perf_counter() - timer
             await self._flush()  # registrations and aborts first: they came before this result
             await self._to_output.send(StepUpdates(
-                updates=tuple(updates), time=now, started=submitted.started,
-                scheduled=tuple(s.seq_id for s in submitted.step.plan.new_sequences),
+                updates=tuple(updates), time=now, started=step.started,
+                scheduled=tuple(s.seq_id for s in step.plan.new_sequences),
             ))
-
-    def _submit_steps(self, in_flight: collections.deque[_SubmittedStep]) -> None:
-        """Plans steps while the core takes them (one out, or two with async scheduling: the
-        next one is planned while the current one runs) and sends each to the workers."""
-        timer = time.perf_counter()
-        while self.core.can_schedule():
-            plan = self.core.schedule(trio.current_time())
-            if plan is None:
-                break
-            in_flight.append(_SubmittedStep(self.supervisor.submit(plan), trio.current_time()))
-        self.engine_seconds += time.perf_counter() - timer
-

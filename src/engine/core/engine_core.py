@@ -9,16 +9,23 @@ drift apart:
 - admission: a user request becomes its sequences (one per sample), all admitted or none;
 - aborts by the user's request id, stop-string finishes by sequence id, at any time, a step
   in flight included (its result is then ignored for them);
-- ``schedule`` -> ``update_from_output``, or ``step_failed`` when the workers lost the step
-  (every running sequence is recomputed, as after a preemption); with async scheduling a
-  second ``schedule`` while one step is out plans the next one ahead (the workers feed it
-  the tokens the first one samples);
+- the step pipeline: ``send_steps`` plans steps while fewer are out than the engine runs at
+  once (one, or two with async scheduling: the next is planned while the current one runs,
+  and the workers feed it the tokens the first one samples) and hands each plan to the
+  driver's ``send``, keeping what it returns as the step's ticket; ``complete_step`` applies
+  the oldest step's result; ``step_failed`` drops every step in flight when the workers lost
+  one (every running sequence is recomputed, as after a preemption). ``schedule`` and
+  ``update_from_output`` are the two halves of a step underneath;
 - the time the workers sat idle between steps while requests were unfinished.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import collections
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
 
 from triode.engine.config import EngineArgs
 from triode.engine.core.request import Request, RequestStatus, make_requests
@@ -27,6 +34,18 @@ from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
+
+Ticket = TypeVar("Ticket")
+
+
+@attrs.frozen
+class StepInFlight(Generic[Ticket]):
+    """A plan sent to the workers whose result is not applied yet: ``ticket`` is what the
+    driver's ``send`` returned for it (what it waits on for the result), ``started`` when."""
+
+    plan: StepPlan
+    started: float
+    ticket: Ticket
 
 
 class EngineCore:
@@ -38,6 +57,7 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         self.idle_seconds = 0.0  # the workers waited on the engine while requests were unfinished
         self._last_step_end: float | None = None
+        self._in_flight: collections.deque[StepInFlight[Any]] = collections.deque()  # plan order
 
     @classmethod
     def from_engine_args(
@@ -138,10 +158,32 @@ class EngineCore:
         return updates
 
     def step_failed(self) -> list[Request]:
-        """The workers lost the step in flight (and were restarted): every running sequence
-        is recomputed; returns them."""
+        """The workers lost the oldest step in flight (and were restarted), and the steps sent
+        behind it with them: they are dropped, and every running sequence is recomputed;
+        returns those sequences."""
+        self._in_flight.clear()
         self._last_step_end = None
         return self.scheduler.requeue_all_running()
+
+    # ---- the step pipeline ----------------------------------------------------------------
+
+    def send_steps(self, send: Callable[[StepPlan], Ticket], now: float) -> None:
+        """Plans steps while the core takes them and hands each to ``send``, which carries it
+        to the workers and returns its ticket."""
+        while self.can_schedule() and (plan := self.schedule(now)) is not None:
+            self._in_flight.append(StepInFlight(plan, now, send(plan)))
+
+    def oldest_step(self) -> StepInFlight[Any] | None:
+        """The step whose result comes next, or None when none is out."""
+        return self._in_flight[0] if self._in_flight else None
+
+    def steps_sent(self) -> tuple[StepInFlight[Any], ...]:
+        return tuple(self._in_flight)
+
+    def complete_step(self, result: StepResult, now: float) -> tuple[StepInFlight[Any], list[SequenceUpdate]]:
+        """Applies the oldest step's ``result``: that step, and what changed."""
+        step = self._in_flight.popleft()
+        return step, self.update_from_output(result, now)
 
     def statistics(self) -> SchedulerStats:
         return self.scheduler.statistics()
