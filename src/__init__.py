@@ -37,7 +37,7 @@ _EXPORTS = {
     "RequestOutput": "triode.engine.outputs",
     "OutputKind": "triode.engine.sampling_params",
     "SamplingParams": "triode.engine.sampling_params",
-    "StructuredOutputsParams": "triode.engine.structured_outputs",
+    "StructuredOutputsParams": "triode.engine.structured.params",
     "EngineDeadError": "triode.engine.errors",
     "EngineShutdownError": "triode.engine.errors",
     "InvalidRequestError": "triode.engine.errors",
@@ -102,4 +102,4 @@ if TYPE_CHECKING:
     from triode.engine.llm_engine import LLMEngine
     from triode.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from triode.engine.sampling_params import OutputKind, SamplingParams
-    from triode.engine.structured_outputs import StructuredOutputsParams
+    from triode.engine.structured.params import StructuredOutputsParams

@@ -12,9 +12,9 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from triode.engine.reasoning import REASONING_PARSERS
-from triode.frontend.chat_output import ChatOutput
-from triode.frontend.tool_request import ToolPlan
+from triode.engine.structured.reasoning import REASONING_PARSERS
+from triode.frontend.openai.chat_output import ChatOutput
+from triode.frontend.openai.tool_request import ToolPlan
 
 TOOLS = ({"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},

@@ -1,6 +1,6 @@
 """Unit tests: the engine's and the server's settings as users give them. EngineArgs options (an unknown one,
 vLLM-only ones included, is named); what triode reads from a model's config.json and
-generation_config.json (triode.engine.generation_config): every end-of-sequence id, sampling
+generation_config.json (triode.engine.model.generation_config): every end-of-sequence id, sampling
 defaults, the ``--generation-config`` modes, malformed files named in the error; and the
 server's request parsing applying those defaults only to the fields a request leaves unset;
 whether requests may bring a chat template."""
@@ -13,10 +13,10 @@ import pytest
 
 from triode.engine.config import EngineArgs
 from triode.engine.errors import InvalidRequestError, ModelLoadError
-from triode.engine.generation_config import read_generation_defaults
-from triode.frontend.errors import APIError
-from triode.frontend.requests import parse_chat, parse_completion
-from triode.frontend.settings import ServerSettings
+from triode.engine.model.generation_config import read_generation_defaults
+from triode.frontend.openai.errors import APIError
+from triode.frontend.openai.requests import parse_chat, parse_completion
+from triode.frontend.server.settings import ServerSettings
 
 
 def model_dir(tmp_path, config_eos=None, generation=None):

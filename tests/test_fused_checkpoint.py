@@ -9,7 +9,7 @@ import torch
 
 from triode import kernels
 from triode.engine.errors import ModelLoadError
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker.models.fused_checkpoint import unfuse, unfused_names
 
 CONFIG = ModelConfig.from_hf({

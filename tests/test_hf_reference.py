@@ -125,7 +125,7 @@ def test_longrope_rotates_as_transformers_on_both_sides_of_the_pretraining_lengt
     # the long ones past it; triode's cache row of position p is the one for a sequence of p + 1.
     from transformers import AutoModelForCausalLM
 
-    from triode.engine.model_config import ModelConfig
+    from triode.engine.model.config import ModelConfig
     from triode.engine.model_files.layout import load_hf_config
     from triode.engine.worker.models.rope import cos_sin_cache
 

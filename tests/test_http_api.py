@@ -384,7 +384,7 @@ async def test_an_error_after_the_stream_started_is_an_sse_error_event():
     """In-process: the status line is gone once a stream started, so a later failure (here the
     engine dying) becomes an ``event: error`` with OpenAI's error object, then ``[DONE]``."""
     from triode.engine.errors import EngineDeadError
-    from triode.frontend import sse
+    from triode.frontend.openai import sse
 
     async def chunks():
         yield {"choices": [{"index": 0, "text": "Hel"}]}
@@ -400,7 +400,7 @@ async def test_an_error_after_the_stream_started_is_an_sse_error_event():
 
 def test_app_is_importable_without_starting_anything():
     from triode import frontend
-    from triode.frontend.factory import create_app
+    from triode.frontend.server.factory import create_app
 
     assert callable(frontend.app)  # hypercorn's triode.frontend:app, built on first call
     app = create_app()
@@ -412,8 +412,8 @@ def test_health_and_admission_name_the_engine_state():
     """In-process: /health and new requests say loading, dead or draining as a 503."""
     from triode.engine.config import EngineArgs
     from triode.engine.errors import EngineDeadError
-    from triode.frontend.errors import APIError
-    from triode.frontend.lifecycle import EngineHost
+    from triode.frontend.openai.errors import APIError
+    from triode.frontend.server.lifecycle import EngineHost
 
     class DeadEngine:
         def check_health(self) -> None:

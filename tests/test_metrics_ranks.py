@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from triode.engine.engine_stats import EngineStatistics
-from triode.frontend.metrics import ServerMetrics
+from triode.frontend.server.metrics import ServerMetrics
 
 
 def _two_rank_statistics() -> EngineStatistics:

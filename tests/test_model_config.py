@@ -1,4 +1,4 @@
-"""Unit tests: reading a Hugging Face config.json into ModelConfig (triode.engine.model_config), the
+"""Unit tests: reading a Hugging Face config.json into ModelConfig (triode.engine.model.config), the
 rope fields above all: what each rope type reads, the defaults transformers fills in, and the
 errors for what triode does not implement."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from triode.engine.errors import UnsupportedModelError
-from triode.engine.model_config import SUPPORTED_ROPE_TYPES, ModelConfig
+from triode.engine.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
 def llama_config(**fields):

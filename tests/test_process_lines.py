@@ -16,7 +16,7 @@ def _imports(modules: str, forbidden: str) -> list[str]:
 
 
 def test_the_engine_process_imports_no_torch():
-    entry_layers = "triode.engine.llm, triode.engine.llm_engine, triode.engine.async_llm, triode.frontend.factory, triode.frontend.cli"
+    entry_layers = "triode.engine.llm, triode.engine.llm_engine, triode.engine.async_llm, triode.frontend.server.factory, triode.frontend.cli"
     assert _imports(entry_layers, "torch") == []
 
 
@@ -51,3 +51,14 @@ def test_the_scenario_runner_imports_nothing_of_the_runtime():
     """It drives servers through their command line, HTTP and signals, as a user would."""
     for package in ("triode.engine", "triode.frontend", "triode.kernels"):
         assert _imports("triode.scenarios.command", package) == []
+
+
+def test_the_openai_protocol_imports_neither_the_server_nor_the_routes():
+    import pkgutil
+
+    import triode.frontend.openai as protocol
+
+    modules = [info.name for info in pkgutil.walk_packages(protocol.__path__, "triode.frontend.openai.")]
+    assert len(modules) > 10
+    for package in ("triode.frontend.server", "triode.frontend.routes"):
+        assert _imports(", ".join(modules), package) == []

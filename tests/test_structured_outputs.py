@@ -13,8 +13,8 @@ import torch
 
 from triode import SamplingParams, StructuredOutputsParams
 from triode.engine.errors import InvalidRequestError
-from triode.engine.grammar_compiler import GrammarCompiler
-from triode.engine.structured_outputs import grammar_source
+from triode.engine.structured.compiler import GrammarCompiler
+from triode.engine.structured.params import grammar_source
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 
 SCHEMA = {

@@ -28,7 +28,7 @@ from tests.hf_compare import greedy_params, ours_greedy
 from tests.tp_ranks import Job, run_sharded
 from triode import LLM, EngineArgs, SamplingParams, kernels
 from triode.engine.errors import KVCacheTooSmallError
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.tensor_parallel import (
     RendezvousError,

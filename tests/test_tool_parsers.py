@@ -11,7 +11,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from triode.frontend.tool_parsers import TOOL_PARSERS, parse
+from triode.frontend.openai.tool_parsers import TOOL_PARSERS, parse
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 

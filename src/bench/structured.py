@@ -16,7 +16,7 @@ from triode.bench.throughput import timed_generate
 from triode.bench.workloads import Workload, make_workload
 from triode.engine.llm import LLM
 from triode.engine.sampling_params import SamplingParams
-from triode.engine.structured_outputs import StructuredOutputsParams
+from triode.engine.structured.params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

@@ -30,7 +30,7 @@ from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
 from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
-from triode.engine.model_setup import EngineModel, open_engine_model, open_input_processor
+from triode.engine.model.setup import EngineModel, open_engine_model, open_input_processor
 from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
 

@@ -74,7 +74,7 @@ _VLLM_ONLY_ARGS = {
 
 
 def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from triode.engine.reasoning import REASONING_PARSERS
+    from triode.engine.structured.reasoning import REASONING_PARSERS
 
     if value is not None and value not in REASONING_PARSERS:
         raise InvalidRequestError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}; "
@@ -135,7 +135,7 @@ class EngineArgs:
     # "auto": generation_config.json's sampling defaults apply to requests that leave them
     # unset; "vllm": they do not; or a folder whose generation_config.json applies instead.
     generation_config: str = attrs.field(default="auto", validator=_non_empty)
-    # How a reasoning model's <think> part is told from its answer (triode.engine.reasoning): the
+    # How a reasoning model's <think> part is told from its answer (triode.engine.structured.reasoning): the
     # server splits it off, and structured outputs constrain only the answer.
     reasoning_parser: str | None = attrs.field(default=None, validator=_reasoning_parser)
     # Seconds a request's structured_outputs may take to compile before it is refused (400).

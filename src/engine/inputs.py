@@ -15,8 +15,8 @@ import attrs
 from transformers import PreTrainedTokenizerFast
 
 from triode.engine.errors import InvalidRequestError, ModelLoadError
-from triode.engine.grammar_compiler import GrammarCompiler
 from triode.engine.sampling_params import SamplingParams
+from triode.engine.structured.compiler import GrammarCompiler
 
 ChatMessage = Mapping[str, Any]
 

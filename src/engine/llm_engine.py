@@ -29,7 +29,7 @@ from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, WorkerFailure
 from triode.engine.inputs import ChatOptions, PromptInput
-from triode.engine.model_setup import open_engine_model, open_input_processor
+from triode.engine.model.setup import open_engine_model, open_input_processor
 from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.sync_bridge import TrioThread, deferred_keyboard_interrupt

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError
-from triode.engine.structured_outputs import (
+from triode.engine.structured.params import (
     StructuredOutputsParams,  # vLLM imports it from here too
 )
 

@@ -24,7 +24,7 @@ import attrs
 from triode.engine.errors import InvalidRequestError, TriodeError
 
 if TYPE_CHECKING:
-    from triode.engine.model_config import ModelConfig
+    from triode.engine.model.config import ModelConfig
 
 MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"

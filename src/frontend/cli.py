@@ -12,14 +12,14 @@ from triode.bench.serve import add_bench_serve
 from triode.engine.config import parse_size
 from triode.engine.errors import TriodeError
 from triode.frontend.engine_flags import add_engine_flags, engine_args_from
-from triode.frontend.tool_parsers import TOOL_PARSERS
+from triode.frontend.openai.tool_parsers import TOOL_PARSERS
 from triode.scenarios.command import add_scenario_commands
 
 
 def _serve(namespace: argparse.Namespace) -> int:
-    from triode.frontend import serve
-    from triode.frontend.factory import create_app
-    from triode.frontend.settings import ServerSettings
+    from triode.frontend.server import serve
+    from triode.frontend.server.factory import create_app
+    from triode.frontend.server.settings import ServerSettings
 
     model = namespace.model_positional or namespace.model
     args = engine_args_from(namespace, **({"model": model} if model else {}))

@@ -37,7 +37,7 @@ from triode.engine.actors.step_channel import (
 )
 from triode.engine.actors.worker_spawn import starting_engine_workers
 from triode.engine.config import EngineArgs
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.tensor_parallel import (
     Rendezvous,

@@ -43,7 +43,7 @@ from triode.engine.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
-    from triode.engine.model_config import ModelConfig
+    from triode.engine.model.config import ModelConfig
 
 
 @attrs.frozen(kw_only=True)

@@ -19,8 +19,8 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
-from triode.engine.grammar_compiler import open_grammar_tokenizer
-from triode.engine.structured_outputs import StructuredOutputsParams, grammar_source
+from triode.engine.structured.compiler import open_grammar_tokenizer
+from triode.engine.structured.params import StructuredOutputsParams, grammar_source
 
 _COMPILED_KEPT = 128
 _NEG_INF = float("-inf")

@@ -10,7 +10,7 @@ import torch
 from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import InvalidRequestError, ModelLoadError
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

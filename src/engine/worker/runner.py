@@ -20,7 +20,7 @@ from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import blocks_in_use_at_most
 from triode.engine.errors import KVCacheTooSmallError
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.tensor_parallel import Rendezvous

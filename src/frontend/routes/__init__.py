@@ -10,8 +10,8 @@ import attrs
 from quart import Quart, current_app, g, request
 
 from triode.engine.inputs import ChatOptions
-from triode.frontend.errors import APIError
-from triode.frontend.lifecycle import EngineHost
+from triode.frontend.openai.errors import APIError
+from triode.frontend.server.lifecycle import EngineHost
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 

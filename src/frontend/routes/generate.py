@@ -12,13 +12,19 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, current_app, jsonify, request
 
-from triode.frontend import generation, sse
-from triode.frontend.request_body import read_json_object
-from triode.frontend.requests import ChatServing, GenerationRequest, parse_chat, parse_completion
-from triode.frontend.responses import ResponseBuilder
+from triode.frontend.openai import sse
+from triode.frontend.openai.request_body import read_json_object
+from triode.frontend.openai.requests import (
+    ChatServing,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
+from triode.frontend.openai.responses import ResponseBuilder
 from triode.frontend.routes import (
     check_chat_template,
     check_model,
+    generation,
     host,
     request_id,
     with_server_chat_template,

@@ -7,8 +7,8 @@ from importlib import metadata
 
 from quart import Blueprint, Response, jsonify
 
-from triode.frontend.metrics import CONTENT_TYPE
 from triode.frontend.routes import check_model, host
+from triode.frontend.server.metrics import CONTENT_TYPE
 
 blueprint = Blueprint("info", __name__)
 _STARTED = int(time.time())

@@ -8,9 +8,9 @@ import trio
 from quart import Blueprint, Response, jsonify, request
 
 from triode.engine.errors import InvalidRequestError
-from triode.frontend.errors import bad_request, from_engine_error
-from triode.frontend.request_body import Reader, read_json_object
-from triode.frontend.requests import parse_chat_options
+from triode.frontend.openai.errors import bad_request, from_engine_error
+from triode.frontend.openai.request_body import Reader, read_json_object
+from triode.frontend.openai.requests import parse_chat_options
 from triode.frontend.routes import check_chat_template, check_model, host, with_server_chat_template
 
 blueprint = Blueprint("tokens", __name__)

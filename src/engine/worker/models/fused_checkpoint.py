@@ -14,7 +14,7 @@ import torch
 
 from triode import kernels
 from triode.engine.errors import ModelLoadError
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker.models.weight_loading import CheckpointSlice
 
 Tensor = torch.Tensor | kernels.QuantizedWeight

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
 from triode.engine.worker.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from triode import kernels
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
 from triode.engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
 from triode.engine.worker.models.layers import Embedding, Linear, RMSNorm, interleaved_parts

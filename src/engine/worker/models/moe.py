@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from triode import kernels
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
 from triode.engine.worker.models.layers import joined_parts
 from triode.kernels.moe import fused_experts_reference

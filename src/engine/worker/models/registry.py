@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from triode.engine.errors import UnsupportedModelError
-from triode.engine.model_config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
+from triode.engine.model.config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
 from triode.engine.worker.models.fused_checkpoint import unfuse, unfused_names
 from triode.engine.worker.models.gemma import GemmaForCausalLM

@@ -15,7 +15,7 @@ from torch import nn
 
 from triode import kernels
 from triode.engine.errors import ModelLoadError
-from triode.engine.model_config import ModelConfig
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import Partition
 from triode.engine.worker.models.layers import Embedding, QuantizedParts
 from triode.engine.worker.models.moe import EXPERT_PARTS, SparseMoE, expert_tensor

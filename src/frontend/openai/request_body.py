@@ -13,10 +13,10 @@ import attrs
 from quart import Request
 
 from triode.engine.errors import InvalidRequestError
-from triode.engine.generation_config import GenerationDefaults
+from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import OutputKind, SamplingParams
-from triode.engine.structured_outputs import StructuredOutputsParams
-from triode.frontend.errors import bad_request, from_engine_error
+from triode.engine.structured.params import StructuredOutputsParams
+from triode.frontend.openai.errors import bad_request, from_engine_error
 
 log = logging.getLogger("triode.frontend")
 

@@ -10,8 +10,8 @@ import json
 import random
 import string
 
-from triode.engine.streaming_text import split_at
-from triode.frontend.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
+from triode.engine.structured.streaming_text import split_at
+from triode.frontend.openai.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ID_CHARACTERS = string.ascii_letters + string.digits

@@ -19,7 +19,7 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import LifespanFailureError, wrap_app
 from quart_trio import QuartTrio
 
-from triode.frontend.lifecycle import ABORT_GRACE_SECONDS, EngineHost
+from triode.frontend.server.lifecycle import ABORT_GRACE_SECONDS, EngineHost
 
 log = logging.getLogger("triode.frontend")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from triode.frontend.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
+from triode.frontend.openai.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
 
 PYTHON_TAG = "<|python_tag|>"
 

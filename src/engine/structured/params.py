@@ -1,7 +1,7 @@
 """What a request's output must match: vLLM's ``StructuredOutputsParams``, one constraint per
 request (a JSON schema, any JSON object, a regular expression, a choice among strings, or a
 Lark grammar), checked for shape here, compiled and bounded in time before anything is
-scheduled (``triode.engine.grammar_compiler``), and enforced token by token in the worker
+scheduled (``triode.engine.structured.compiler``), and enforced token by token in the worker
 (``triode.engine.worker.grammar``).
 
 The class is plain data, so it travels inside ``SamplingParams`` to the worker; both
@@ -146,6 +146,6 @@ def grammar_source(params: StructuredOutputsParams, reasoning_parser: str | None
                      params.disable_additional_properties)
     if reasoning_parser is None:
         return source
-    from triode.engine.reasoning import after_reasoning
+    from triode.engine.structured.reasoning import after_reasoning
 
     return after_reasoning(reasoning_parser, source)

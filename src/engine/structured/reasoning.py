@@ -19,7 +19,7 @@ import json
 
 import attrs
 
-from triode.engine.streaming_text import held_prefix
+from triode.engine.structured.streaming_text import held_prefix
 
 START, END = "<think>", "</think>"
 

@@ -20,11 +20,11 @@ import attrs
 
 from triode.engine.errors import InvalidRequestError
 from triode.engine.inputs import checked_tools
-from triode.engine.structured_outputs import StructuredOutputsParams
-from triode.frontend.errors import bad_request, from_engine_error
-from triode.frontend.request_body import Reader
-from triode.frontend.tool_parsers import ToolCall
-from triode.frontend.tool_parsers.base import new_call_id
+from triode.engine.structured.params import StructuredOutputsParams
+from triode.frontend.openai.errors import bad_request, from_engine_error
+from triode.frontend.openai.request_body import Reader
+from triode.frontend.openai.tool_parsers import ToolCall
+from triode.frontend.openai.tool_parsers.base import new_call_id
 
 _MODES = ("none", "auto", "required")
 

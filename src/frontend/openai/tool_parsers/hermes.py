@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 
-from triode.engine.streaming_text import split_at
-from triode.frontend.tool_parsers.base import ToolCallParser, call_from_object
+from triode.engine.structured.streaming_text import split_at
+from triode.frontend.openai.tool_parsers.base import ToolCallParser, call_from_object
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -1,7 +1,7 @@
 """How transformers reads the fields of a config.json that ModelConfig holds, per architecture:
 its defaults, which layers slide, the rope (per layer type for Gemma 3), Phi-3's partial rotary,
 the mixture-of-experts fields; and the errors for a field triode does not implement, naming it
-and its value. triode.engine.model_config builds the ModelConfig from these."""
+and its value. triode.engine.model.config builds the ModelConfig from these."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The two generation request shapes: ``/v1/completions`` and ``/v1/chat/completions``.
 
 Each parses a decoded JSON body into prompts (or a chat) and one SamplingParams, with the
-output constraint (``response_format``, ``structured_outputs``: ``triode.frontend.structured_request``)
-in it; a chat also reads its tools (``triode.frontend.tool_request``) and its messages' tool calls
+output constraint (``response_format``, ``structured_outputs``: ``triode.frontend.openai.structured_request``)
+in it; a chat also reads its tools (``triode.frontend.openai.tool_request``) and its messages' tool calls
 and tool results. Fields we do not implement (the legacy ``functions``, best_of, suffix) get
 a 400 that says so; unknown fields are ignored and logged once. Sampling fields a request
 leaves unset take the model's generation_config.json defaults (``--generation-config auto``,
@@ -16,13 +16,13 @@ from typing import Any
 
 import attrs
 
-from triode.engine.generation_config import GenerationDefaults
 from triode.engine.inputs import ChatOptions
+from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import SamplingParams
-from triode.frontend.errors import bad_request
-from triode.frontend.request_body import Reader, StreamOptions, read_sampling, read_stream
-from triode.frontend.structured_request import read_constraint
-from triode.frontend.tool_request import ToolPlan, read_tools
+from triode.frontend.openai.errors import bad_request
+from triode.frontend.openai.request_body import Reader, StreamOptions, read_sampling, read_stream
+from triode.frontend.openai.structured_request import read_constraint
+from triode.frontend.openai.tool_request import ToolPlan, read_tools
 
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024  # prompts x n in one request

@@ -11,15 +11,15 @@ from typing import Any
 
 import attrs
 
-from triode.engine.reasoning import REASONING_PARSERS, ReasoningDelta, ReasoningParser
-from triode.frontend.tool_parsers import (
+from triode.engine.structured.reasoning import REASONING_PARSERS, ReasoningDelta, ReasoningParser
+from triode.frontend.openai.tool_parsers import (
     TOOL_PARSERS,
     ParserDelta,
     ToolCall,
     ToolCallDelta,
     ToolCallParser,
 )
-from triode.frontend.tool_request import ToolPlan
+from triode.frontend.openai.tool_request import ToolPlan
 
 
 @attrs.frozen

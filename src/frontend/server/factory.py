@@ -21,11 +21,11 @@ from quart_trio.asgi import TrioASGILifespan
 
 from triode.engine.config import EngineArgs
 from triode.engine.errors import TriodeError
-from triode.frontend.auth import install_auth
-from triode.frontend.errors import register_error_handlers
-from triode.frontend.lifecycle import EngineHost
+from triode.frontend.openai.errors import register_error_handlers
 from triode.frontend.routes import register_routes
-from triode.frontend.settings import ServerSettings
+from triode.frontend.server.auth import install_auth
+from triode.frontend.server.lifecycle import EngineHost
+from triode.frontend.server.settings import ServerSettings
 
 TRIO_REQUIRED = (
     "triode's HTTP server runs on trio, and this ASGI server is not running a trio event loop: "

@@ -3,16 +3,16 @@ tool-call markup into OpenAI's ``tool_calls``, streamed or whole (``base``)."""
 
 from __future__ import annotations
 
-from triode.frontend.tool_parsers.base import (
+from triode.frontend.openai.tool_parsers.base import (
     ParserDelta,
     ToolCall,
     ToolCallDelta,
     ToolCallParser,
     parse,
 )
-from triode.frontend.tool_parsers.hermes import HermesToolParser
-from triode.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
-from triode.frontend.tool_parsers.mistral import MistralToolParser
+from triode.frontend.openai.tool_parsers.hermes import HermesToolParser
+from triode.frontend.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from triode.frontend.openai.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)

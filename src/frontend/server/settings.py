@@ -38,7 +38,7 @@ _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "fals
 
 
 def _tool_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    from triode.frontend.tool_parsers import TOOL_PARSERS
+    from triode.frontend.openai.tool_parsers import TOOL_PARSERS
 
     if value is not None and value not in TOOL_PARSERS:
         raise InvalidRequestError(f"tool_call_parser: expected one of {', '.join(sorted(TOOL_PARSERS))}, "

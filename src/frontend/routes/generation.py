@@ -16,9 +16,9 @@ import trio
 
 from triode.engine.errors import TriodeError
 from triode.engine.outputs import RequestOutput
-from triode.frontend.errors import APIError, from_engine_error
-from triode.frontend.lifecycle import EngineHost
-from triode.frontend.requests import GenerationRequest
+from triode.frontend.openai.errors import APIError, from_engine_error
+from triode.frontend.openai.requests import GenerationRequest
+from triode.frontend.server.lifecycle import EngineHost
 
 
 @attrs.define

@@ -16,14 +16,14 @@ from triode.engine.async_llm import AsyncLLM
 from triode.engine.config import EngineArgs
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.errors import EngineDeadError
-from triode.engine.generation_config import GenerationDefaults
 from triode.engine.inputs import ChatOptions, PromptInput
+from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
-from triode.frontend.errors import APIError, shutting_down
-from triode.frontend.logprobs import TokenText
-from triode.frontend.metrics import ServerMetrics
-from triode.frontend.settings import served_model_name
+from triode.frontend.openai.errors import APIError, shutting_down
+from triode.frontend.openai.logprobs import TokenText
+from triode.frontend.server.metrics import ServerMetrics
+from triode.frontend.server.settings import served_model_name
 
 log = logging.getLogger("triode.frontend")
 

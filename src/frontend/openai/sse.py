@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from triode.frontend.errors import from_engine_error
+from triode.frontend.openai.errors import from_engine_error
 
 DONE = b"data: [DONE]\n\n"
 CONTENT_TYPE = "text/event-stream; charset=utf-8"

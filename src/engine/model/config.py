@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import UnsupportedModelError
-from triode.engine.hf_config_fields import (
+from triode.engine.model.hf_fields import (
     ACTIVATIONS,
     DEFAULTS,
     GEMMA,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from quart import Quart, request
 
-from triode.frontend.errors import APIError
+from triode.frontend.openai.errors import APIError
 
 PROTECTED_PREFIX = "/v1"
 

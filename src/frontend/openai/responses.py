@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 from triode.engine.outputs import CompletionOutput, RequestOutput
-from triode.frontend.chat_output import ChatOutput, MessageDelta
-from triode.frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
-from triode.frontend.requests import GenerationRequest
+from triode.frontend.openai.chat_output import ChatOutput, MessageDelta
+from triode.frontend.openai.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from triode.frontend.openai.requests import GenerationRequest
 
 
 class ResponseBuilder:

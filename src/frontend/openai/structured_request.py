@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError
-from triode.engine.structured_outputs import FIELD, StructuredOutputsParams
-from triode.frontend.errors import bad_request, from_engine_error
-from triode.frontend.request_body import Reader
+from triode.engine.structured.params import FIELD, StructuredOutputsParams
+from triode.frontend.openai.errors import bad_request, from_engine_error
+from triode.frontend.openai.request_body import Reader
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

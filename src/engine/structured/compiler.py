@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from triode.engine.errors import InvalidRequestError
-from triode.engine.structured_outputs import FIELD, StructuredOutputsParams, grammar_source
+from triode.engine.structured.params import FIELD, StructuredOutputsParams, grammar_source
 
 _REMEMBERED = 512  # compiled (or refused) constraints remembered by their source
 

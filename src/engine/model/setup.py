@@ -10,15 +10,15 @@ from typing import Any
 import attrs
 
 from triode.engine.config import EngineArgs
-from triode.engine.generation_config import GenerationDefaults, read_generation_defaults
-from triode.engine.grammar_compiler import GrammarCompiler
 from triode.engine.inputs import (
     TOOL_TEMPLATE_NAME,
     InputProcessor,
     load_tokenizer,
     template_reads_tools,
 )
+from triode.engine.model.generation_config import GenerationDefaults, read_generation_defaults
 from triode.engine.model_files.resolve import resolve_model
+from triode.engine.structured.compiler import GrammarCompiler
 from triode.engine.worker_messages import WorkerInfo
 
 log = logging.getLogger("triode.engine")
