@@ -560,13 +560,6 @@ def test_request_that_cannot_fit_alone_is_rejected_at_add():
     drain(scheduler, FakeWorker(2, 4))
 
 
-def test_duplicate_request_id_is_rejected():
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", [1]))
-    with pytest.raises(InvalidRequestError, match="request_id"):
-        scheduler.add_request(make_request("a", [2]))
-
-
 # ---- aborts and external finishes ------------------------------------------------------------
 
 

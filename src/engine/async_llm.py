@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -41,6 +41,16 @@ _ACTOR_CHANNEL_SIZE = 64
 _ABORT_SEND_TIMEOUT = 10.0
 
 
+class RequestObserver(Protocol):
+    """What watches the requests of an :class:`AsyncLLM` (the server's metrics)."""
+
+    def opened(self, request_id: str, params: SamplingParams) -> None: ...
+
+    def output(self, output: RequestOutput) -> None: ...
+
+    def closed(self, request_id: str) -> None: ...
+
+
 class AsyncLLM:
     def __init__(self, *, args: EngineArgs, model: EngineModel, supervisor: WorkerSupervisor,
                  intake: IntakeActor, scheduler: SchedulerActor, output: OutputActor,
@@ -54,7 +64,12 @@ class AsyncLLM:
         self.scheduler = scheduler
         self.output = output
         self._to_scheduler = to_scheduler
+        # The one table of open requests on the async path: the id check, the drain's idle
+        # signal (_idle) and the observers (metrics) all work from it.
         self._open: dict[str, RequestStream] = {}  # this client side's generate() calls
+        self._idle = trio.Event()
+        self._idle.set()
+        self._observers: list[RequestObserver] = []
         self._accepting = True
         info = supervisor.info
         self.max_model_len = info.max_model_len
@@ -137,6 +152,9 @@ class AsyncLLM:
             params=params, priority=priority, arrival_time=trio.current_time(), stream=stream,
         ))
         self._open[request_id] = stream
+        self._idle = trio.Event() if len(self._open) == 1 else self._idle
+        for observer in self._observers:
+            observer.opened(request_id, params)
         try:
             while (output := await stream.get()) is not None:
                 yield output
@@ -147,6 +165,25 @@ class AsyncLLM:
                     await self._send_abort(request_id)
             finally:
                 del self._open[request_id]  # the id is free once its abort is on its way
+                for observer in self._observers:
+                    observer.closed(request_id)
+                if not self._open:
+                    self._idle.set()
+
+    def add_observer(self, observer: RequestObserver) -> None:
+        """``observer`` hears of every request this engine opens, each of its outputs (from
+        the output actor: it must not block) and its close (the consumer left; an aborted
+        request's last output may come a step later)."""
+        self._observers.append(observer)
+        self.output.observers.append(observer.output)
+
+    def open_request_ids(self) -> list[str]:
+        """The requests whose consumers are still reading."""
+        return list(self._open)
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is open."""
+        await self._idle.wait()
 
     async def _send_abort(self, request_id: str) -> None:
         with trio.move_on_after(_ABORT_SEND_TIMEOUT, shield=True):

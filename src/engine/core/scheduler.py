@@ -110,12 +110,9 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queues a sequence. Raises ``InvalidRequestError`` for a duplicate id, or for one that
-        could not fit in the whole KV cache even alone (see ``check_fits``)."""
-        if request.request_id in self.requests:
-            raise InvalidRequestError(
-                f"request_id: {request.request_id!r} is already running", field="request_id"
-            )
+        """Queues a sequence (the engine core has checked its id). Raises
+        ``InvalidRequestError`` for one that could not fit in the whole KV cache even alone
+        (see ``check_fits``)."""
         self.check_fits(request)
         request.order = self._next_order
         self._next_order += 1

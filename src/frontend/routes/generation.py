@@ -35,12 +35,12 @@ def engine_request_ids(base: str, count: int) -> list[str]:
 
 async def start(host: EngineHost, request: GenerationRequest, base_id: str) -> list[Job]:
     """Submits the engine requests and waits for the first output of each."""
+    llm = host.require_ready()
     ids = engine_request_ids(base_id, request.num_requests)
     if request.chat is not None:
-        jobs = [Job(0, host.generate(request.chat, request.params, request_id=ids[0],
-                                     priority=request.priority))]
+        jobs = [Job(0, llm.generate(request.chat, request.params, ids[0], priority=request.priority))]
     else:
-        jobs = [Job(i, host.generate(prompt, request.params, request_id=ids[i], priority=request.priority))
+        jobs = [Job(i, llm.generate(prompt, request.params, ids[i], priority=request.priority))
                 for i, prompt in enumerate(request.prompts)]
     try:
         if len(jobs) == 1:
@@ -51,7 +51,8 @@ async def start(host: EngineHost, request: GenerationRequest, base_id: str) -> l
                     nursery.start_soon(_first, job)
         for job in jobs:
             if job.error is not None:
-                raise from_engine_error(job.error, request.param_names)
+                # the engine's request_id is the client's X-Request-Id header
+                raise from_engine_error(job.error, {"request_id": "X-Request-Id", **request.param_names})
     except BaseException:
         await close(jobs)
         raise

@@ -2,13 +2,13 @@
 
 The engine runs in a task of a nursery the app's lifespan owns (not ``app.nursery``, which
 quart-trio cancels before ``after_serving`` runs). States: loading -> ready -> draining ->
-closed, or dead when the engine failed. Every engine request the server makes goes through
-``generate`` here, so the drain knows what is in flight and metrics see each request."""
+closed, or dead when the engine failed. It keeps lifecycle state only: the open requests are
+the engine's (``AsyncLLM``: the drain waits for it to be idle and aborts what is left there),
+and the metrics observe them through it."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import trio
 
@@ -16,10 +16,7 @@ from triode.engine.async_llm import AsyncLLM
 from triode.engine.config import EngineArgs
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.errors import EngineDeadError
-from triode.engine.inputs import ChatOptions, PromptInput
 from triode.engine.model.generation_config import GenerationDefaults
-from triode.engine.outputs import RequestOutput
-from triode.engine.sampling_params import SamplingParams
 from triode.frontend.openai.errors import APIError, shutting_down
 from triode.frontend.openai.logprobs import TokenText
 from triode.frontend.server.metrics import ServerMetrics
@@ -38,9 +35,6 @@ class EngineHost:
         self.nursery: trio.Nursery | None = None  # set by the lifespan
         self.state = "stopped"
         self.error: BaseException | None = None
-        self.active: set[str] = set()
-        self._idle = trio.Event()
-        self._idle.set()
         self._stop = trio.Event()
         self._done = trio.Event()
         self._metrics: ServerMetrics | None = None
@@ -97,7 +91,7 @@ class EngineHost:
         started = False
         try:
             async with AsyncLLM.open(self.args) as llm:
-                llm.output.observers.append(self.metrics.observe)
+                llm.add_observer(self.metrics)
                 self.generation = llm.generation
                 # Reads the whole vocabulary once (megabytes for a real tokenizer): off the loop.
                 self.token_text = await trio.to_thread.run_sync(TokenText, llm.tokenizer)
@@ -133,21 +127,21 @@ class EngineHost:
         llm.stop_accepting()
         window = self.args.shutdown_timeout if window is None else window
         with trio.move_on_after(window):
-            await self._idle.wait()
-        if self.active:
+            await llm.wait_idle()
+        if llm.num_open_requests:
             log.warning("shutdown: aborting %d request(s) still running after %.1f s",
-                        len(self.active), window)
+                        llm.num_open_requests, window)
             await self.abort_all()
 
     async def abort_all(self) -> None:
         """Aborts every in-flight request and gives them a moment to send their last chunk."""
         llm = self.llm
-        if llm is None or not self.active:
+        if llm is None or not llm.num_open_requests:
             return
-        for request_id in list(self.active):
+        for request_id in llm.open_request_ids():
             await llm.abort(request_id)
         with trio.move_on_after(ABORT_GRACE_SECONDS):
-            await self._idle.wait()
+            await llm.wait_idle()
 
     async def close(self) -> None:
         """Drains (if not yet drained) and stops the engine and its workers."""
@@ -156,23 +150,6 @@ class EngineHost:
         self._stop.set()
         if self.nursery is not None and self.state != "stopped":
             await self._done.wait()
-
-    async def generate(self, prompt: PromptInput | ChatOptions, params: SamplingParams, *,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        llm = self.require_ready()
-        if request_id in self.active:
-            raise APIError(400, f"request id {request_id!r} is already in use", param="X-Request-Id")
-        self.metrics.track(request_id, params.output_kind, params.n)
-        self.active.add(request_id)
-        self._idle = trio.Event() if len(self.active) == 1 else self._idle
-        try:
-            async for output in llm.generate(prompt, params, request_id, priority=priority):
-                yield output
-        finally:
-            self.active.discard(request_id)
-            self.metrics.forget(request_id)
-            if not self.active:
-                self._idle.set()
 
 
 def _sole_leaf(error: BaseException) -> BaseException:

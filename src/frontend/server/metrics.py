@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.outputs import RequestOutput
-from triode.engine.sampling_params import OutputKind
+from triode.engine.sampling_params import OutputKind, SamplingParams
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -133,10 +133,12 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self, request_id: str, kind: OutputKind, n: int) -> None:
-        self._requests[request_id] = _Request(kind=kind, n=n)
+    # ---- triode.engine.async_llm.RequestObserver ----------------------------------------
 
-    def forget(self, request_id: str) -> None:
+    def opened(self, request_id: str, params: SamplingParams) -> None:
+        self._requests[request_id] = _Request(kind=params.output_kind, n=params.n)
+
+    def closed(self, request_id: str) -> None:
         """The consumer left. The engine still delivers an aborted request's final output a
         step later, so the entry stays until then; entries of requests that never reach the
         engine (rejected in intake) are dropped once the most recent ``_CLOSED_KEPT`` left."""
@@ -145,7 +147,7 @@ class ServerMetrics:
             while len(self._closed) > _CLOSED_KEPT:
                 self._requests.pop(self._closed.popleft(), None)
 
-    def observe(self, output: RequestOutput) -> None:
+    def output(self, output: RequestOutput) -> None:
         state = self._requests.get(output.request_id)
         if state is None:
             return
