@@ -1,0 +1,6 @@
+"""The async engine's trio actors in the engine process: intake (:mod:`.intake`), the core's
+driver (:mod:`.scheduler`), the output side (:mod:`.output`, :mod:`.streams`), and the workers'
+supervision (:mod:`.supervisor`) over process groups (:mod:`.workers`, :mod:`.worker_spawn`)
+reached through step channels (:mod:`.step_channel`). Imports trio and the core, never torch
+or the worker code (it names the workers' entry points through
+:mod:`triode.engine.worker.calls`); checked by mypy, strictly."""
