@@ -9,7 +9,7 @@ import contextlib
 
 import trio
 
-from triode.engine.actors.workers import WorkerCrashed
+from triode.engine.actors.workers import StepTicket, WorkerCrashed
 from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, WorkerInfo
 
 
@@ -83,11 +83,11 @@ class FakeWorkerGroup:
         self._queue.clear()
         await trio.lowlevel.checkpoint()
 
-    def submit(self, plan: StepPlan) -> _Ticket:
+    def submit(self, plan: StepPlan) -> StepTicket:
         ticket = _Ticket()
         self._queue.append((plan, ticket))
         self._work.set()
-        return ticket
+        return ticket.result
 
     async def _run(self) -> None:
         while True:

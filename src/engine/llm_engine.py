@@ -123,7 +123,7 @@ class LLMEngine:
         return processed.outputs
 
     def _send(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
-        return self._loop.submit(lambda: self.supervisor.submit(plan).result)
+        return self._loop.submit(lambda: self.supervisor.submit(plan))
 
     def _collect_steps_sent(self) -> None:
         """After a failed step: the steps sent behind it were lost with the restarted workers

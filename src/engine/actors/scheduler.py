@@ -111,7 +111,7 @@ class SchedulerActor:
                 self._work = trio.Event()
                 continue
             try:
-                result = await step.ticket.result()
+                result = await step.ticket()
             except WorkerFailure:
                 self.core.step_failed()  # what was sent behind it went with the restarted workers
                 continue

@@ -2,8 +2,8 @@
 restarts the group within a budget.
 
 A driver ``submit``s plans in plan order (the group sends each at once, so one made ahead waits
-on the workers while the step before it runs) and awaits each ``SupervisedStep.result`` in the
-same order. A failed step (a rank died, hung past ``step_timeout``, or raised) restarts the
+on the workers while the step before it runs) and awaits each ticket it gets back in the same
+order. A failed step (a rank died, hung past ``step_timeout``, or raised) restarts the
 whole group (every rank: a process group cannot lose one member; the reload forms a new group
 on a new rendezvous) and raises ``WorkerFailure``, whose running requests are then recomputed;
 the steps submitted after it were lost with the old workers and raise ``WorkerFailure`` too,
@@ -16,6 +16,7 @@ engine runs, not followers on other nodes).
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -30,20 +31,6 @@ from triode.engine.errors import EngineDeadError, StepTimeout, WorkerFailure
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
-
-
-@attrs.frozen
-class SupervisedStep:
-    """A plan on the workers: ``result`` runs it under the supervisor's watchdog."""
-
-    supervisor: WorkerSupervisor
-    plan: StepPlan
-    ticket: StepTicket
-    generation: int
-    submitted: float
-
-    async def result(self) -> StepResult:
-        return await self.supervisor._supervise(self)
 
 
 @attrs.frozen(kw_only=True)
@@ -108,10 +95,11 @@ class WorkerSupervisor:
             task_status.started(self)
             await trio.sleep_forever()
 
-    def submit(self, plan: StepPlan) -> SupervisedStep:
-        """Sends the plan to every rank now, after those submitted before it; its result is
-        ``await step.result()``, awaited in submission order."""
-        return SupervisedStep(self, plan, self._workers.submit(plan), self._generation, trio.current_time())
+    def submit(self, plan: StepPlan) -> StepTicket:
+        """Sends the plan to every rank now, after those submitted before it; awaiting the
+        ticket (in submission order) gives its result, run under the watchdog."""
+        return functools.partial(self._supervise, plan, self._workers.submit(plan), self._generation,
+                                 trio.current_time())
 
     @property
     def _workers(self) -> WorkerGroup:
@@ -119,18 +107,17 @@ class WorkerSupervisor:
             raise EngineDeadError("the workers were never started (run the supervisor first)")
         return self._group
 
-    async def _supervise(self, step: SupervisedStep) -> StepResult:
+    async def _supervise(self, plan: StepPlan, ticket: StepTicket, generation: int, submitted: float) -> StepResult:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead)) from self._dead
-        plan = step.plan
-        if step.generation != self._generation:
+        if generation != self._generation:
             raise WorkerFailure(f"step {plan.step_id} was not run: the workers it was sent to were restarted "
                                 f"after a step before it failed ({self._last_failure})")
         failure: WorkerFailure | None = None
         cause: BaseExceptionGroup[Exception] | None = None
         try:
             with trio.fail_after(self.args.step_timeout):
-                result = await step.ticket.result()
+                result = await ticket()
         except* trio.TooSlowError as group:
             failure, cause = StepTimeout(
                 f"step {plan.step_id} ran past step_timeout={self.args.step_timeout}s"
@@ -147,7 +134,7 @@ class WorkerSupervisor:
                 f"step {plan.step_id} raised {type(first).__name__}: {first}"
             ), group
         if failure is not None and cause is not None:  # set together
-            if step.generation != self._generation or self.restarting:
+            if generation != self._generation or self.restarting:
                 # A step before it failed (or one beside it, whose result was awaited first)
                 # and restarts the workers: this one was lost with them.
                 await self._restarted.wait()
@@ -158,7 +145,7 @@ class WorkerSupervisor:
             await self._restart(failure, cause)
         # Its time runs from the later of its sending and the result before it (results come
         # in plan order): steps out together are not counted twice.
-        started, self._last_done = max(step.submitted, self._last_done), trio.current_time()
+        started, self._last_done = max(submitted, self._last_done), trio.current_time()
         self._steps += 1
         self._step_seconds += self._last_done - started
         self._record_ranks(result)

@@ -5,7 +5,7 @@ tests substitute an in-process fake so actor behaviour runs under trio's mock cl
 A group loads its ranks with trio-parallel calls, then keeps each rank's step channel open
 (``actors/step_channel.py``): ``submit`` sends a plan to every rank at once, in call order, and
 never waits, so a plan made ahead reaches the workers while the step before it runs; the
-``GroupStep`` it returns gives rank 0's result once every rank has replied.
+ticket it returns (an async function) gives rank 0's result once every rank has replied.
 
 With ``tensor_parallel_size`` N > 1 the N ranks form one ``torch.distributed`` process group:
 rank 0 serves the rendezvous (a TCPStore on a free loopback port, or on MASTER_ADDR /
@@ -18,6 +18,7 @@ a collective would otherwise wait for its dead peer), and ``kill`` ends every ra
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -99,8 +100,8 @@ async def _worker_context() -> AsyncIterator[trio_parallel.WorkerContext]:
             yield context
 
 
-class StepTicket(Protocol):
-    async def result(self) -> StepResult: ...
+# A step on the workers: awaiting it gives its result (or raises what failed it).
+StepTicket = Callable[[], Awaitable[StepResult]]
 
 
 class WorkerGroup(Protocol):
@@ -113,28 +114,23 @@ class WorkerGroup(Protocol):
     async def kill(self) -> None: ...
 
 
-class GroupStep:
-    """One plan on every rank: ``result`` is rank 0's once all ranks replied; the first
-    failure (a crash before the errors it causes on its peers) is raised instead."""
-
-    def __init__(self, pendings: list[PendingStep]) -> None:
-        self._pendings = pendings
-
-    async def result(self) -> StepResult:
-        for pending in self._pendings:
-            await pending.done.wait()
-        errors = [(rank, p.error) for rank, p in enumerate(self._pendings) if p.error is not None]
-        if errors:
-            crashes = [(rank, e) for rank, e in errors if isinstance(e, WorkerCrashed)]
-            raise min(crashes or errors, key=lambda entry: entry[0])[1]
-        results = [p.result for p in self._pendings if p.result is not None]  # each settled with one
-        if len(results) == 1:
-            return results[0]
-        return attrs.evolve(
-            results[0],
-            rank_execute_seconds=tuple(r.execute_seconds for r in results),
-            rank_collective_seconds=tuple(r.collective_seconds for r in results),
-        )
+async def _rank0_result(pendings: list[PendingStep]) -> StepResult:
+    """Rank 0's result once every rank has replied; the first failure (a crash before the
+    errors it causes on its peers) is raised instead."""
+    for pending in pendings:
+        await pending.done.wait()
+    errors = [(rank, p.error) for rank, p in enumerate(pendings) if p.error is not None]
+    if errors:
+        crashes = [(rank, e) for rank, e in errors if isinstance(e, WorkerCrashed)]
+        raise min(crashes or errors, key=lambda entry: entry[0])[1]
+    results = [p.result for p in pendings if p.result is not None]  # each settled with one
+    if len(results) == 1:
+        return results[0]
+    return attrs.evolve(
+        results[0],
+        rank_execute_seconds=tuple(r.execute_seconds for r in results),
+        rank_collective_seconds=tuple(r.collective_seconds for r in results),
+    )
 
 
 def check_before_spawn(args: EngineArgs, model_path: str) -> None:
@@ -259,13 +255,13 @@ class ProcessWorkerGroup:
         await self._start_serving()
         return self.infos[0]
 
-    def submit(self, plan: StepPlan) -> GroupStep:
+    def submit(self, plan: StepPlan) -> StepTicket:
         """Sends ``plan`` to every rank now (after the plans submitted before it)."""
         if not self._channels:
             pending = PendingStep()
             pending._settle(error=WorkerCrashed("the workers are not loaded", None))
-            return GroupStep([pending])
-        return GroupStep([channel.send(plan) for channel in self._channels])
+            return functools.partial(_rank0_result, [pending])
+        return functools.partial(_rank0_result, [channel.send(plan) for channel in self._channels])
 
     async def _start_serving(self) -> None:
         """Each rank's one long call: run the plans of its step channel (calls.SERVE_STEPS)."""

@@ -31,8 +31,6 @@ import collections
 from collections.abc import Iterable
 from typing import NamedTuple
 
-import attrs
-
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import BlockManager
 from triode.engine.core.request import Request, RequestStatus
@@ -41,18 +39,12 @@ from triode.engine.errors import InvalidRequestError
 from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 
-class _InFlight(NamedTuple):  # one per sequence and step: a tuple is the cheapest record
+class _InFlight(NamedTuple):  # a sequence's share of a step out: a tuple is the cheapest record
     request: Request
     incarnation: int
     start: int
     num_tokens: int
     sample: bool
-
-
-@attrs.frozen
-class _PlannedStep:
-    step_id: int
-    chunks: dict[str, _InFlight]
 
 
 class Scheduler:
@@ -83,7 +75,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_order = 0
         self._step_id = 0
-        self._in_flight: collections.deque[_PlannedStep] = collections.deque()  # plan order
+        # Each step out (plan order): its id and its sequences' shares.
+        self._in_flight: collections.deque[tuple[int, dict[str, _InFlight]]] = collections.deque()
         self._finished_seq_ids: list[str] = []  # the worker must forget these
 
     @classmethod
@@ -280,7 +273,7 @@ class Scheduler:
                 request = requests[seq_id]
                 planned[seq_id] = _InFlight(request, request.incarnation, chunk.start_position,
                                             chunk.num_tokens, chunk.sample)
-            self._in_flight.append(_PlannedStep(self._step_id, planned))
+            self._in_flight.append((self._step_id, planned))
         return StepPlan(
             step_id=self._step_id,
             new_sequences=tuple(new_sequences),
@@ -337,13 +330,13 @@ class Scheduler:
         sampled tokens and runs the token-id stop checks. Finished sequences are freed and
         listed in the next plan's ``finished_seq_ids``. Sequences aborted while the step ran are
         skipped, as are those preempted (their recompute is another incarnation)."""
-        if not self._in_flight or self._in_flight[0].step_id != result.step_id:
+        expected = self._in_flight[0][0] if self._in_flight else None
+        if expected != result.step_id:
             if result.step_id == self._step_id and not result.sampled:
                 return []  # the result of a plan without chunks, sent anyway
-            expected = self._in_flight[0].step_id if self._in_flight else None
             raise RuntimeError(f"result of step {result.step_id} does not match the next step in flight "
                                f"({expected})")
-        in_flight = self._in_flight.popleft().chunks
+        in_flight = self._in_flight.popleft()[1]
         sampled = {token.seq_id: token for token in result.sampled}
         prompt_logprobs = dict(result.prompt_logprobs)
         # This loop runs for every sequence of every step: what it can, it looks up once.
