@@ -26,8 +26,8 @@ from tests.test_core_scheduler import (
 )
 from triode.engine.config import EngineArgs
 from triode.engine.core.engine_core import EngineCore
-from triode.engine.core.request import Request, RequestStatus, make_requests
 from triode.engine.core.scheduler import Scheduler
+from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import SampledToken, StepPlan, StepResult
@@ -120,15 +120,15 @@ def greedy_worker(num_blocks: int, block_size: int, *, window: int | None = None
 # ---- the plan made ahead --------------------------------------------------------------------
 
 
-def _request(request_id: str, prompt: list[int], **params) -> Request:
+def _request(request_id: str, prompt: list[int], **params) -> Sequence:
     params.setdefault("ignore_eos", True)
-    return Request(request_id, prompt, SamplingParams(**params), arrival_time=0.0, max_model_len=64,
+    return Sequence(request_id, prompt, SamplingParams(**params), arrival_time=0.0, max_model_len=64,
                    eos_token_ids=(EOS,))
 
 
 def test_a_plan_made_ahead_feeds_the_token_in_flight():
     scheduler = make_scheduler(num_blocks=8, block_size=4, max_steps_in_flight=2)
-    scheduler.add_request(_request("a", [1, 2, 3], max_tokens=4))
+    scheduler.add_sequence(_request("a", [1, 2, 3], max_tokens=4))
     first = scheduler.schedule()
     ahead = scheduler.schedule()
     (chunk,) = ahead.chunks
@@ -141,12 +141,12 @@ def test_a_plan_made_ahead_feeds_the_token_in_flight():
     assert worker.seqs["a"].tokens[3] == first_result.sampled[0].token_id
     scheduler.update_from_output(first_result)
     scheduler.update_from_output(second_result)
-    assert scheduler.requests["a"].num_output_tokens == 2
+    assert scheduler.sequences["a"].num_output_tokens == 2
 
 
 def test_results_must_come_back_in_plan_order():
     scheduler = make_scheduler(max_steps_in_flight=2)
-    scheduler.add_request(_request("a", [1, 2, 3]))
+    scheduler.add_sequence(_request("a", [1, 2, 3]))
     first, ahead = scheduler.schedule(), scheduler.schedule()
     with pytest.raises(RuntimeError, match="does not match the next step in flight"):
         scheduler.update_from_output(StepResult(step_id=ahead.step_id, sampled=(
@@ -156,8 +156,8 @@ def test_results_must_come_back_in_plan_order():
 
 def test_a_sequence_the_step_in_flight_ends_is_not_planned_again():
     scheduler = make_scheduler(max_steps_in_flight=2)
-    scheduler.add_request(_request("short", [1, 2], max_tokens=1))
-    scheduler.add_request(_request("long", [3, 4], max_tokens=5))
+    scheduler.add_sequence(_request("short", [1, 2], max_tokens=1))
+    scheduler.add_sequence(_request("long", [3, 4], max_tokens=5))
     scheduler.schedule()
     ahead = scheduler.schedule()
     assert [c.seq_id for c in ahead.chunks] == ["long"]  # no wasted step for "short"
@@ -184,15 +184,15 @@ def test_async_scheduling_is_on_for_gpu_workers_unless_set():
 
 def test_an_abort_while_two_steps_are_out_ignores_both():
     scheduler = make_scheduler(max_steps_in_flight=2)
-    scheduler.add_request(_request("a", [1, 2, 3], max_tokens=8))
-    scheduler.add_request(_request("b", [1, 2, 4], max_tokens=8))
+    scheduler.add_sequence(_request("a", [1, 2, 3], max_tokens=8))
+    scheduler.add_sequence(_request("b", [1, 2, 4], max_tokens=8))
     pipeline = Pipeline(scheduler, FakeWorker(16, 4, max_discarded=1))
     assert pipeline.plan() and pipeline.plan()
     scheduler.abort(["a"])
     assert scheduler.block_manager.num_free_blocks > 0
     pipeline.complete()
     pipeline.complete()
-    assert "a" not in scheduler.requests and scheduler.requests["b"].num_output_tokens == 2
+    assert "a" not in scheduler.sequences and scheduler.sequences["b"].num_output_tokens == 2
     assert pipeline.plan()
     assert "a" in pipeline.out[-1][0].finished_seq_ids
     pipeline.drain()
@@ -206,7 +206,7 @@ def test_a_preemption_while_a_step_is_out_recomputes_without_its_token():
         scheduler = make_scheduler(num_blocks=3, block_size=2, max_steps_in_flight=steps_in_flight)
         requests = [_request("a", [1, 2], max_tokens=3), _request("b", [3, 4], max_tokens=3)]
         for request in requests:
-            scheduler.add_request(request)
+            scheduler.add_sequence(request)
         Pipeline(scheduler, greedy_worker(3, 2, max_discarded=steps_in_flight - 1)).drain()
         assert scheduler.num_preemptions >= 1
         outputs[steps_in_flight] = [r.all_token_ids for r in requests]
@@ -241,22 +241,22 @@ def _run_workload(ops, *, steps_in_flight: int, num_blocks: int, block_size: int
                                                  max_discarded=steps_in_flight - 1))
     rng = random.Random(seed)
     bases = [[rng.randrange(1, 4) for _ in range(8)] for _ in range(3)]
-    accepted: dict[str, Request] = {}
+    accepted: dict[str, Sequence] = {}
     for op in ops:
-        live = sorted(scheduler.requests)
+        live = sorted(scheduler.sequences)
         if op[0] == "add":
             _, base, length, max_tokens, n, priority, ignore_eos, min_tokens = op
             params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                     min_tokens=min(min_tokens, max_tokens), stop_token_ids=[5] if n == 2 else None)
-            requests = make_requests(f"r{len(accepted)}", bases[base][:length], params,
+            requests = make_sequences(f"r{len(accepted)}", bases[base][:length], params,
                                      arrival_time=float(len(accepted)), max_model_len=16, eos_token_ids=(EOS,),
                                      priority=priority)
             for request in requests:
                 try:
-                    scheduler.add_request(request)
+                    scheduler.add_sequence(request)
                 except InvalidRequestError:
                     continue
-                accepted[request.request_id] = request
+                accepted[request.seq_id] = request
         elif op[0] == "plan":
             pipeline.plan()
         elif op[0] == "complete" and pipeline.out:
@@ -268,7 +268,7 @@ def _run_workload(ops, *, steps_in_flight: int, num_blocks: int, block_size: int
             if op[0] == "abort":
                 scheduler.abort([target])
             else:
-                scheduler.finish_requests([target], stop_reason="stop string")
+                scheduler.finish([target], stop_reason="stop string")
             check_invariants(scheduler)
     pipeline.drain()
     return {seq_id: (tuple(r.all_token_ids), r.status) for seq_id, r in accepted.items()}, pipeline
@@ -294,7 +294,7 @@ def test_random_workloads_planned_ahead_keep_invariants_and_finish(ops, **shape)
     event(f"preemptions: {min(pipeline.scheduler.num_preemptions, 3)}")
     for tokens, status in outputs.values():
         assert status.is_finished
-        if status == RequestStatus.FINISHED_LENGTH_CAPPED:
+        if status == SequenceStatus.FINISHED_LENGTH_CAPPED:
             assert len(tokens) <= 16
 
 

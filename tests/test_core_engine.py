@@ -44,7 +44,7 @@ def test_a_request_with_a_colliding_sample_id_is_rejected_whole():
     with pytest.raises(InvalidRequestError, match="sample 1 of 'x'") as error:
         core.add_request("x", [1, 2, 3], params(n=3), arrival_time=0.0)
     assert error.value.field == "request_id"
-    assert list(core.scheduler.requests) == ["x-1"]  # x-0 was not admitted either
+    assert list(core.scheduler.sequences) == ["x-1"]  # x-0 was not admitted either
     assert list(core.scheduler.families) == ["x-1"]
     with pytest.raises(InvalidRequestError, match="already in use"):
         core.add_request("x-1", [4], params(), arrival_time=0.0)
@@ -63,7 +63,7 @@ def test_abort_takes_user_ids_and_reaches_every_sample():
     core.add_request("p", [1, 2, 3, 4, 5], params(n=2), arrival_time=0.0)
     core.add_request("p-1-x", [1, 2], params(), arrival_time=0.0)
     assert core.abort_requests(["p-1", "p", "unknown"]) == ["p"]  # "p-1" is a sample, not a request
-    assert list(core.scheduler.requests) == ["p-1-x"]
+    assert list(core.scheduler.sequences) == ["p-1-x"]
 
 
 def test_every_end_of_sequence_id_stops_and_names_itself_but_the_models_own():
@@ -105,7 +105,7 @@ def test_a_failed_step_recomputes_everything_that_ran():
     core.update_from_output(result_for(core.schedule(0.0), {}), 1.0)
     core.schedule(1.5)
     (requeued,) = core.step_failed()
-    assert requeued.request_id == "a" and requeued.num_computed_tokens == 0
+    assert requeued.seq_id == "a" and requeued.num_computed_tokens == 0
     plan = core.schedule(5.0)  # the idle clock restarted with the failure: nothing counted
     assert [n.output_token_ids for n in plan.new_sequences] == [(1,)]
     assert core.idle_seconds == pytest.approx(0.5)
@@ -132,7 +132,7 @@ def test_the_pipeline_keeps_two_steps_out_with_async_scheduling_and_drops_them_o
     assert len(sent) == 3 and len(core.steps_sent()) == 2
     (requeued,) = core.step_failed()
     assert core.oldest_step() is None and core.steps_sent() == ()
-    assert requeued.request_id == "a" and requeued.num_computed_tokens == 0
+    assert requeued.seq_id == "a" and requeued.num_computed_tokens == 0
     core.send_steps(send, 2.0)
     assert len(sent) == 5 and [n.output_token_ids for n in sent[3].new_sequences] == [(4,)]
 

@@ -11,17 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triode.engine.core.kv_blocks import BlockManager, hash_block
-from triode.engine.core.request import Request
+from triode.engine.core.sequence import Sequence
 from triode.engine.sampling_params import SamplingParams
 
 
-def request(tokens: list[int], request_id: str = "r", **params) -> Request:
-    return Request(
+def request(tokens: list[int], request_id: str = "r", **params) -> Sequence:
+    return Sequence(
         request_id, tokens, SamplingParams(**params), arrival_time=0.0, max_model_len=1000
     )
 
 
-def compute(bm: BlockManager, req: Request, num_tokens: int | None = None) -> list[int]:
+def compute(bm: BlockManager, req: Sequence, num_tokens: int | None = None) -> list[int]:
     """Admits a request like the scheduler does (hits, then its whole history in one step) and
     registers its full blocks as if the step ran."""
     hits, num_hit = bm.get_computed_blocks(req)
@@ -33,7 +33,7 @@ def compute(bm: BlockManager, req: Request, num_tokens: int | None = None) -> li
     return new
 
 
-def check_consistent(bm: BlockManager, live: list[Request]) -> None:
+def check_consistent(bm: BlockManager, live: list[Sequence]) -> None:
     refs = [0] * bm.num_blocks
     for req in live:
         for block in req.held_block_ids:
@@ -177,7 +177,7 @@ def test_random_admissions_share_only_identical_prefixes(
     bm = BlockManager(num_blocks, block_size, caching)
     rng = random.Random(seed)
     content: dict[int, tuple[int, ...]] = {}  # block -> the whole prefix it was computed for
-    live: list[Request] = []
+    live: list[Sequence] = []
     for op in range(num_ops):
         if live and rng.random() < 0.4:
             req = live.pop(rng.randrange(len(live)))

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from triode.engine.core.kv_blocks import BlockManager
-from triode.engine.core.request import Request, RequestStatus, make_requests
 from triode.engine.core.scheduler import Scheduler
+from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
@@ -122,9 +122,9 @@ class FakeWorker:
 def check_invariants(scheduler: Scheduler) -> None:
     bm = scheduler.block_manager
     refs = [0] * bm.num_blocks
-    for request in scheduler.requests.values():
+    for request in scheduler.sequences.values():
         assert len(set(request.held_block_ids)) == len(request.held_block_ids)
-        if request.status != RequestStatus.RUNNING:
+        if request.status != SequenceStatus.RUNNING:
             assert request.block_ids == []
         for block in request.held_block_ids:
             refs[block] += 1
@@ -133,12 +133,12 @@ def check_invariants(scheduler: Scheduler) -> None:
     for block_hash, block in bm.cached.items():
         assert bm.block_hash[block] == block_hash
     assert len(scheduler.running) <= scheduler.max_num_seqs
-    assert len(scheduler.running) + len(scheduler.waiting) == len(scheduler.requests)
+    assert len(scheduler.running) + len(scheduler.waiting) == len(scheduler.sequences)
     keys = [scheduler._key(r) for r in scheduler.waiting]
     assert keys == sorted(keys)
 
 
-def _ends_in_flight(request: Request) -> bool:
+def _ends_in_flight(request: Sequence) -> bool:
     """A step in flight (async scheduling) samples the request's last allowed token."""
     return bool(request.num_in_flight_samples) and (
         request.num_tokens + request.num_in_flight_samples >= request.max_num_tokens)
@@ -149,7 +149,7 @@ def check_plan(scheduler: Scheduler, plan: StepPlan) -> None:
     assert num_tokens <= scheduler.max_num_batched_tokens
     scheduled = {c.seq_id for c in plan.chunks}
     if num_tokens < scheduler.max_num_batched_tokens:  # budget left: nobody running was skipped
-        assert {r.request_id for r in scheduler.running if r.request_id in scheduled
+        assert {r.seq_id for r in scheduler.running if r.seq_id in scheduled
                 or not _ends_in_flight(r)} == scheduled
     assert len(plan.chunks) <= scheduler.max_num_seqs
     if scheduler.long_prefill_token_threshold:
@@ -189,10 +189,10 @@ def make_request(
     priority: int = 0,
     max_model_len: int = 64,
     **params,
-) -> Request:
+) -> Sequence:
     params.setdefault("max_tokens", 4)
     params.setdefault("ignore_eos", True)
-    return Request(
+    return Sequence(
         request_id, prompt, SamplingParams(**params), arrival_time=arrival,
         max_model_len=max_model_len, eos_token_ids=(EOS,), priority=priority,
     )
@@ -274,11 +274,11 @@ def test_random_workloads_keep_invariants_and_finish(
     worker = FakeWorker(num_blocks, block_size, seed, window=window)
     rng = random.Random(seed)
     bases = [[rng.randrange(1, 4) for _ in range(8)] for _ in range(3)]
-    accepted: list[Request] = []
+    accepted: list[Sequence] = []
     clock = 0.0
     for op in ops:
         clock += 1.0
-        live = sorted(scheduler.requests)
+        live = sorted(scheduler.sequences)
         if op[0] == "add":
             _, base, length, max_tokens, n, priority, ignore_eos, min_tokens = op
             prompt = bases[base][:length]
@@ -288,7 +288,7 @@ def test_random_workloads_keep_invariants_and_finish(
                 n=n, max_tokens=max_tokens, ignore_eos=ignore_eos,
                 min_tokens=min(min_tokens, max_tokens), stop_token_ids=[5] if n == 2 else None,
             )
-            requests = make_requests(
+            requests = make_sequences(
                 f"r{len(accepted)}", prompt, params, arrival_time=rng.choice([clock, clock - 5]),
                 max_model_len=16, eos_token_ids=(EOS,), priority=priority,
             )
@@ -298,9 +298,9 @@ def test_random_workloads_keep_invariants_and_finish(
                     needed = min(needed, -(-(window - 1 + budget) // block_size) + 1)
                 if needed > num_blocks:
                     with pytest.raises(InvalidRequestError):
-                        scheduler.add_request(request)
+                        scheduler.add_sequence(request)
                 else:
-                    scheduler.add_request(request)
+                    scheduler.add_sequence(request)
                     accepted.append(request)
         elif op[0] == "step" and len(op) == 1:
             step(scheduler, worker)
@@ -313,7 +313,7 @@ def test_random_workloads_keep_invariants_and_finish(
                     num_running = len(scheduler.running)
                     requeued = scheduler.requeue_all_running()
                     assert len(requeued) == num_running
-                    assert all(r.status == RequestStatus.PREEMPTED for r in requeued)
+                    assert all(r.status == SequenceStatus.PREEMPTED for r in requeued)
                     assert scheduler.block_manager.num_free_blocks >= free_before
                     assert not scheduler.block_manager.cached
                     worker.restart()
@@ -326,13 +326,13 @@ def test_random_workloads_keep_invariants_and_finish(
         elif op[0] == "abort" and live:
             target = live[op[1] % len(live)]
             if op[2]:
-                target = scheduler.requests[target].parent_id  # the user's id: every sibling
+                target = scheduler.sequences[target].request_id  # the user's id: every sibling
             free_before = scheduler.block_manager.num_free_blocks
             held = sum(len(r.held_block_ids) for r in scheduler.abort([target]))
             assert scheduler.block_manager.num_free_blocks >= free_before + (held > 0)
             check_invariants(scheduler)
         elif op[0] == "finish" and live:
-            scheduler.finish_requests([live[op[1] % len(live)]], stop_reason="stop string")
+            scheduler.finish([live[op[1] % len(live)]], stop_reason="stop string")
             check_invariants(scheduler)
     drain(scheduler, worker)
     stats = scheduler.statistics()
@@ -342,7 +342,7 @@ def test_random_workloads_keep_invariants_and_finish(
     for request in accepted:
         assert request.is_finished
         assert request.num_output_tokens <= request.max_num_tokens - request.num_prompt_tokens
-        if request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+        if request.status == SequenceStatus.FINISHED_LENGTH_CAPPED:
             assert request.num_tokens == request.max_num_tokens
     assert all(refs == 0 for refs in scheduler.block_manager.ref_counts)
 
@@ -386,20 +386,20 @@ def test_memory_pressure_preempts_and_still_finishes_everything(
     bases = [[rng.randrange(1, 3) for _ in range(10)] for _ in range(2)]
     capacity = num_blocks * block_size
     pending = sorted(enumerate(specs), key=lambda item: item[1][-1])
-    accepted: list[Request] = []
+    accepted: list[Sequence] = []
     for clock in range(3000):
         while pending and pending[0][1][-1] <= clock:
             i, (base, length, max_tokens, n, priority, _) = pending.pop(0)
             params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
-            for request in make_requests(
+            for request in make_sequences(
                 f"r{i}", bases[base][:length], params, arrival_time=float(clock),
                 max_model_len=32, priority=priority,
             ):
                 if request.max_num_tokens - 1 > capacity:
                     with pytest.raises(InvalidRequestError):
-                        scheduler.add_request(request)
+                        scheduler.add_sequence(request)
                 else:
-                    scheduler.add_request(request)
+                    scheduler.add_sequence(request)
                     accepted.append(request)
         if not pending and not scheduler.has_unfinished_requests():
             break
@@ -407,9 +407,9 @@ def test_memory_pressure_preempts_and_still_finishes_everything(
     drain(scheduler, worker)
     event(f"preemptions: {min(scheduler.num_preemptions, 3)}")
     for request in accepted:
-        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert request.status == SequenceStatus.FINISHED_LENGTH_CAPPED
         assert request.num_tokens == request.max_num_tokens
-        assert request.all_token_ids == worker.history[request.request_id]
+        assert request.all_token_ids == worker.history[request.seq_id]
 
 
 # ---- chunked prefill --------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def test_chunked_prefill_covers_the_prompt_once_in_order():
     scheduler = make_scheduler(num_blocks=8, block_size=4, budget=4)
     worker = FakeWorker(8, 4)
     prompt = list(range(1, 11))
-    scheduler.add_request(make_request("a", prompt, max_tokens=2))
+    scheduler.add_sequence(make_request("a", prompt, max_tokens=2))
     plans = [step(scheduler, worker)[0] for _ in range(4)]
     chunks = [p.chunks[0] for p in plans]
     assert [p.new_sequences[0].seq_id for p in plans[:1]] == ["a"]
@@ -436,9 +436,9 @@ def test_chunked_prefill_covers_the_prompt_once_in_order():
 def test_long_prefill_threshold_chunks_a_prompt_and_lets_decodes_through():
     scheduler = make_scheduler(num_blocks=16, block_size=4, budget=64, threshold=3)
     worker = FakeWorker(16, 4)
-    scheduler.add_request(make_request("short", [1, 2], max_tokens=5))
+    scheduler.add_sequence(make_request("short", [1, 2], max_tokens=5))
     step(scheduler, worker)
-    scheduler.add_request(make_request("long", list(range(1, 9)), arrival=1.0, max_tokens=1))
+    scheduler.add_sequence(make_request("long", list(range(1, 9)), arrival=1.0, max_tokens=1))
     sizes = []
     for _ in range(3):
         plan, _ = step(scheduler, worker)
@@ -450,20 +450,20 @@ def test_budget_and_max_num_seqs_bound_admission():
     scheduler = make_scheduler(num_blocks=32, block_size=4, budget=5, max_num_seqs=2)
     worker = FakeWorker(32, 4)
     for i in range(3):
-        scheduler.add_request(make_request(f"r{i}", [1, 2, 3], arrival=float(i)))
+        scheduler.add_sequence(make_request(f"r{i}", [1, 2, 3], arrival=float(i)))
     plan, _ = step(scheduler, worker)
     assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [("r0", 3), ("r1", 2)]
     plan, _ = step(scheduler, worker)
     assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [("r0", 1), ("r1", 1)]
-    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+    assert [r.seq_id for r in scheduler.waiting] == ["r2"]
 
 
 # ---- preemption ---------------------------------------------------------------------------------
 
 
-def _fill(scheduler: Scheduler, worker: FakeWorker, requests: list[Request]) -> None:
+def _fill(scheduler: Scheduler, worker: FakeWorker, requests: list[Sequence]) -> None:
     for request in requests:
-        scheduler.add_request(request)
+        scheduler.add_sequence(request)
     step(scheduler, worker)
     assert len(scheduler.running) == len(requests)
 
@@ -486,7 +486,7 @@ def test_preemption_order(policy, priorities, victim):
     ])
     plan, _ = step(scheduler, worker)
     assert scheduler.num_preemptions == 1
-    assert scheduler.requests[victim].status == RequestStatus.PREEMPTED
+    assert scheduler.sequences[victim].status == SequenceStatus.PREEMPTED
     assert plan.finished_seq_ids == (victim,)  # the worker drops its state
     assert sorted(c.seq_id for c in plan.chunks) == sorted(set("abc") - {victim})
     assert not plan.new_sequences  # no admission in a step that had to preempt
@@ -501,9 +501,9 @@ def test_fcfs_victim_is_the_latest_arrival_not_the_last_admitted():
         make_request("c", [1, 3], arrival=2.0, max_tokens=6),
     ])
     # "a" arrived first but reached the scheduler last (its prompt took longer to tokenize).
-    scheduler.add_request(make_request("a", [1, 4], arrival=0.0, max_tokens=6))
+    scheduler.add_sequence(make_request("a", [1, 4], arrival=0.0, max_tokens=6))
     step(scheduler, worker)
-    assert [r.request_id for r in scheduler.running] == ["b", "c", "a"]
+    assert [r.seq_id for r in scheduler.running] == ["b", "c", "a"]
     step(scheduler, worker)  # decodes at position 3 fill the first blocks
     plan, _ = step(scheduler, worker)  # b needs a second block, and none is free
     assert plan.finished_seq_ids == ("c",)
@@ -516,9 +516,9 @@ def test_preempting_an_earlier_running_request_skips_no_one():
     worker = FakeWorker(4, 2)
     _fill(scheduler, worker, [make_request("a", [1, 2], priority=2, max_tokens=5)])
     for name in "bc":
-        scheduler.add_request(make_request(name, [1, 3], arrival=1.0, max_tokens=5))
+        scheduler.add_sequence(make_request(name, [1, 3], arrival=1.0, max_tokens=5))
     step(scheduler, worker)
-    assert [r.request_id for r in scheduler.running] == ["a", "b", "c"]
+    assert [r.seq_id for r in scheduler.running] == ["a", "b", "c"]
     plan, _ = step(scheduler, worker)  # b needs a block: "a", ahead of it, is the victim
     assert plan.finished_seq_ids == ("a",)
     assert [c.seq_id for c in plan.chunks] == ["b", "c"]
@@ -541,7 +541,7 @@ def test_preempted_request_resumes_with_its_output_tokens():
             chunk = next(c for c in plan.chunks if c.seq_id == "b")
             assert chunk.start_position == 0 and chunk.new_block_ids  # a fresh block table
             break
-        output_before = scheduler.requests["b"].output_token_ids
+        output_before = scheduler.sequences["b"].output_token_ids
     else:
         pytest.fail("b was never preempted and resumed")
     assert scheduler.num_preemptions == 1
@@ -551,12 +551,12 @@ def test_preempted_request_resumes_with_its_output_tokens():
 def test_request_that_cannot_fit_alone_is_rejected_at_add():
     scheduler = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(InvalidRequestError) as info:
-        scheduler.add_request(make_request("big", [1] * 9, max_tokens=1))
+        scheduler.add_sequence(make_request("big", [1] * 9, max_tokens=1))
     assert info.value.field == "prompt"
     with pytest.raises(InvalidRequestError) as info:
-        scheduler.add_request(make_request("long", [1] * 4, max_tokens=6))
+        scheduler.add_sequence(make_request("long", [1] * 4, max_tokens=6))
     assert info.value.field == "max_tokens"
-    scheduler.add_request(make_request("fits", [1] * 4, max_tokens=5))  # 8 positions with KV
+    scheduler.add_sequence(make_request("fits", [1] * 4, max_tokens=5))  # 8 positions with KV
     drain(scheduler, FakeWorker(2, 4))
 
 
@@ -572,7 +572,7 @@ def test_abort_frees_blocks_before_the_next_plan():
     ])
     free_before = scheduler.block_manager.num_free_blocks
     (aborted,) = scheduler.abort(["a"])
-    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.finish_reason == "abort"
+    assert aborted.status == SequenceStatus.FINISHED_ABORTED and aborted.finish_reason == "abort"
     assert scheduler.block_manager.num_free_blocks == free_before + 2
     plan, _ = step(scheduler, worker)
     assert plan.finished_seq_ids == ("a",)
@@ -583,7 +583,7 @@ def test_abort_frees_blocks_before_the_next_plan():
 def test_abort_while_a_step_is_in_flight_ignores_its_token():
     scheduler = make_scheduler()
     worker = FakeWorker(16, 4)
-    scheduler.add_request(make_request("a", [1, 2]))
+    scheduler.add_sequence(make_request("a", [1, 2]))
     result = worker.run(scheduler.schedule())
     scheduler.abort(["a"])
     assert scheduler.update_from_output(result) == []
@@ -593,17 +593,17 @@ def test_abort_while_a_step_is_in_flight_ignores_its_token():
 
 def test_abort_of_a_waiting_request_sends_nothing_to_the_worker():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", [1, 2]))
+    scheduler.add_sequence(make_request("a", [1, 2]))
     scheduler.abort(["a"])
     assert scheduler.schedule() == StepPlan(step_id=1)
 
 
-def test_finish_requests_records_the_stop_string():
+def test_finish_records_the_stop_string():
     scheduler = make_scheduler()
     worker = FakeWorker(16, 4)
-    scheduler.add_request(make_request("a", [1, 2], max_tokens=10))
+    scheduler.add_sequence(make_request("a", [1, 2], max_tokens=10))
     step(scheduler, worker)
-    (request,) = scheduler.finish_requests(["a"], stop_reason="###")
+    (request,) = scheduler.finish(["a"], stop_reason="###")
     assert (request.finish_reason, request.stop_reason) == ("stop", "###")
     assert scheduler.schedule().finished_seq_ids == ("a",)
 
@@ -613,11 +613,11 @@ def test_requeue_all_running_recomputes_without_counting_preemptions():
     worker = FakeWorker(8, 2)
     _fill(scheduler, worker, [make_request("a", [1, 2, 3], max_tokens=5)])
     step(scheduler, worker)
-    tokens = list(scheduler.requests["a"].all_token_ids)
+    tokens = list(scheduler.sequences["a"].all_token_ids)
     plan = scheduler.schedule()
     scheduler.abort([])  # nothing
     requeued = scheduler.requeue_all_running()  # the step is lost with the worker
-    assert [r.request_id for r in requeued] == ["a"]
+    assert [r.seq_id for r in requeued] == ["a"]
     assert scheduler.statistics().kv_blocks_free == 8
     assert scheduler.num_preemptions == 0
     worker.restart()
@@ -638,7 +638,7 @@ def _steps_under_pressure(restart_at: int | None) -> tuple[int, int]:
     worker = FakeWorker(22, 4)
     for i in range(8):
         prompt = [rng.randrange(1, 6) for _ in range(rng.randint(25, 45))]
-        scheduler.add_request(make_request(f"r{i}", prompt, arrival=i, max_tokens=6, max_model_len=64))
+        scheduler.add_sequence(make_request(f"r{i}", prompt, arrival=i, max_tokens=6, max_model_len=64))
     steps = tokens = 0
     while scheduler.has_unfinished_requests():
         plan = scheduler.schedule()
@@ -670,7 +670,7 @@ def test_a_restart_under_kv_pressure_costs_only_the_recompute(restart_at):
 
 def test_result_for_a_different_step_is_rejected():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", [1, 2]))
+    scheduler.add_sequence(make_request("a", [1, 2]))
     plan = scheduler.schedule()
     with pytest.raises(RuntimeError):
         scheduler.schedule()
@@ -697,7 +697,7 @@ def test_token_id_stop_checks(params, sampled, expected):
     scheduler = make_scheduler()
     worker = FakeWorker(16, 4)
     params.setdefault("max_tokens", 4)
-    scheduler.add_request(make_request("a", [1, 2, 3, 4], max_model_len=10, **params))
+    scheduler.add_sequence(make_request("a", [1, 2, 3, 4], max_model_len=10, **params))
     worker.forced["a"] = list(sampled)
     updates = []
     while scheduler.has_unfinished_requests():
@@ -710,7 +710,7 @@ def test_token_id_stop_checks(params, sampled, expected):
 
 def test_prompt_of_max_model_len_gets_one_token():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", [1] * 8, max_model_len=8, max_tokens=None))
+    scheduler.add_sequence(make_request("a", [1] * 8, max_model_len=8, max_tokens=None))
     drain(scheduler, FakeWorker(16, 4))
     with pytest.raises(InvalidRequestError):
         make_request("b", [1] * 9, max_model_len=8)
@@ -726,11 +726,11 @@ def test_parallel_samples_share_the_prompt_blocks():
     worker = FakeWorker(16, 4)
     prompt = list(range(1, 10))  # two full blocks and one token
     params = SamplingParams(n=3, max_tokens=3, seed=7)
-    children = make_requests("p", prompt, params, arrival_time=0.0, max_model_len=64)
-    assert [c.request_id for c in children] == ["p-0", "p-1", "p-2"]
+    children = make_sequences("p", prompt, params, arrival_time=0.0, max_model_len=64)
+    assert [c.seq_id for c in children] == ["p-0", "p-1", "p-2"]
     assert [c.params.seed for c in children] == [7, 8, 9] and children[1].params.n == 1
     for child in children:
-        scheduler.add_request(child)
+        scheduler.add_sequence(child)
     plan, _ = step(scheduler, worker)
     assert [c.seq_id for c in plan.chunks] == ["p-0"]  # siblings wait for the shared blocks
     plan, _ = step(scheduler, worker)
@@ -748,16 +748,16 @@ def test_parallel_samples_share_the_prompt_blocks():
 def test_prefix_cache_reuses_a_finished_conversation_and_evicts_lru():
     scheduler = make_scheduler(num_blocks=6, block_size=2)
     worker = FakeWorker(6, 2)
-    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], max_tokens=1))
+    scheduler.add_sequence(make_request("a", [1, 2, 3, 4, 5], max_tokens=1))
     drain(scheduler, worker)
-    scheduler.add_request(make_request("b", [1, 2, 3, 4, 9], max_tokens=1))
+    scheduler.add_sequence(make_request("b", [1, 2, 3, 4, 9], max_tokens=1))
     plan, _ = step(scheduler, worker)
     assert plan.chunks[0].start_position == 4
     drain(scheduler, worker)
     # A full-cache request evicts: unreferenced tail blocks first, the shared head last.
-    scheduler.add_request(make_request("c", [7, 7, 7, 7, 7, 7, 7, 7, 7], max_tokens=1))
+    scheduler.add_sequence(make_request("c", [7, 7, 7, 7, 7, 7, 7, 7, 7], max_tokens=1))
     drain(scheduler, worker)
-    scheduler.add_request(make_request("d", [1, 2, 6], max_tokens=1))
+    scheduler.add_sequence(make_request("d", [1, 2, 6], max_tokens=1))
     plan, _ = step(scheduler, worker)
     assert plan.chunks[0].start_position == 2  # block [1, 2] survived as the most reused
 
@@ -766,7 +766,7 @@ def test_prefix_caching_disabled_never_hits():
     scheduler = make_scheduler(prefix_caching=False)
     worker = FakeWorker(16, 4)
     for name in "ab":
-        scheduler.add_request(make_request(name, list(range(1, 10)), max_tokens=1))
+        scheduler.add_sequence(make_request(name, list(range(1, 10)), max_tokens=1))
         plan, _ = step(scheduler, worker)
         assert plan.chunks[0].start_position == 0
     assert scheduler.statistics().prefix_cache_queries == 0
@@ -788,7 +788,7 @@ def test_from_engine_args_and_statistics():
 
 def test_prompt_logprobs_are_not_repeated_after_a_recompute():
     scheduler = make_scheduler(budget=2)
-    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], prompt_logprobs=0))
+    scheduler.add_sequence(make_request("a", [1, 2, 3, 4, 5], prompt_logprobs=0))
 
     def run_prefill_chunk(expected_start: int) -> list:
         plan = scheduler.schedule()

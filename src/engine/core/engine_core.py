@@ -22,15 +22,16 @@ drift apart:
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Sequence
+import collections.abc
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import attrs
 
 from triode.engine.config import EngineArgs
-from triode.engine.core.request import Request, RequestStatus, make_requests
 from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
+from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
@@ -49,7 +50,7 @@ class StepInFlight(Generic[Ticket]):
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, *, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, scheduler: Scheduler, *, max_model_len: int, eos_token_ids: collections.abc.Sequence[int]) -> None:
         """``eos_token_ids``: every end-of-sequence id of the model, its own (the tokenizer's)
         first: that one ends a sequence with ``stop_reason`` None, the others with their id."""
         self.scheduler = scheduler
@@ -61,7 +62,7 @@ class EngineCore:
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: Sequence[int]
+        cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: collections.abc.Sequence[int]
     ) -> EngineCore:
         """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
         scheduler = Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window,
@@ -74,7 +75,7 @@ class EngineCore:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: collections.abc.Sequence[int],
         params: SamplingParams,
         *,
         arrival_time: float,
@@ -86,21 +87,21 @@ class EngineCore:
         scheduler = self.scheduler
         if request_id in scheduler.families:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
-        sequences = make_requests(
+        sequences = make_sequences(
             request_id, prompt_token_ids, params, arrival_time=arrival_time,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, priority=priority,
         )
         for sequence in sequences:
-            if sequence.request_id in scheduler.requests:
+            if sequence.seq_id in scheduler.sequences:
                 raise InvalidRequestError(
                     f"request_id: sample {sequence.index} of {request_id!r} would be sequence "
-                    f"{sequence.request_id!r}, which another request holds",
+                    f"{sequence.seq_id!r}, which another request holds",
                     field="request_id",
                 )
             scheduler.check_fits(sequence)
         for sequence in sequences:
-            scheduler.add_request(sequence)
-        return tuple(s.request_id for s in sequences)
+            scheduler.add_sequence(sequence)
+        return tuple(s.seq_id for s in sequences)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Aborts user requests (every sequence of each); returns the ids that were unfinished.
@@ -110,13 +111,13 @@ class EngineCore:
         for request_id in request_ids:
             family = self.scheduler.families.get(request_id)
             if family is not None:
-                self.scheduler.abort([s.request_id for s in family])
+                self.scheduler.abort([s.seq_id for s in family])
                 aborted.append(request_id)
         return aborted
 
     def finish_on_stop_string(self, seq_id: str, stop_string: str) -> None:
         """The output side found ``stop_string`` in the sequence's text: it ends now."""
-        self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
+        self.scheduler.finish([seq_id], SequenceStatus.FINISHED_STOPPED, stop_reason=stop_string)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -157,7 +158,7 @@ class EngineCore:
         self._last_step_end = None if busy else now
         return updates
 
-    def step_failed(self) -> list[Request]:
+    def step_failed(self) -> list[Sequence]:
         """The workers lost the oldest step in flight (and were restarted), and the steps sent
         behind it with them: they are dropped, and every running sequence is recomputed;
         returns those sequences."""

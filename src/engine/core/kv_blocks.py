@@ -18,15 +18,15 @@ ids stay in its block table, where the attention kernels never read them again.
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
 
-from triode.engine.core.request import Request
+from triode.engine.core.sequence import Sequence
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: collections.abc.Sequence[int]) -> bytes:
     """A 128-bit digest: collisions are negligible, and stable across processes and runs."""
     data = struct.pack(f"<{len(token_ids)}q", *token_ids)
     return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
@@ -72,22 +72,22 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _hashes(self, request: Request) -> list[bytes]:
-        """Extends request.block_hashes over its full blocks (tokens never change, only grow)."""
-        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        """Extends seq.block_hashes over its full blocks (tokens never change, only grow)."""
+        hashes, tokens, size = seq.block_hashes, seq.all_token_ids, self.block_size
         for i in range(len(hashes), len(tokens) // size):
             hashes.append(hash_block(hashes[-1] if i else b"", tokens[i * size : (i + 1) * size]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest run of cached full blocks that starts the request's tokens, and how many
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest run of cached full blocks that starts the sequence's tokens, and how many
         tokens they cover. Never the whole history: the last token must be computed so that
         the step produces logits. Pure: nothing changes until ``allocate_slots`` takes them."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks = []
-        for block_hash in self._hashes(request)[:max_blocks]:
+        for block_hash in self._hashes(seq)[:max_blocks]:
             block_id = self.cached.get(block_hash)
             if block_id is None:
                 break
@@ -95,26 +95,26 @@ class BlockManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: collections.abc.Sequence[int] = ()
     ) -> list[int] | None:
         """Makes room for ``num_new_tokens`` after the computed ones and those of steps in
-        flight, first taking the prefix hits ``computed_blocks`` (only for a request that holds
+        flight, first taking the prefix hits ``computed_blocks`` (only for a sequence that holds
         no blocks). Returns the block ids appended to the block table, or None, changing
         nothing, when too few blocks are free."""
         if computed_blocks:
-            assert not request.block_ids and request.num_computed_tokens == 0
-        elif request.num_scheduled_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            assert not seq.block_ids and seq.num_computed_tokens == 0
+        elif seq.num_scheduled_tokens + num_new_tokens <= len(seq.block_ids) * self.block_size:
             return []  # most decode steps: the last block has room
         num_hit_tokens = len(computed_blocks) * self.block_size
-        total = self.blocks_for(request.num_scheduled_tokens + num_hit_tokens + num_new_tokens)
-        num_fresh = max(0, total - len(request.block_ids) - len(computed_blocks))
+        total = self.blocks_for(seq.num_scheduled_tokens + num_hit_tokens + num_new_tokens)
+        num_fresh = max(0, total - len(seq.block_ids) - len(computed_blocks))
         # A hit on a free cached block takes it out of the free queue as well.
         num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
         if num_fresh + num_revived > len(self.free_queue):
             return None
-        if not request.block_ids and self.enable_prefix_caching:
-            # Counted on admission only, so a request that waits for blocks is counted once.
-            self.prefix_cache_queries += request.num_tokens
+        if not seq.block_ids and self.enable_prefix_caching:
+            # Counted on admission only, so a sequence that waits for blocks is counted once.
+            self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_hit_tokens
         new_blocks = list(computed_blocks)
         for block_id in computed_blocks:
@@ -126,10 +126,10 @@ class BlockManager:
             self._evict(block_id)
             self.ref_counts[block_id] = 1
             new_blocks.append(block_id)
-        request.block_ids.extend(new_blocks)
+        seq.block_ids.extend(new_blocks)
         if computed_blocks:
-            request.num_computed_tokens = num_hit_tokens
-            request.num_cached_blocks = len(computed_blocks)
+            seq.num_computed_tokens = num_hit_tokens
+            seq.num_cached_blocks = len(computed_blocks)
         return new_blocks
 
     def _evict(self, block_id: int) -> None:
@@ -139,36 +139,36 @@ class BlockManager:
             if self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Registers the request's full blocks whose KV is now computed (call after a step)."""
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        if not self.enable_prefix_caching or num_full <= request.num_cached_blocks:
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Registers the sequence's full blocks whose KV is now computed (call after a step)."""
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        if not self.enable_prefix_caching or num_full <= seq.num_cached_blocks:
             return
-        hashes = self._hashes(request)
-        for i in range(request.num_cached_blocks, num_full):
-            block_id, block_hash = request.block_ids[i], hashes[i]
+        hashes = self._hashes(seq)
+        for i in range(seq.num_cached_blocks, num_full):
+            block_id, block_hash = seq.block_ids[i], hashes[i]
             # Another sequence may have computed the same block in the same step: keep the
             # first copy, this one stays unregistered and is recycled when freed.
             if self.block_hash[block_id] is None and block_hash not in self.cached:
                 self.block_hash[block_id] = block_hash
                 self.cached[block_hash] = block_id
-        request.num_cached_blocks = num_full
+        seq.num_cached_blocks = num_full
 
     def blocks_in_use_at_most(self, num_tokens: int, max_chunk: int) -> int:
         """See :func:`blocks_in_use_at_most`."""
         return blocks_in_use_at_most(num_tokens, self.block_size, sliding_window=self.sliding_window,
                                      max_chunk=max_chunk)
 
-    def release_outside_window(self, request: Request) -> None:
-        """With a sliding window on every layer: frees the request's leading blocks that its
+    def release_outside_window(self, seq: Sequence) -> None:
+        """With a sliding window on every layer: frees the sequence's leading blocks that its
         next query (at position num_computed_tokens) and every later one can no longer see."""
         if self.sliding_window is None:
             return
-        first_visible = max(0, request.num_computed_tokens - self.sliding_window + 1)
-        dead = min(first_visible // self.block_size, len(request.block_ids))
-        for block_id in request.block_ids[request.num_released_blocks:dead]:
+        first_visible = max(0, seq.num_computed_tokens - self.sliding_window + 1)
+        dead = min(first_visible // self.block_size, len(seq.block_ids))
+        for block_id in seq.block_ids[seq.num_released_blocks:dead]:
             self._release(block_id)
-        request.num_released_blocks = max(request.num_released_blocks, dead)
+        seq.num_released_blocks = max(seq.num_released_blocks, dead)
 
     def _release(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
@@ -178,13 +178,13 @@ class BlockManager:
             if self.block_hash[block_id] is None:
                 self.free_queue.move_to_end(block_id, last=False)  # nothing to keep: reuse first
 
-    def free(self, request: Request) -> None:
-        """Drops the request's references (finish, abort, preemption). Tail blocks are queued
+    def free(self, seq: Sequence) -> None:
+        """Drops the sequence's references (finish, abort, preemption). Tail blocks are queued
         before head blocks, so a shared prefix outlives the tail of one conversation."""
-        for block_id in reversed(request.held_block_ids):
+        for block_id in reversed(seq.held_block_ids):
             self._release(block_id)
-        request.block_ids = []
-        request.num_released_blocks = 0
+        seq.block_ids = []
+        seq.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block: after a worker restart the KV they named is gone."""

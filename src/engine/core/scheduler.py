@@ -9,8 +9,8 @@ for chunks that reach the end of the known tokens.
 When blocks run out, the least important running sequence (highest priority value, then latest
 arrival) is preempted by recompute: its blocks are freed and it returns to the waiting queue.
 The most important sequence is never the victim while another runs, and each one fits alone
-(checked by ``add_request``), so it always progresses: no deadlock, no livelock, and under FCFS
-the oldest request is never starved. Under the priority policy a stream of more important
+(checked by ``add_sequence``), so it always progresses: no deadlock, no livelock, and under FCFS
+the oldest seq is never starved. Under the priority policy a stream of more important
 requests may delay a less important one indefinitely, as priorities intend.
 
 Up to ``max_steps_in_flight`` plans are out at once: one, or two with async scheduling, where
@@ -33,14 +33,14 @@ from typing import NamedTuple
 
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import BlockManager
-from triode.engine.core.request import Request, RequestStatus
 from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
+from triode.engine.core.sequence import Sequence, SequenceStatus
 from triode.engine.errors import InvalidRequestError
 from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 
 class _InFlight(NamedTuple):  # a sequence's share of a step out: a tuple is the cheapest record
-    request: Request
+    seq: Sequence
     incarnation: int
     start: int
     num_tokens: int
@@ -68,10 +68,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.scheduling_policy = scheduling_policy
-        self.requests: dict[str, Request] = {}  # every unfinished sequence by seq id
-        self.families: dict[str, list[Request]] = {}  # user request id -> unfinished sequences
-        self.waiting: list[Request] = []  # sorted by _key
-        self.running: list[Request] = []  # in admission order
+        self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by seq id
+        self.families: dict[str, list[Sequence]] = {}  # user request id -> unfinished sequences
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._next_order = 0
         self._step_id = 0
@@ -94,101 +94,101 @@ class Scheduler:
             max_steps_in_flight=2 if args.async_scheduling_on(worker_device) else 1,
         )
 
-    def _key(self, request: Request) -> tuple[float, ...]:
+    def _key(self, seq: Sequence) -> tuple[float, ...]:
         """Importance order, smallest first: admission follows it, preemption reverses it."""
         if self.scheduling_policy == "priority":
-            return (request.priority, request.arrival_time, request.order)
-        return (request.arrival_time, request.order)
+            return (seq.priority, seq.arrival_time, seq.order)
+        return (seq.arrival_time, seq.order)
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_sequence(self, seq: Sequence) -> None:
         """Queues a sequence (the engine core has checked its id). Raises
         ``InvalidRequestError`` for one that could not fit in the whole KV cache even alone
         (see ``check_fits``)."""
-        self.check_fits(request)
-        request.order = self._next_order
+        self.check_fits(seq)
+        seq.order = self._next_order
         self._next_order += 1
-        self.requests[request.request_id] = request
-        self.families.setdefault(request.parent_id, []).append(request)
-        self._enqueue(request)
+        self.sequences[seq.seq_id] = seq
+        self.families.setdefault(seq.request_id, []).append(seq)
+        self._enqueue(seq)
 
-    def check_fits(self, request: Request) -> None:
+    def check_fits(self, seq: Sequence) -> None:
         """Raises ``InvalidRequestError`` for a sequence that could not fit in the whole KV
         cache even alone: admitting it would deadlock the scheduler."""
         bm = self.block_manager
         # The last sampled token is never fed, so at most max_num_tokens - 1 positions hold KV.
-        if bm.blocks_in_use_at_most(request.max_num_tokens - 1, self.max_num_batched_tokens) > bm.num_blocks:
+        if bm.blocks_in_use_at_most(seq.max_num_tokens - 1, self.max_num_batched_tokens) > bm.num_blocks:
             capacity = bm.num_blocks * bm.block_size
-            field = "prompt" if request.num_prompt_tokens > capacity else "max_tokens"
+            field = "prompt" if seq.num_prompt_tokens > capacity else "max_tokens"
             raise InvalidRequestError(
-                f"{field}: the request may grow to {request.max_num_tokens} tokens but the KV "
+                f"{field}: the request may grow to {seq.max_num_tokens} tokens but the KV "
                 f"cache holds only {capacity}",
                 field=field,
             )
 
-    def _enqueue(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=self._key)
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self._key)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+    def abort(self, ids: Iterable[str]) -> list[Sequence]:
         """Aborts sequences, by sequence id or by user request id (all its sequences). Their
         blocks are free at once and their ids go to the next plan's ``finished_seq_ids``.
         Unknown or already finished ids are ignored: aborts race with normal completion."""
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return self.finish(ids, SequenceStatus.FINISHED_ABORTED)
 
-    def finish_requests(
+    def finish(
         self,
-        request_ids: Iterable[str],
-        status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+        ids: Iterable[str],
+        status: SequenceStatus = SequenceStatus.FINISHED_STOPPED,
         stop_reason: int | str | None = None,
-    ) -> list[Request]:
+    ) -> list[Sequence]:
         """Finishes sequences from outside the scheduler, e.g. on a stop string found by the
         detokenizer (``stop_reason`` = the string). Ids as for ``abort``."""
         assert status.is_finished
         finished = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            family = [request] if request is not None else self.families.get(request_id, [])
-            for req in list(family):
-                req.stop_reason = stop_reason
-                self._finish(req, status)
-                finished.append(req)
+        for an_id in ids:
+            seq = self.sequences.get(an_id)
+            family = [seq] if seq is not None else self.families.get(an_id, [])
+            for member in list(family):
+                member.stop_reason = stop_reason
+                self._finish(member, status)
+                finished.append(member)
         return finished
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
         else:
-            self.waiting.remove(request)
-        self.block_manager.free(request)
-        request.status = status
-        del self.requests[request.request_id]
-        family = self.families[request.parent_id]
-        family.remove(request)
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        del self.sequences[seq.seq_id]
+        family = self.families[seq.request_id]
+        family.remove(seq)
         if not family:
-            del self.families[request.parent_id]
-        if request.known_to_worker:
-            self._finished_seq_ids.append(request.request_id)
+            del self.families[seq.request_id]
+        if seq.known_to_worker:
+            self._finished_seq_ids.append(seq.seq_id)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free everything now, back to the waiting queue in key order (the
         front, unless more important requests wait)."""
-        self.block_manager.free(request)
-        if request.known_to_worker:
-            self._finished_seq_ids.append(request.request_id)
-        request.reset_for_recompute()
-        self._enqueue(request)
+        self.block_manager.free(seq)
+        if seq.known_to_worker:
+            self._finished_seq_ids.append(seq.seq_id)
+        seq.reset_for_recompute()
+        self._enqueue(seq)
 
-    def requeue_all_running(self) -> list[Request]:
+    def requeue_all_running(self) -> list[Sequence]:
         """After a worker restart: every running sequence lost its KV and is recomputed (not
         counted as a preemption); the in-flight step is dropped; the prefix cache is emptied,
         since it named KV of the dead worker; the next plan assumes the worker knows nothing."""
         requeued = self.running
         self.running = []
-        for request in requeued:
-            self.block_manager.free(request)
-            request.reset_for_recompute()
-            self._enqueue(request)
+        for seq in requeued:
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+            self._enqueue(seq)
         self._in_flight.clear()
         self._finished_seq_ids = []
         self.block_manager.reset_prefix_cache()
@@ -211,56 +211,56 @@ class Scheduler:
         # Running sequences first: decodes and unfinished prefills, in admission order.
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_to_schedule(request, min(threshold, budget))
+            seq = self.running[i]
+            num_new = self._num_to_schedule(seq, min(threshold, budget))
             if num_new == 0:
                 i += 1
                 continue
-            while bm.allocate_slots(request, num_new) is None:
+            while bm.allocate_slots(seq, num_new) is None:
                 victim = max(self.running, key=self._key)
                 position = self.running.index(victim)
                 del self.running[position]
-                if victim.request_id in chunks:
-                    budget += chunks.pop(victim.request_id).num_tokens
+                if victim.seq_id in chunks:
+                    budget += chunks.pop(victim.seq_id).num_tokens
                 self._preempt(victim)
                 self.num_preemptions += 1
                 preempted = True
-                if victim is request:
+                if victim is seq:
                     break
                 if position < i:
                     i -= 1
             else:
-                chunks[request.request_id] = self._chunk(request, num_new)
+                chunks[seq.seq_id] = self._chunk(seq, num_new)
                 budget -= num_new
                 i += 1
 
         # Then waiting ones, unless this step had to preempt (they would only thrash).
         if not preempted:
-            for request in list(self.waiting):
+            for seq in list(self.waiting):
                 if len(self.running) >= self.max_num_seqs or budget == 0:
                     break
-                if self._sibling_is_prefilling(request):
+                if self._sibling_is_prefilling(seq):
                     continue  # share its prompt blocks once they are cached
-                hits, num_hit_tokens = bm.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_hit_tokens, threshold, budget)
-                if bm.allocate_slots(request, num_new, hits) is None:
+                hits, num_hit_tokens = bm.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - num_hit_tokens, threshold, budget)
+                if bm.allocate_slots(seq, num_new, hits) is None:
                     break  # no queue jumping: the head waits for blocks, and gets them
-                if request.status == RequestStatus.WAITING:
-                    request.num_cached_tokens = num_hit_tokens
-                self.waiting.remove(request)
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.known_to_worker = True
+                if seq.status == SequenceStatus.WAITING:
+                    seq.num_cached_tokens = num_hit_tokens
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SequenceStatus.RUNNING
+                seq.known_to_worker = True
                 new_sequences.append(
                     NewSequence(
-                        seq_id=request.request_id,
-                        prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=tuple(request.output_token_ids),
-                        params=request.params,
-                        eos_token_ids=request.eos_token_ids,
+                        seq_id=seq.seq_id,
+                        prompt_token_ids=seq.prompt_token_ids,
+                        output_token_ids=tuple(seq.output_token_ids),
+                        params=seq.params,
+                        eos_token_ids=seq.eos_token_ids,
                     )
                 )
-                chunks[request.request_id] = self._chunk(request, num_new)
+                chunks[seq.seq_id] = self._chunk(seq, num_new)
                 budget -= num_new
 
         self._step_id += 1
@@ -268,10 +268,10 @@ class Scheduler:
         if chunks:
             self._finished_seq_ids = []
             planned = {}
-            requests = self.requests
+            sequences = self.sequences
             for seq_id, chunk in chunks.items():
-                request = requests[seq_id]
-                planned[seq_id] = _InFlight(request, request.incarnation, chunk.start_position,
+                seq = sequences[seq_id]
+                planned[seq_id] = _InFlight(seq, seq.incarnation, chunk.start_position,
                                             chunk.num_tokens, chunk.sample)
             self._in_flight.append((self._step_id, planned))
         return StepPlan(
@@ -282,47 +282,47 @@ class Scheduler:
         )
 
     @staticmethod
-    def _num_to_schedule(request: Request, limit: int) -> int:
+    def _num_to_schedule(seq: Sequence, limit: int) -> int:
         """The tokens to feed a running sequence now, at most ``limit``: the rest of those it
         has (with the one a step in flight samples), or none if that step ends it by length."""
-        # Plain attributes rather than Request's properties: this runs for every sequence of
+        # Plain attributes rather than Sequence's properties: this runs for every sequence of
         # every step.
-        pending = request.num_in_flight_samples
-        num_tokens = len(request.all_token_ids)
-        if pending and num_tokens + pending >= request.max_num_tokens:
+        pending = seq.num_in_flight_samples
+        num_tokens = len(seq.all_token_ids)
+        if pending and num_tokens + pending >= seq.max_num_tokens:
             return 0
-        return min(num_tokens + pending - request.num_computed_tokens - request.num_in_flight_tokens, limit)
+        return min(num_tokens + pending - seq.num_computed_tokens - seq.num_in_flight_tokens, limit)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_computed_tokens + request.num_in_flight_tokens
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens + seq.num_in_flight_tokens
         end = start + num_new
-        token_ids = request.all_token_ids
+        token_ids = seq.all_token_ids
         sampled_input = end > len(token_ids)  # the token a step in flight samples
-        block_ids = request.block_ids
+        block_ids = seq.block_ids
         new_block_ids: tuple[int, ...] = ()
-        if request.num_blocks_sent < len(block_ids):
-            new_block_ids = tuple(block_ids[request.num_blocks_sent:])
-            request.num_blocks_sent = len(block_ids)
-        sample = end == len(token_ids) + request.num_in_flight_samples
-        request.num_in_flight_tokens += num_new
-        request.num_in_flight_samples += sample
-        return ScheduledChunk(request.request_id, tuple(token_ids[start:end]), start, new_block_ids, sample,
+        if seq.num_blocks_sent < len(block_ids):
+            new_block_ids = tuple(block_ids[seq.num_blocks_sent:])
+            seq.num_blocks_sent = len(block_ids)
+        sample = end == len(token_ids) + seq.num_in_flight_samples
+        seq.num_in_flight_tokens += num_new
+        seq.num_in_flight_samples += sample
+        return ScheduledChunk(seq.seq_id, tuple(token_ids[start:end]), start, new_block_ids, sample,
                               sampled_input)
 
-    def _sibling_is_prefilling(self, request: Request) -> bool:
+    def _sibling_is_prefilling(self, seq: Sequence) -> bool:
         """True while another sequence of the same n > 1 request still computes the prompt's
         full blocks. With prefix caching this one then reuses them instead of recomputing."""
         bm = self.block_manager
         if (
             not bm.enable_prefix_caching
-            or request.params.prompt_logprobs is not None  # never reads the cache
+            or seq.params.prompt_logprobs is not None  # never reads the cache
         ):
             return False
-        shared_tokens = (request.num_prompt_tokens - 1) // bm.block_size * bm.block_size
+        shared_tokens = (seq.num_prompt_tokens - 1) // bm.block_size * bm.block_size
         return any(
-            other.status == RequestStatus.RUNNING and other.num_computed_tokens < shared_tokens
-            for other in self.families[request.parent_id]
-            if other is not request
+            other.status == SequenceStatus.RUNNING and other.num_computed_tokens < shared_tokens
+            for other in self.families[seq.request_id]
+            if other is not seq
         )
 
     def update_from_output(self, result: StepResult) -> list[SequenceUpdate]:
@@ -343,44 +343,44 @@ class Scheduler:
         bm = self.block_manager
         cache_blocks = bm.cache_computed_blocks if bm.enable_prefix_caching else None
         release_blocks = bm.release_outside_window if bm.sliding_window is not None else None
-        requests = self.requests
+        sequences = self.sequences
         updates = []
         for seq_id, step in in_flight.items():
-            request = step.request
-            if requests.get(seq_id) is not request or request.incarnation != step.incarnation:
+            seq = step.seq
+            if sequences.get(seq_id) is not seq or seq.incarnation != step.incarnation:
                 continue  # finished, aborted or preempted after the plan was made
-            request.num_computed_tokens += step.num_tokens
-            request.num_in_flight_tokens -= step.num_tokens
+            seq.num_computed_tokens += step.num_tokens
+            seq.num_in_flight_tokens -= step.num_tokens
             if cache_blocks is not None:
-                cache_blocks(request)
+                cache_blocks(seq)
             if release_blocks is not None:
-                release_blocks(request)
-            plp = request.unsent_prompt_logprobs(step.start, prompt_logprobs[seq_id]) if seq_id in prompt_logprobs else ()
+                release_blocks(seq)
+            plp = seq.unsent_prompt_logprobs(step.start, prompt_logprobs[seq_id]) if seq_id in prompt_logprobs else ()
             if not step.sample:
                 if plp:
-                    updates.append(SequenceUpdate(seq_id, request.parent_id, request.index, (), (), plp,
-                                                  None, None, request.num_cached_tokens))
+                    updates.append(SequenceUpdate(seq_id, seq.request_id, seq.index, (), (), plp,
+                                                  None, None, seq.num_cached_tokens))
                 continue
-            request.num_in_flight_samples -= 1
+            seq.num_in_flight_samples -= 1
             token = sampled.get(seq_id)
             if token is None:
                 raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
-            request.append_output_token(token.token_id)
-            status = request.check_stop()
+            seq.append_output_token(token.token_id)
+            status = seq.check_stop()
             if status is not None:
-                self._finish(request, status)
+                self._finish(seq, status)
             updates.append(SequenceUpdate(
-                seq_id, request.parent_id, request.index, (token.token_id,),
-                (token.logprobs,) if request.params.logprobs is not None else (), plp,
+                seq_id, seq.request_id, seq.index, (token.token_id,),
+                (token.logprobs,) if seq.params.logprobs is not None else (), plp,
                 None if status is None else status.finish_reason,
-                None if status is None else request.stop_reason, request.num_cached_tokens,
+                None if status is None else seq.stop_reason, seq.num_cached_tokens,
             ))
         return updates
 
     # ---- state ---------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.sequences)
 
     @property
     def steps_in_flight(self) -> int:

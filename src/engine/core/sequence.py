@@ -1,7 +1,7 @@
 """One sequence's state as the scheduler sees it: tokens, progress, KV blocks, status.
 
-A user request with ``n > 1`` becomes ``n`` sequences (see ``make_requests``) that share the
-prompt. Each sequence is a ``Request`` here; ``parent_id`` and ``index`` map it back to the
+A user request with ``n > 1`` becomes ``n`` sequences (see ``make_sequences``) that share the
+prompt. Each sequence is a ``Sequence`` here; ``request_id`` and ``index`` map it back to the
 user's request and its output slot. The sequences share the prompt's KV blocks through the
 prefix cache: the scheduler admits the first one, and keeps its siblings waiting while that one
 computes the prompt; once the prompt's full blocks are cached, each sibling's
@@ -12,8 +12,8 @@ at least one token, so that logits exist) is computed again per sibling.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 _INT64_MIN = -(2**63)
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # never scheduled yet
     RUNNING = "running"  # holds KV blocks; the worker knows it
     PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed from scratch
@@ -46,26 +46,26 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 
-class Request:
+class Sequence:
     """Mutable state of one sequence; owned by the scheduler, never shared across actors."""
 
     def __init__(
         self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
+        seq_id: str,
+        prompt_token_ids: collections.abc.Sequence[int],
         params: SamplingParams,
         *,
         arrival_time: float,
         max_model_len: int,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: collections.abc.Sequence[int] = (),
         priority: int = 0,
-        parent_id: str | None = None,
+        request_id: str | None = None,
         index: int = 0,
     ) -> None:
         if not prompt_token_ids:
@@ -76,8 +76,8 @@ class Request:
                 f"length of {max_model_len} tokens",
                 field="prompt",
             )
-        self.request_id = request_id  # the sequence id, unique among live requests
-        self.parent_id = request_id if parent_id is None else parent_id  # the user's request id
+        self.seq_id = seq_id  # unique among live sequences
+        self.request_id = seq_id if request_id is None else request_id  # the user's request id
         self.index = index  # which of the parent's n outputs this is
         self.params = params
         self.arrival_time = arrival_time  # given by the caller: the core never reads a clock
@@ -89,7 +89,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # The whole history (prompt + output): prefix hashing and recompute read from it.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         # A prompt of exactly max_model_len tokens still gets one token (as in vLLM): positions
         # fed to the model stay below max_model_len since the last sampled token is never fed.
@@ -121,7 +121,7 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
         )
 
@@ -153,9 +153,9 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
-    def check_stop(self) -> RequestStatus | None:
+    def check_stop(self) -> SequenceStatus | None:
         """Stop checks that need only token ids, after a token was appended: the finished status
-        to give the request (the scheduler applies it), setting stop_reason, or None. Stop
+        to give the sequence (the scheduler applies it), setting stop_reason, or None. Stop
         strings are the detokenizer's job (they need text). A stop token on the last allowed
         position reports "stop", not "length": the model ended on its own.
 
@@ -169,12 +169,12 @@ class Request:
             if not params.ignore_eos and last in self.eos_token_ids:
                 if last != self.eos_token_ids[0]:
                     self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
         if len(token_ids) >= self.max_num_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def unsent_prompt_logprobs(
@@ -196,7 +196,7 @@ class Request:
 
     def reset_for_recompute(self) -> None:
         """Forgets the KV cache (preemption or worker restart). The caller frees the blocks."""
-        self.status = RequestStatus.PREEMPTED
+        self.status = SequenceStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.num_in_flight_tokens = 0
         self.num_in_flight_samples = 0
@@ -208,22 +208,22 @@ class Request:
         self.num_blocks_sent = 0
 
 
-def make_requests(
+def make_sequences(
     request_id: str,
-    prompt_token_ids: Sequence[int],
+    prompt_token_ids: collections.abc.Sequence[int],
     params: SamplingParams,
     *,
     arrival_time: float,
     max_model_len: int,
-    eos_token_ids: Sequence[int] = (),
+    eos_token_ids: collections.abc.Sequence[int] = (),
     priority: int = 0,
-) -> list[Request]:
+) -> list[Sequence]:
     """The sequences of one user request: itself when ``n == 1``, else ``n`` children with ids
     ``"{request_id}-{i}"``, ``n=1`` params, and ``seed + i`` (wrapped to int64) so seeded
     parallel samples differ yet stay reproducible, as in vLLM."""
     if params.n == 1:
         return [
-            Request(
+            Sequence(
                 request_id, prompt_token_ids, params, arrival_time=arrival_time,
                 max_model_len=max_model_len, eos_token_ids=eos_token_ids, priority=priority,
             )
@@ -234,10 +234,10 @@ def make_requests(
         if seed is not None:
             seed = (seed + i - _INT64_MIN) % 2**64 + _INT64_MIN
         children.append(
-            Request(
+            Sequence(
                 f"{request_id}-{i}", prompt_token_ids, attrs.evolve(params, n=1, seed=seed),
                 arrival_time=arrival_time, max_model_len=max_model_len,
-                eos_token_ids=eos_token_ids, priority=priority, parent_id=request_id, index=i,
+                eos_token_ids=eos_token_ids, priority=priority, request_id=request_id, index=i,
             )
         )
     return children
