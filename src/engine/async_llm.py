@@ -72,6 +72,8 @@ class AsyncLLM:
         self._observers: list[RequestObserver] = []
         self._accepting = True
         info = supervisor.info
+        if info is None:
+            raise RuntimeError("AsyncLLM needs a running worker-supervisor (its workers loaded)")
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
 
@@ -146,9 +148,9 @@ class AsyncLLM:
         if request_id in self._open:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
         stream = RequestStream(request_id, params.output_kind)
-        chat = prompt if isinstance(prompt, ChatOptions) else None
+        chat, text = (prompt, None) if isinstance(prompt, ChatOptions) else (None, prompt)
         self.intake.submit(AddRequest(  # QueueFull: nothing was queued, nothing to undo
-            request_id=request_id, prompt=None if chat is not None else prompt, chat=chat,
+            request_id=request_id, prompt=text, chat=chat,
             params=params, priority=priority, arrival_time=trio.current_time(), stream=stream,
         ))
         self._open[request_id] = stream

@@ -7,7 +7,7 @@ intake actor (which runs it in a worker thread: tokenizers release the GIL) shar
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
@@ -102,6 +102,10 @@ def checked_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return checked
 
 
+def _message_tuple(messages: Iterable[ChatMessage]) -> tuple[ChatMessage, ...]:
+    return tuple(messages)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class ChatOptions:
     """A chat request: the messages and how to render them (vLLM's ``LLM.chat`` options). A
@@ -109,7 +113,7 @@ class ChatOptions:
     the template (``enable_thinking=False``, say); ``tools`` (OpenAI's function definitions)
     are passed to the template as ``tools``, as ``apply_chat_template(tools=...)`` does."""
 
-    messages: tuple[ChatMessage, ...] = attrs.field(converter=tuple)
+    messages: tuple[ChatMessage, ...] = attrs.field(converter=_message_tuple)
     chat_template: str | None = attrs.field(default=None, validator=_checked_template)
     chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None, validator=_checked_kwargs)
     add_generation_prompt: bool = True
