@@ -10,6 +10,7 @@ import httpx2
 import openai
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http_server import running, triode_serve
 
@@ -339,20 +340,97 @@ def test_tokenize_and_detokenize(client, url):
     assert rendered.endswith("<|im_start|>assistant\n")
 
 
-def test_metrics_names(client, url):
-    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=False)
+# vLLM's metrics as its documentation (docs/design/metrics.md, docs/usage/metrics.md) lists
+# them: the name as exposed, the type, the labels besides model_name and engine.
+VLLM_METRICS = {
+    "vllm:num_requests_running": ("gauge", ()),
+    "vllm:num_requests_waiting": ("gauge", ()),
+    "vllm:kv_cache_usage_perc": ("gauge", ()),
+    "vllm:prefix_cache_queries": ("counter", ()),
+    "vllm:prefix_cache_hits": ("counter", ()),
+    "vllm:prompt_tokens": ("counter", ()),
+    "vllm:generation_tokens": ("counter", ()),
+    "vllm:num_preemptions": ("counter", ()),
+    "vllm:request_success": ("counter", ("finished_reason",)),
+    "vllm:time_to_first_token_seconds": ("histogram", ()),
+    "vllm:inter_token_latency_seconds": ("histogram", ()),
+    "vllm:request_time_per_output_token_seconds": ("histogram", ()),
+    "vllm:e2e_request_latency_seconds": ("histogram", ()),
+    "vllm:request_queue_time_seconds": ("histogram", ()),
+    "vllm:request_prefill_time_seconds": ("histogram", ()),
+    "vllm:request_decode_time_seconds": ("histogram", ()),
+    "vllm:request_inference_time_seconds": ("histogram", ()),
+    "vllm:request_prompt_tokens": ("histogram", ()),
+    "vllm:request_generation_tokens": ("histogram", ()),
+    "vllm:request_params_max_tokens": ("histogram", ()),
+    "vllm:request_params_n": ("histogram", ()),
+    "vllm:iteration_tokens_total": ("histogram", ()),
+}
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0]
+VLLM_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def _families(url: str) -> dict:
     text = httpx2.get(f"{url}/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                 "generation_tokens_total", "request_success_total", "num_preemptions_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total", "worker_restarts_total",
-                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
-        assert f"triode:{name}{{" in text, name
-    assert f'triode:worker_pid{{model_name="{MODEL}",rank="0"}}' in text
-    assert f'triode:rank_step_seconds_total{{model_name="{MODEL}",rank="0"}}' in text
-    assert f'triode:engine_steps_total{{model_name="{MODEL}"}}' in text
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _buckets(family) -> list[float]:
+    return [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+
+
+def test_metrics_carry_vllms_names_types_labels_and_buckets(client, url):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=False)
+    families = _families(url)
+    names = {"vllm:iteration_tokens_total" if n == "vllm:iteration_tokens" else n for n in families}
+    assert set(VLLM_METRICS) <= names, set(VLLM_METRICS) - names
+    for name, (kind, extra) in VLLM_METRICS.items():
+        family = families.get(name) or families[name.removesuffix("_total")]
+        assert family.type == kind, name
+        assert len(family.samples) >= 1, name
+        for sample in family.samples:
+            expected = {"model_name", "engine", *extra} | ({"le"} if sample.name.endswith("_bucket") else set())
+            assert set(sample.labels) == expected, (name, sample.labels)
+            assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0"
+    assert _buckets(families["vllm:time_to_first_token_seconds"]) == VLLM_TTFT_BUCKETS
+    assert _buckets(families["vllm:inter_token_latency_seconds"]) == VLLM_ITL_BUCKETS
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert _buckets(families[f"vllm:{name}"]) == VLLM_REQUEST_BUCKETS, name
+    assert _buckets(families["vllm:request_params_n"]) == [1, 2, 5, 10, 20]
+    # 1, 2, 5, 10, 20, 50, ... up to the model's maximum length.
+    max_model_len = httpx2.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+    expected = sorted(m * 10**k for m in (1, 2, 5) for k in range(8) if m * 10**k <= max_model_len)
+    assert len(expected) >= 4
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):
+        assert _buckets(families[f"vllm:{name}"]) == expected, name
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert {"stop", "length", "abort"} <= reasons
+    usage = families["vllm:kv_cache_usage_perc"].samples
+    assert len(usage) == 1 and 0.0 <= usage[0].value <= 1.0
+
+
+def test_cache_config_info_names_the_block_size_and_blocks(url):
+    family = _families(url)["vllm:cache_config_info"]
+    assert family.type == "gauge"
+    (sample,) = family.samples
+    assert sample.value == 1.0
+    assert sample.labels["block_size"] == "16" and int(sample.labels["num_gpu_blocks"]) > 0
+    assert sample.labels["engine"] == "0" and sample.labels["enable_prefix_caching"] == "True"
+
+
+def test_triodes_own_metrics_keep_their_prefix(url):
+    text = httpx2.get(f"{url}/metrics").text
+    assert f'triode:worker_pid{{engine="0",model_name="{MODEL}",rank="0"}}' in text
+    assert f'triode:rank_step_seconds_total{{engine="0",model_name="{MODEL}",rank="0"}}' in text
+    assert f'triode:engine_steps_total{{engine="0",model_name="{MODEL}"}}' in text
+    assert f'triode:worker_restarts_total{{engine="0",model_name="{MODEL}"}}' in text
     assert "process_resident_memory_bytes " in text
-    assert f'triode:request_success_total{{finished_reason="length",model_name="{MODEL}"}}' in text
+    assert "triode:num_requests_running" not in text  # served once, under vLLM's name
 
 
 # The openai SDK leaves its SSE byte iterators unexhausted after [DONE] (it stops reading and

@@ -37,14 +37,14 @@ def url(model):
 
 
 async def engine_idle(client: httpx2.AsyncClient, url: str) -> bool:
-    return (await ametric(client, url, "triode:kv_cache_usage_perc") == 0.0
-            and await ametric(client, url, "triode:num_requests_running") == 0.0)
+    return (await ametric(client, url, "vllm:kv_cache_usage_perc") == 0.0
+            and await ametric(client, url, "vllm:num_requests_running") == 0.0)
 
 
 async def test_disconnect_mid_stream_frees_kv_blocks(url):
     async with httpx2.AsyncClient(timeout=30) as client:
-        aborted = await ametric(client, url, "triode:request_success_total", finished_reason="abort")
-        generated = await ametric(client, url, "triode:generation_tokens_total")
+        aborted = await ametric(client, url, "vllm:request_success_total", finished_reason="abort")
+        generated = await ametric(client, url, "vllm:generation_tokens_total")
         chunks = 0
         with trio.fail_after(30):
             async with client.stream("POST", f"{url}/v1/completions", json={
@@ -57,16 +57,16 @@ async def test_disconnect_mid_stream_frees_kv_blocks(url):
         assert chunks == 5
         with trio.fail_after(20):
             await await_condition(lambda: engine_idle(client, url))
-        assert await ametric(client, url, "triode:request_success_total", finished_reason="abort") == aborted + 1
-        assert await ametric(client, url, "triode:generation_tokens_total") - generated < LONG / 2
+        assert await ametric(client, url, "vllm:request_success_total", finished_reason="abort") == aborted + 1
+        assert await ametric(client, url, "vllm:generation_tokens_total") - generated < LONG / 2
 
 
 async def test_disconnect_before_a_non_streamed_answer_frees_kv_blocks(url):
     async with httpx2.AsyncClient(timeout=30) as client:
-        aborted = await ametric(client, url, "triode:request_success_total", finished_reason="abort")
+        aborted = await ametric(client, url, "vllm:request_success_total", finished_reason="abort")
 
         async def running_now() -> bool:
-            return await ametric(client, url, "triode:num_requests_running") > 0
+            return await ametric(client, url, "vllm:num_requests_running") > 0
 
         async with trio.open_nursery() as nursery:
             cancel = trio.CancelScope()
@@ -80,11 +80,11 @@ async def test_disconnect_before_a_non_streamed_answer_frees_kv_blocks(url):
             nursery.start_soon(request)
             with trio.fail_after(20):
                 await await_condition(running_now)
-            assert await ametric(client, url, "triode:kv_cache_usage_perc") > 0
+            assert await ametric(client, url, "vllm:kv_cache_usage_perc") > 0
             cancel.cancel()  # the client gives up: httpx2 closes the connection
         with trio.fail_after(20):
             await await_condition(lambda: engine_idle(client, url))
-        assert await ametric(client, url, "triode:request_success_total", finished_reason="abort") == aborted + 1
+        assert await ametric(client, url, "vllm:request_success_total", finished_reason="abort") == aborted + 1
 
 
 async def test_overload_gets_503_with_retry_after(url):

@@ -188,11 +188,11 @@ def test_response_format_on_completions_and_vllm_guided_fields(client):
     ({"guided_regex": "[z-a]"}, "guided_regex", "invalid regular expression"),
 ])
 def test_bad_constraints_get_a_400_naming_the_parameter(server, client, extra, param, message):
-    before = metric(server.url, "triode:prefix_cache_queries_total")
+    before = metric(server.url, "vllm:prefix_cache_queries_total")
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model(client), messages=ASK_PERSON, max_completion_tokens=5,
                                        extra_body=extra)
     error = caught.value.body
     assert error["param"] == param and message in error["message"], error
     assert error["type"] == "invalid_request_error"
-    assert metric(server.url, "triode:prefix_cache_queries_total") == before  # nothing was scheduled
+    assert metric(server.url, "vllm:prefix_cache_queries_total") == before  # nothing was scheduled

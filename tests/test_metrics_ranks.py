@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from triode.engine.engine_stats import EngineStatistics
-from triode.frontend.server.metrics import ServerMetrics
+from triode.frontend.server.metrics import CacheConfig, ServerMetrics
 
 
 def _two_rank_statistics() -> EngineStatistics:
@@ -16,11 +16,14 @@ def _two_rank_statistics() -> EngineStatistics:
         step_seconds_total=3.5, worker_idle_seconds=0.0, tensor_parallel_size=2,
         rank_step_seconds_total=(3.25, 3.0), rank_collective_seconds_total=(0.5, 0.75),
         rank_last_step_seconds=(0.25, 0.25), rank_last_collective_seconds=(0.0, 0.0),
+        # 3 steps of 1 token, 2 of 9..16, 1 above 16384
+        iteration_tokens=(3, 0, 2) + (0,) * 10 + (1,), iteration_tokens_sum=3 + 25 + 20000,
     )
 
 
 def test_every_rank_reports_its_step_and_collective_seconds():
-    metrics = ServerMetrics("m", _two_rank_statistics)
+    metrics = ServerMetrics("m", _two_rank_statistics, max_model_len=512,
+                            cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
     samples = {
         (sample.name, sample.labels.get("rank")): sample.value
         for family in text_string_to_metric_families(metrics.render().decode())
@@ -31,4 +34,18 @@ def test_every_rank_reports_its_step_and_collective_seconds():
     assert samples["triode:rank_collective_seconds_total", "1"] == 0.75
     assert samples["triode:engine_steps_total", None] == 12
     assert samples["triode:engine_step_seconds_total", None] == 3.5
-    assert samples["triode:kv_cache_usage_perc", None] == 0.25
+    assert samples["vllm:kv_cache_usage_perc", None] == 0.25
+
+
+def test_tokens_per_step_are_a_cumulative_histogram_with_vllms_bounds():
+    metrics = ServerMetrics("m", _two_rank_statistics, max_model_len=512,
+                            cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
+    (family,) = [f for f in text_string_to_metric_families(metrics.render().decode())
+                 if f.name == "vllm:iteration_tokens_total"]
+    assert family.type == "histogram"
+    buckets = [(s.labels["le"], s.value) for s in family.samples if s.name.endswith("_bucket")]
+    assert len(buckets) == 14
+    assert buckets[:3] == [("1.0", 3), ("8.0", 3), ("16.0", 5)]
+    assert buckets[-2:] == [("16384.0", 5), ("+Inf", 6)]
+    totals = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples if not s.name.endswith("_bucket")}
+    assert totals == {"count": 6, "sum": 20028}

@@ -35,6 +35,9 @@ class EngineStatistics:
     worker_prepare_seconds_total: float = 0.0
     # the engine process's own work: scheduling, applying results, detokenizing and outputs
     engine_seconds_total: float = 0.0
+    # steps by tokens fed, per bucket of ITERATION_TOKEN_BUCKETS (the last: above them all)
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -68,4 +71,6 @@ def collect_statistics(
         grammar_seconds_total=workers.grammar_seconds_total,
         worker_prepare_seconds_total=workers.prepare_seconds_total,
         engine_seconds_total=engine_seconds,
+        iteration_tokens=core.iteration_tokens,
+        iteration_tokens_sum=core.iteration_tokens_sum,
     )

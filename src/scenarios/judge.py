@@ -72,9 +72,9 @@ async def check_server_after(scenario: Scenario, server: ServerProcess, verdict:
         return
     metrics = await _settled_metrics(server)
     pids_seen.update(await server.worker_pids())
-    if expect.kv_free_at_end and metrics.get("triode:kv_cache_usage_perc", 0.0) != 0.0:
-        verdict.fail(f"KV cache usage {metrics['triode:kv_cache_usage_perc']} at the end, expected 0")
-    if metrics.get("triode:num_requests_running", 0) or metrics.get("triode:num_requests_waiting", 0):
+    if expect.kv_free_at_end and metrics.get("vllm:kv_cache_usage_perc", 0.0) != 0.0:
+        verdict.fail(f"KV cache usage {metrics['vllm:kv_cache_usage_perc']} at the end, expected 0")
+    if metrics.get("vllm:num_requests_running", 0) or metrics.get("vllm:num_requests_waiting", 0):
         verdict.fail("requests still running or waiting at the end")
     rss_before, rss_after = before.get("process_resident_memory_bytes"), metrics.get("process_resident_memory_bytes")
     if expect.max_rss_growth_mb is not None and rss_before and rss_after:
@@ -89,7 +89,7 @@ async def check_server_after(scenario: Scenario, server: ServerProcess, verdict:
     verdict.worker_restarts = int(grown("triode:worker_restarts_total"))
     if verdict.worker_restarts < expect.min_worker_restarts:
         verdict.fail(f"{verdict.worker_restarts} worker restarts, expected at least {expect.min_worker_restarts}")
-    preemptions = grown("triode:num_preemptions_total")
+    preemptions = grown("vllm:num_preemptions_total")
     if preemptions < expect.min_preemptions:
         verdict.fail(f"{preemptions:.0f} preemptions, expected at least {expect.min_preemptions}")
 
@@ -101,8 +101,8 @@ async def _settled_metrics(server: ServerProcess, *, limit: float = 10.0) -> dic
     with trio.move_on_after(limit):
         while True:  # polling another process: there is no event to wait on
             metrics = await server.metrics()
-            busy = (metrics.get("triode:num_requests_running", 0) + metrics.get("triode:num_requests_waiting", 0)
-                    + metrics.get("triode:kv_cache_usage_perc", 0.0))
+            busy = (metrics.get("vllm:num_requests_running", 0) + metrics.get("vllm:num_requests_waiting", 0)
+                    + metrics.get("vllm:kv_cache_usage_perc", 0.0))
             if not busy:
                 return metrics
             await trio.sleep(0.05)

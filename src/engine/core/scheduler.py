@@ -33,7 +33,11 @@ from typing import NamedTuple
 
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import BlockManager
-from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
+from triode.engine.core.scheduler_output import (
+    ITERATION_TOKEN_BUCKETS,
+    SchedulerStats,
+    SequenceUpdate,
+)
 from triode.engine.core.sequence import Sequence, SequenceStatus
 from triode.engine.errors import InvalidRequestError
 from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
@@ -78,6 +82,8 @@ class Scheduler:
         # Each step out (plan order): its id and its sequences' shares.
         self._in_flight: collections.deque[tuple[int, dict[str, _InFlight]]] = collections.deque()
         self._finished_seq_ids: list[str] = []  # the worker must forget these
+        self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None,
@@ -267,6 +273,9 @@ class Scheduler:
         finished = tuple(self._finished_seq_ids)
         if chunks:
             self._finished_seq_ids = []
+            fed = self.max_num_batched_tokens - budget
+            self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, fed)] += 1
+            self._iteration_tokens_sum += fed
             planned = {}
             sequences = self.sequences
             for seq_id, chunk in chunks.items():
@@ -396,4 +405,6 @@ class Scheduler:
             kv_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            iteration_tokens=tuple(self._iteration_tokens),
+            iteration_tokens_sum=self._iteration_tokens_sum,
         )

@@ -24,6 +24,10 @@ class SequenceUpdate(NamedTuple):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+# Upper bounds of the tokens-per-step histogram (vLLM's vllm:iteration_tokens_total buckets).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @attrs.frozen(kw_only=True)
 class SchedulerStats:
     num_running: int
@@ -33,3 +37,7 @@ class SchedulerStats:
     kv_blocks_free: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Steps planned by tokens fed, per bucket of ITERATION_TOKEN_BUCKETS (not cumulative; the
+    # last count is above every bound), and the tokens of them all.
+    iteration_tokens: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    iteration_tokens_sum: int = 0

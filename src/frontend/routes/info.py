@@ -61,4 +61,5 @@ async def model(model: str) -> Response:
 
 @blueprint.get("/metrics")
 async def metrics() -> Response:
-    return Response(host().metrics.render(), content_type=CONTENT_TYPE)
+    server_metrics = host().metrics  # None only before the engine was first ready
+    return Response(server_metrics.render() if server_metrics is not None else b"", content_type=CONTENT_TYPE)

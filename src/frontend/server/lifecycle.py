@@ -19,7 +19,7 @@ from triode.engine.errors import EngineDeadError
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.frontend.openai.errors import APIError, shutting_down
 from triode.frontend.openai.logprobs import TokenText
-from triode.frontend.server.metrics import ServerMetrics
+from triode.frontend.server.metrics import CacheConfig, ServerMetrics
 from triode.frontend.server.settings import served_model_name
 
 log = logging.getLogger("triode.frontend")
@@ -53,9 +53,9 @@ class EngineHost:
         return served_model_name(self.args)
 
     @property
-    def metrics(self) -> ServerMetrics:
-        if self._metrics is None:
-            self._metrics = ServerMetrics(self.model_name, self.statistics)
+    def metrics(self) -> ServerMetrics | None:
+        """The server's metrics, from the first time the engine was ready (their token
+        histograms' buckets follow the model's maximum length); None before."""
         return self._metrics
 
     def statistics(self) -> EngineStatistics | None:
@@ -83,7 +83,6 @@ class EngineHost:
     async def start(self) -> None:
         """Loads the model and starts the engine; returns once it is ready (raises if not)."""
         assert self.nursery is not None, "the lifespan sets the nursery before start-up"
-        _ = self.metrics  # the registry exists before the first scrape
         await self.nursery.start(self._run)
 
     async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -91,7 +90,13 @@ class EngineHost:
         started = False
         try:
             async with AsyncLLM.open(self.args) as llm:
-                llm.add_observer(self.metrics)
+                if self._metrics is None:
+                    args = self.args
+                    cache = CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                                        kv_cache_memory_bytes=args.kv_cache_memory)
+                    self._metrics = ServerMetrics(self.model_name, self.statistics, cache=cache,
+                                                  max_model_len=llm.max_model_len)
+                llm.add_observer(self._metrics)
                 self.generation = llm.generation
                 # Reads the whole vocabulary once (megabytes for a real tokenizer): off the loop.
                 self.token_text = await trio.to_thread.run_sync(TokenText, llm.tokenizer)

@@ -1,19 +1,23 @@
-"""Prometheus metrics for /metrics: one registry per app, names mirroring vLLM's under
-``triode:`` so existing dashboards port (same meanings, same histogram buckets, a
-``model_name`` label on every series).
+"""Prometheus metrics for /metrics, one registry per app.
 
-Gauges and the engine's own counters are read from ``AsyncLLM.statistics()`` at scrape time;
-token counters, finish reasons and latency histograms come from an output observer the engine
-calls for every output it delivers (it must not block, and does not). Also exported: the
-engine's step count and step time, per rank ``triode:worker_pid``,
-``triode:rank_step_seconds_total`` and ``triode:rank_collective_seconds_total`` (the share of
-the step a tensor-parallel rank spent in all-reduce and gather; measured inside the workers),
-and the server process's own ``process_*`` series."""
+Every series that has a vLLM meaning is served under vLLM's name, type, labels, units and
+histogram buckets (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+``vllm:cache_config_info``, ...), labelled ``model_name`` and ``engine`` as vLLM labels them:
+the routers that read a server's state (vllm-router, the Gateway API Inference Extension's
+endpoint picker, vLLM's production stack) read those names. What only triode has (worker
+restarts and pids, each tensor-parallel rank's step and collective time, the engine's steps)
+keeps the ``triode:`` prefix. Nothing is served under both names: a scrape every 50 ms (the
+endpoint picker's) should not pay for a second copy.
+
+Gauges, the core's counters and its tokens-per-step histogram are read from
+``AsyncLLM.statistics()`` at scrape time; token counters, finish reasons and the per-request
+histograms come from an observer the engine calls for every output it delivers (it must not
+block, and does not)."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 from prometheus_client import (
@@ -23,13 +27,20 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
+from triode.engine.core.scheduler_output import ITERATION_TOKEN_BUCKETS
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import OutputKind, SamplingParams
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE = "0"  # vLLM's engine label: the data-parallel engine's index; a triode server runs one
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -37,95 +48,164 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort")
 _CLOSED_KEPT = 1024
 _MAX_ITL_SAMPLES = 4096  # per non-streamed request, whose gaps are known only on average
 
 
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    """What ``vllm:cache_config_info`` labels (vLLM's CacheConfig fields that triode has)."""
+
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int
+    cache_dtype: str = "auto"  # the model's dtype, as vLLM's "auto"
+
+
 @attrs.define
 class _Request:
-    kind: OutputKind
-    n: int
+    params: SamplingParams
     tokens: dict[int, int] = attrs.Factory(dict)
     reasons: dict[int, str] = attrs.Factory(dict)
+    prompt_tokens: int = 0
     seen: bool = False
     last_token_time: float | None = None
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, statistics: Callable[[], EngineStatistics | None]) -> None:
-        self._model_name = model_name
+    def __init__(self, model_name: str, cache: CacheConfig,
+                 statistics: Callable[[], EngineStatistics | None]) -> None:
+        self._labels = [model_name, ENGINE]
+        self._cache = cache
         self._statistics = statistics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self._statistics()
         if stats is None:
             return
-        labels, values = ["model_name"], [self._model_name]
-        for name, doc, value in (
-            ("triode:num_requests_running", "Sequences in the running batch.", stats.num_running),
-            ("triode:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
-            ("triode:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", stats.kv_cache_usage),
-        ):
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            yield family
-        pids = GaugeMetricFamily("triode:worker_pid", "Process id of each rank's worker process.",
-                                 labels=["model_name", "rank"])
-        for rank, pid in enumerate(stats.worker_pids):
-            pids.add_metric([self._model_name, str(rank)], pid)
-        yield pids
-        yield from self._rank_counters(stats)
-        for name, doc, value in (
-            ("triode:engine_steps", "Model steps executed.", stats.steps),
-            ("triode:engine_step_seconds", "Wall time of model steps, as the engine waited for them.",
-             stats.step_seconds_total),
-            ("triode:num_preemptions", "Preemptions (requests recomputed).", stats.num_preemptions),
-            ("triode:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        names, values = ["model_name", "engine"], self._labels
+        for kind, name, doc, value in (
+            (GaugeMetricFamily, "vllm:num_requests_running", "Sequences in the running batch.", stats.num_running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting to be scheduled.",
+             stats.num_waiting),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.",
+             stats.kv_cache_usage),
+            (CounterMetricFamily, "vllm:num_preemptions", "Preemptions (sequences recomputed).",
+             stats.num_preemptions),
+            (CounterMetricFamily, "vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.",
              stats.prefix_cache_queries),
-            ("triode:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("triode:worker_restarts", "Worker process restarts.", stats.worker_restarts),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Tokens found in the prefix cache.",
+             stats.prefix_cache_hits),
+            (CounterMetricFamily, "triode:engine_steps", "Model steps executed.", stats.steps),
+            (CounterMetricFamily, "triode:engine_step_seconds",
+             "Wall time of model steps, as the engine waited for them.", stats.step_seconds_total),
+            (CounterMetricFamily, "triode:worker_restarts", "Worker process restarts.", stats.worker_restarts),
         ):
-            family = CounterMetricFamily(name, doc, labels=labels)
+            family = kind(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
-
-    def _rank_counters(self, stats: EngineStatistics):
+        yield self._cache_config_info(stats)
+        yield self._iteration_tokens(stats)
+        pids = GaugeMetricFamily("triode:worker_pid", "Process id of each rank's worker process.",
+                                 labels=["model_name", "engine", "rank"])
+        for rank, pid in enumerate(stats.worker_pids):
+            pids.add_metric([*values, str(rank)], pid)
+        yield pids
         for name, doc, totals in (
             ("triode:rank_step_seconds", "Step time measured inside each rank's worker.",
              stats.rank_step_seconds_total),
             ("triode:rank_collective_seconds", "Of the step time, all-reduce and logits gather.",
              stats.rank_collective_seconds_total),
         ):
-            family = CounterMetricFamily(name, doc, labels=["model_name", "rank"])
+            family = CounterMetricFamily(name, doc, labels=["model_name", "engine", "rank"])
             for rank, seconds in enumerate(totals):
-                family.add_metric([self._model_name, str(rank)], seconds)
+                family.add_metric([*values, str(rank)], seconds)
             yield family
+
+    def _cache_config_info(self, stats: EngineStatistics) -> GaugeMetricFamily:
+        cache = self._cache
+        labels = {
+            "block_size": str(cache.block_size), "cache_dtype": cache.cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+            "num_cpu_blocks": "None", "num_gpu_blocks": str(stats.kv_blocks_total), "engine": ENGINE,
+        }
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration.",
+                                   labels=list(labels))
+        family.add_metric(list(labels.values()), 1.0)
+        return family
+
+    def _iteration_tokens(self, stats: EngineStatistics) -> HistogramMetricFamily:
+        counts = stats.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        cumulative, total = [], 0
+        for bound, count in zip((*(str(float(b)) for b in ITERATION_TOKEN_BUCKETS), "+Inf"), counts, strict=True):
+            total += count
+            cumulative.append((bound, total))
+        family = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens fed per engine step.",
+                                       labels=["model_name", "engine"])
+        family.add_metric(self._labels, cumulative, sum_value=stats.iteration_tokens_sum)
+        return family
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, statistics: Callable[[], EngineStatistics | None]) -> None:
+    def __init__(self, model_name: str, statistics: Callable[[], EngineStatistics | None], *,
+                 cache: CacheConfig, max_model_len: int) -> None:
+        """``max_model_len`` bounds the token-count histograms' buckets (as in vLLM)."""
         self.model_name = model_name
-        self.registry = CollectorRegistry()
-        r, label = self.registry, ["model_name"]
-        self.prompt_tokens = Counter("triode:prompt_tokens", "Prefill tokens processed.", label, registry=r)
-        self.generation_tokens = Counter("triode:generation_tokens", "Generation tokens produced.", label,
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self._labels = (model_name, ENGINE)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels,
                                          registry=r)
-        self.request_success = Counter("triode:request_success", "Finished sequences by finish reason.",
-                                       ["model_name", "finished_reason"], registry=r)
-        self.ttft = Histogram("triode:time_to_first_token_seconds", "Time to first token.", label,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("triode:inter_token_latency_seconds", "Time between output tokens.", label,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("triode:e2e_request_latency_seconds", "Arrival to finish.", label,
-                             buckets=_REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram("triode:request_queue_time_seconds", "Arrival to first scheduling.",
-                                    label, buckets=_REQUEST_BUCKETS, registry=r)
-        for reason in ("stop", "length", "abort"):  # every series exists from the first scrape
-            self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.queue_time):
-            metric.labels(model_name)
-        r.register(_EngineCollector(model_name, statistics))
+        self.request_success = Counter("vllm:request_success", "Finished sequences by finish reason.",
+                                       [*labels, "finished_reason"], registry=r)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request, the mean time between its output tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
+                                    _REQUEST_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "First scheduling to first token.", _REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to finish.",
+                                     _REQUEST_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "First scheduling to finish.", _REQUEST_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request.", token_buckets)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens of requests.",
+                                            token_buckets)
+        self.request_n = histogram("vllm:request_params_n", "The n of requests.", _N_BUCKETS)
+        for reason in FINISH_REASONS:  # every series exists from the first scrape
+            self.request_success.labels(*self._labels, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
+                       self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
+                       self.request_n):
+            metric.labels(*self._labels)
+        r.register(_EngineCollector(model_name, cache, statistics))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
         self._requests: dict[str, _Request] = {}
         self._closed: deque[str] = deque()
@@ -136,7 +216,7 @@ class ServerMetrics:
     # ---- triode.engine.async_llm.RequestObserver ----------------------------------------
 
     def opened(self, request_id: str, params: SamplingParams) -> None:
-        self._requests[request_id] = _Request(kind=params.output_kind, n=params.n)
+        self._requests[request_id] = _Request(params=params)
 
     def closed(self, request_id: str) -> None:
         """The consumer left. The engine still delivers an aborted request's final output a
@@ -151,17 +231,19 @@ class ServerMetrics:
         state = self._requests.get(output.request_id)
         if state is None:
             return
-        name = self.model_name
+        labels = self._labels
         metrics = output.metrics
+        delta = state.params.output_kind == OutputKind.DELTA
         if not state.seen:
             state.seen = True
-            self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+            state.prompt_tokens = len(output.prompt_token_ids)
+            self.prompt_tokens.labels(*labels).inc(state.prompt_tokens)
             if metrics.first_token_time is not None:
-                self.ttft.labels(name).observe(metrics.first_token_time - metrics.arrival_time)
+                self.ttft.labels(*labels).observe(metrics.first_token_time - metrics.arrival_time)
         new_tokens = 0
         for completion in output.outputs:
             count = len(completion.token_ids)
-            if state.kind == OutputKind.DELTA:
+            if delta:
                 new_tokens += count
                 state.tokens[completion.index] = state.tokens.get(completion.index, 0) + count
             else:
@@ -170,29 +252,41 @@ class ServerMetrics:
             if completion.finish_reason is not None:
                 state.reasons[completion.index] = completion.finish_reason
         if new_tokens:
-            self.generation_tokens.labels(name).inc(new_tokens)
+            self.generation_tokens.labels(*labels).inc(new_tokens)
         last = metrics.last_token_time
-        if state.kind == OutputKind.DELTA and last is not None:
+        if delta and last is not None:
             if state.last_token_time is not None and last > state.last_token_time:
-                self.itl.labels(name).observe(last - state.last_token_time)
+                self.itl.labels(*labels).observe(last - state.last_token_time)
             state.last_token_time = last
         if output.finished:
             self._finish(output, state)
 
     def _finish(self, output: RequestOutput, state: _Request) -> None:
-        name = self.model_name
+        labels = self._labels
         metrics = output.metrics
         del self._requests[output.request_id]
-        for index in range(state.n):
-            self.request_success.labels(name, state.reasons.get(index, "abort")).inc()
-        if metrics.finished_time is not None:
-            self.e2e.labels(name).observe(metrics.finished_time - metrics.arrival_time)
-        if metrics.first_scheduled_time is not None:
-            self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        params = state.params
+        for index in range(params.n):
+            self.request_success.labels(*labels, state.reasons.get(index, "abort")).inc()
+        self.request_prompt_tokens.labels(*labels).observe(state.prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(sum(state.tokens.values()))
+        if params.max_tokens is not None:
+            self.request_max_tokens.labels(*labels).observe(params.max_tokens)
+        self.request_n.labels(*labels).observe(params.n)
+        arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
+        first, last, finished = metrics.first_token_time, metrics.last_token_time, metrics.finished_time
+        for histogram, start, end in (
+            (self.e2e, arrival, finished), (self.queue_time, arrival, scheduled),
+            (self.prefill_time, scheduled, first), (self.decode_time, first, finished),
+            (self.inference_time, scheduled, finished),
+        ):
+            if start is not None and end is not None:
+                histogram.labels(*labels).observe(end - start)
         steps = max(state.tokens.values(), default=0)
-        first, last = metrics.first_token_time, metrics.last_token_time
-        if state.kind != OutputKind.DELTA and steps > 1 and first is not None and last is not None:
+        if steps > 1 and first is not None and last is not None:
             gap = (last - first) / (steps - 1)
-            histogram = self.itl.labels(name)
-            for _ in range(min(steps - 1, _MAX_ITL_SAMPLES)):
-                histogram.observe(gap)
+            self.tpot.labels(*labels).observe(gap)
+            if params.output_kind != OutputKind.DELTA:
+                histogram = self.itl.labels(*labels)
+                for _ in range(min(steps - 1, _MAX_ITL_SAMPLES)):
+                    histogram.observe(gap)
