@@ -30,6 +30,7 @@ from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
 from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
+from triode.engine.kv_events.publisher import open_kv_event_publisher
 from triode.engine.model.setup import EngineModel, open_engine_model, open_input_processor
 from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
@@ -88,16 +89,22 @@ class AsyncLLM:
     ) -> AsyncIterator[AsyncLLM]:
         """``open_group`` replaces the worker processes (tests use an in-process fake)."""
         args = args if args is not None else EngineArgs.from_options(**engine_args)
-        model = await trio.to_thread.run_sync(open_engine_model, args)
-        to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMessage](_ACTOR_CHANNEL_SIZE)
-        to_output, output_inbox = trio.open_memory_channel[OutputMessage](_ACTOR_CHANNEL_SIZE)
-        with to_scheduler:
+        with contextlib.ExitStack() as stack:
+            # Bound first: a taken endpoint fails start-up before the model loads.
+            publisher = stack.enter_context(open_kv_event_publisher(args.kv_events_config))
+            model = await trio.to_thread.run_sync(open_engine_model, args)
+            to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMessage](_ACTOR_CHANNEL_SIZE)
+            to_output, output_inbox = trio.open_memory_channel[OutputMessage](_ACTOR_CHANNEL_SIZE)
+            stack.enter_context(to_scheduler)
             async with trio.open_nursery() as nursery:
                 supervisor = await nursery.start(
                     WorkerSupervisor(args, str(model.path), open_group=open_group).run
                 )
                 info = supervisor.info
-                core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
+                core = EngineCore.from_engine_args(
+                    args, info, eos_token_ids=model.generation.eos_token_ids,
+                    publish_kv_events=publisher.publish if publisher is not None else None,
+                )
                 output = await nursery.start(
                     OutputActor(OutputProcessor(model.tokenizer), output_inbox, to_scheduler.clone()).run
                 )

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.kv_events.config import KVEventsConfig, kv_events_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -141,6 +142,9 @@ class EngineArgs:
     # Seconds a request's structured_outputs may take to compile before it is refused (400).
     structured_outputs_compile_timeout: float = attrs.field(default=5.0, validator=_positive)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
+    # vLLM's KV-cache events (a JSON object with vLLM's KVEventsConfig fields): the prefix
+    # cache's changes published on ZMQ for cache-aware routers (triode.engine.kv_events).
+    kv_events_config: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
 
     def __attrs_post_init__(self) -> None:
         if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):

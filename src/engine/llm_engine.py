@@ -29,6 +29,7 @@ from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, WorkerFailure
 from triode.engine.inputs import ChatOptions, PromptInput
+from triode.engine.kv_events.publisher import ZmqEventPublisher, start_kv_event_publisher
 from triode.engine.model.setup import open_engine_model, open_input_processor
 from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
@@ -39,17 +40,28 @@ from triode.engine.worker_messages import StepPlan, StepResult
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        model = open_engine_model(args)
+        # Bound first: a taken endpoint fails before the model loads.
+        publisher = start_kv_event_publisher(args.kv_events_config)
+        try:
+            model = open_engine_model(args)
+            self._loop = TrioThread(WorkerSupervisor(args, str(model.path)).run)
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
         self.model_path = model.path
         self.tokenizer = model.tokenizer
         self.generation = model.generation
-        self._loop = TrioThread(WorkerSupervisor(args, str(model.path)).run)
-        # Holds the loop, not the engine: a dropped engine is collected, and its workers stop.
-        self._finalizer = weakref.finalize(self, self._loop.close)
+        # Holds the loop and the publisher, not the engine: a dropped engine is collected, and
+        # its workers stop.
+        self._finalizer = weakref.finalize(self, _close, self._loop, publisher)
         self.supervisor: WorkerSupervisor = self._loop.handle
         info = self.supervisor.info
         self.max_model_len = info.max_model_len
-        self.core = EngineCore.from_engine_args(args, info, eos_token_ids=model.generation.eos_token_ids)
+        self.core = EngineCore.from_engine_args(
+            args, info, eos_token_ids=model.generation.eos_token_ids,
+            publish_kv_events=publisher.publish if publisher is not None else None,
+        )
         self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
         self._engine_seconds = 0.0  # in the core and the output processor, for statistics()
@@ -157,3 +169,9 @@ class LLMEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _close(loop: TrioThread, publisher: ZmqEventPublisher | None) -> None:
+    loop.close()
+    if publisher is not None:
+        publisher.close()

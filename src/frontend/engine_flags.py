@@ -42,6 +42,9 @@ _HELP = {
     "structured_outputs_compile_timeout": "seconds a request's JSON schema, regex or grammar may "
                                           "take to compile before it is refused with 400",
     "cache_dir": "where converted models are cached (default: $TRIODE_CACHE or ~/.cache/triode)",
+    "kv_events_config": "publish the prefix cache's events for cache-aware routers, as vLLM: a JSON object "
+                        "such as '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}'",
 }
 
 

@@ -16,7 +16,9 @@ drift apart:
   the oldest step's result; ``step_failed`` drops every step in flight when the workers lost
   one (every running sequence is recomputed, as after a preemption). ``schedule`` and
   ``update_from_output`` are the two halves of a step underneath;
-- the time the workers sat idle between steps while requests were unfinished.
+- the time the workers sat idle between steps while requests were unfinished;
+- the prefix cache's events (``kv_cache_events``), handed to ``publish_kv_events`` after each
+  step is planned and each result applied (one batch each, when there are any).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from triode.engine.config import EngineArgs
+from triode.engine.core.kv_cache_events import KVCacheEvent
 from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
@@ -49,11 +52,18 @@ class StepInFlight(Generic[Ticket]):
     ticket: Ticket
 
 
+KVEventSink = Callable[[list[KVCacheEvent]], None]
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, *, max_model_len: int, eos_token_ids: collections.abc.Sequence[int]) -> None:
+    def __init__(self, scheduler: Scheduler, *, max_model_len: int, eos_token_ids: collections.abc.Sequence[int],
+                 publish_kv_events: KVEventSink | None = None) -> None:
         """``eos_token_ids``: every end-of-sequence id of the model, its own (the tokenizer's)
-        first: that one ends a sequence with ``stop_reason`` None, the others with their id."""
+        first: that one ends a sequence with ``stop_reason`` None, the others with their id.
+        ``publish_kv_events``: where the prefix cache's events go (the scheduler's block
+        manager must record them); it must not block."""
         self.scheduler = scheduler
+        self._publish_kv_events = publish_kv_events
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.idle_seconds = 0.0  # the workers waited on the engine while requests were unfinished
@@ -62,13 +72,15 @@ class EngineCore:
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: collections.abc.Sequence[int]
+        cls, args: EngineArgs, worker: WorkerInfo, *, eos_token_ids: collections.abc.Sequence[int],
+        publish_kv_events: KVEventSink | None = None,
     ) -> EngineCore:
         """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
         scheduler = Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window,
-                                               worker_device=worker.device)
-        return cls(scheduler,
-                   max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids)
+                                               worker_device=worker.device,
+                                               record_kv_events=publish_kv_events is not None)
+        return cls(scheduler, max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids,
+                   publish_kv_events=publish_kv_events)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -164,7 +176,9 @@ class EngineCore:
         returns those sequences."""
         self._in_flight.clear()
         self._last_step_end = None
-        return self.scheduler.requeue_all_running()
+        requeued = self.scheduler.requeue_all_running()
+        self._flush_kv_events()
+        return requeued
 
     # ---- the step pipeline ----------------------------------------------------------------
 
@@ -173,6 +187,7 @@ class EngineCore:
         to the workers and returns its ticket."""
         while self.can_schedule() and (plan := self.schedule(now)) is not None:
             self._in_flight.append(StepInFlight(plan, now, send(plan)))
+        self._flush_kv_events()
 
     def oldest_step(self) -> StepInFlight[Any] | None:
         """The step whose result comes next, or None when none is out."""
@@ -184,7 +199,13 @@ class EngineCore:
     def complete_step(self, result: StepResult, now: float) -> tuple[StepInFlight[Any], list[SequenceUpdate]]:
         """Applies the oldest step's ``result``: that step, and what changed."""
         step = self._in_flight.popleft()
-        return step, self.update_from_output(result, now)
+        updates = self.update_from_output(result, now)
+        self._flush_kv_events()
+        return step, updates
+
+    def _flush_kv_events(self) -> None:
+        if self._publish_kv_events is not None and (events := self.scheduler.block_manager.take_events()):
+            self._publish_kv_events(events)
 
     def statistics(self) -> SchedulerStats:
         return self.scheduler.statistics()

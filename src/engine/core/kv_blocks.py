@@ -11,6 +11,10 @@ Free blocks wait in one queue, evicted from the front: blocks that hold nothing 
 the front, freed cached blocks go to the back (least recently used first) and keep their hash
 until the block is handed out again, so a finished conversation's prefix can still be hit.
 
+With ``record_events`` the manager also keeps what happened to the cache as vLLM's KV-cache
+events (``triode.engine.core.kv_cache_events``), taken by ``take_events``: every hash that
+enters ``cached`` and every hash that leaves it, in order.
+
 When every layer of the model has a sliding window, a running sequence's blocks that lie wholly
 before the window of its next query are freed as it advances (``release_outside_window``); their
 ids stay in its block table, where the attention kernels never read them again.
@@ -23,6 +27,12 @@ import hashlib
 import struct
 from collections import OrderedDict
 
+from triode.engine.core.kv_cache_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from triode.engine.core.sequence import Sequence
 
 
@@ -45,7 +55,7 @@ def blocks_in_use_at_most(num_tokens: int, block_size: int, *, sliding_window: i
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, record_events: bool = False,
     ):
         """``sliding_window``: the model's window when every layer has one (a query at position
         i reads keys i - window < j <= i), else None."""
@@ -63,6 +73,13 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_cache_queries = 0  # in tokens, like vLLM
         self.prefix_cache_hits = 0
+        # None: not recorded (no publisher), so the cache's hot paths pay one test.
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        events, self._events = self._events, ([] if self._events is not None else None)
+        return events or []
 
     @property
     def num_free_blocks(self) -> int:
@@ -138,6 +155,8 @@ class BlockManager:
             self.block_hash[block_id] = None
             if self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
+                if self._events is not None:
+                    self._events.append(BlockRemoved((block_hash,)))
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Registers the sequence's full blocks whose KV is now computed (call after a step)."""
@@ -145,6 +164,7 @@ class BlockManager:
         if not self.enable_prefix_caching or num_full <= seq.num_cached_blocks:
             return
         hashes = self._hashes(seq)
+        stored = []
         for i in range(seq.num_cached_blocks, num_full):
             block_id, block_hash = seq.block_ids[i], hashes[i]
             # Another sequence may have computed the same block in the same step: keep the
@@ -152,7 +172,24 @@ class BlockManager:
             if self.block_hash[block_id] is None and block_hash not in self.cached:
                 self.block_hash[block_id] = block_hash
                 self.cached[block_hash] = block_id
+                stored.append(i)
+        if self._events is not None and stored:
+            self._events.extend(self._stored_runs(seq, hashes, stored))
         seq.num_cached_blocks = num_full
+
+    def _stored_runs(self, seq: Sequence, hashes: list[bytes], stored: list[int]) -> list[BlockStored]:
+        """One BlockStored per run of consecutive blocks (indices ``stored``) newly in the cache."""
+        size, tokens = self.block_size, seq.all_token_ids
+        runs, start = [], 0
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                first, last = stored[start], stored[k - 1]
+                runs.append(BlockStored(
+                    tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
+                    tuple(tokens[first * size:(last + 1) * size]), size,
+                ))
+                start = k
+        return runs
 
     def blocks_in_use_at_most(self, num_tokens: int, max_chunk: int) -> int:
         """See :func:`blocks_in_use_at_most`."""
@@ -192,3 +229,5 @@ class BlockManager:
             raise RuntimeError("reset_prefix_cache needs every block free")
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())

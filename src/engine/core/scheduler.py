@@ -87,12 +87,13 @@ class Scheduler:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None,
-                         worker_device: str = "cpu") -> Scheduler:
+                         worker_device: str = "cpu", record_kv_events: bool = False) -> Scheduler:
         """``kv_window``: the model's sliding window when every layer has one (its blocks
         behind the window are freed as sequences advance); ``worker_device``: where the
         workers run (async scheduling's default depends on it)."""
         return cls(
-            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=kv_window),
+            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=kv_window,
+                         record_events=record_kv_events),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
