@@ -206,3 +206,34 @@ def test_a_killed_replica_leaves_rotation_and_a_restarted_one_returns(model):
             if victim.process.poll() is None:
                 victim.kill()
 
+
+
+def test_a_draining_replica_leaves_rotation_before_it_stops(model):
+    with running(replica(model)) as steady:
+        leaving = replica(model)
+        leaving_url = leaving.wait_ready()
+        try:
+            with router([steady.url, leaving_url], "round_robin") as base:
+                outcomes: list[str] = []
+
+                def long_stream() -> None:  # keeps the draining replica busy past the health checks
+                    ask(leaving_url, "a long answer", stream=True, max_tokens=1000)
+                    outcomes.append("finished")
+
+                thread = threading.Thread(target=long_stream)
+                thread.start()
+                time.sleep(0.3)
+                leaving.process.send_signal(signal.SIGTERM)
+                wait_until(lambda: httpx2.get(f"{leaving_url}/health", timeout=2).status_code == 503,
+                           what="the replica to drain")
+                time.sleep(2.5)  # two failed health checks take it out of rotation
+                before = served(steady.url)
+                for i in range(6):
+                    ask(base, f"while one drains {i}", stream=i % 2 == 0)
+                assert served(steady.url) - before == 6
+                thread.join(120)
+                assert outcomes == ["finished"]
+                assert leaving.wait_exit(60) == 0
+        finally:
+            if leaving.process.poll() is None:
+                leaving.kill()
