@@ -39,6 +39,31 @@ def test_bench_serve_small(tiny_model_factory, tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (BIN / "vllm-router").exists(), reason="vllm-router is installed on x86-64 Linux")
+def test_bench_serve_through_the_router_small(tiny_model_factory, tmp_path):
+    model = tiny_model_factory("llama")
+    result = subprocess.run(
+        [str(BIN / "triode"), "bench", "serve", "--router", "2", "--model", str(model), "--kv-cache-memory", "64MiB",
+         "--max-model-len", "512", "--concurrency", "1", "4", "--num-prompts", "4", "--prompt-tokens", "16",
+         "--output-tokens", "8", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "one replica directly vs 2 behind vllm-router (round_robin)" in result.stdout
+    report = json.loads((tmp_path / "router.json").read_text())
+    assert report["replicas"] == 2 and len(report["direct"]) == len(report["router"]) == 2
+    for level in report["direct"] + report["router"]:
+        assert level["failed"] == 0 and level["mean_output_tokens"] == 8 and level["ttft_p50_ms"] > 0
+    assert (tmp_path / "router.png").stat().st_size > 0
+
+
+def test_bench_serve_refuses_a_router_with_a_base_url():
+    result = subprocess.run([str(BIN / "triode"), "bench", "serve", "--router", "1", "--base-url", "http://x/v1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "--router starts its own replicas" in result.stderr
+
+
 def _sse(*events: str, newline: str = "\n") -> bytes:
     return "".join(f"{event}{newline}{newline}" for event in events).encode()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from triode.engine.config import QUANTIZED_ACTIVATIONS
 
-BENCH_EXTRA = ("matplotlib", "psutil")  # pyproject.toml's `bench` extra
+BENCH_EXTRA = ("matplotlib", "psutil", "httpx2")  # pyproject.toml's `bench` extra
 
 
 def missing_bench_extra() -> list[str]:

@@ -6,7 +6,8 @@ Fixed synthetic workload: single-turn chats of about 128 user tokens, 128 output
 inter-token p50/p99, output tokens/s and requests/s per level, with a progress bar; writes
 ``serve.json`` and ``serve.png``. Without ``--base-url`` it starts ``triode serve`` itself (and
 stops it before the offline run, so the two never share the CPU); with one, it measures any
-OpenAI-compatible server (``ignore_eos`` is sent as an extra field, as vLLM accepts it)."""
+OpenAI-compatible server (``ignore_eos`` is sent as an extra field, as vLLM accepts it). With
+``--router N`` it compares one replica with N behind vllm-router instead (``router.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
+
+ROUTER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 
 SERVER_LOG = "serve-server.log"
 
@@ -40,15 +43,32 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--peer", choices=["llama.cpp"], default=None,
                    help="the same sweep against llama.cpp's server on the same GGUF file (--model, default: "
                         "the default model's), built once into an environment of its own")
+    p.add_argument("--router", type=int, default=None, metavar="N",
+                   help="start N replicas behind vllm-router and sweep one replica directly, then the router "
+                        "(N=1: the router's own cost)")
+    p.add_argument("--router-policy", default="round_robin", choices=ROUTER_POLICIES,
+                   help="vllm-router's --policy for --router")
     p.add_argument("--output-dir", default="bench-results")
     p.set_defaults(handler=_command)
 
 
 def _command(namespace: argparse.Namespace) -> int:
+    if namespace.router is not None and (namespace.peer or namespace.base_url):
+        raise SystemExit("triode: error: --router starts its own replicas: it takes no --peer or --base-url")
+    if namespace.router is not None and namespace.router < 1:
+        raise SystemExit(f"triode: error: --router needs at least one replica, got {namespace.router}")
     if namespace.peer:
         from triode.bench import peer as bench_peer
 
         bench_peer.run(namespace)
+    elif namespace.router is not None:
+        from triode.bench import router as bench_router
+        from triode.bench.report import machine_description
+
+        output_dir = Path(namespace.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        print(f"triode bench serve --router {namespace.router} on {machine_description()}")
+        bench_router.run(namespace, output_dir)
     else:
         run(namespace)
     return 0
