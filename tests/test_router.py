@@ -7,6 +7,7 @@ under load leaves rotation, and a restarted one returns to it. Slow: each test s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -237,3 +238,57 @@ def test_a_draining_replica_leaves_rotation_before_it_stops(model):
         finally:
             if leaving.process.poll() is None:
                 leaving.kill()
+
+
+def _doc_blocks(after: str) -> str:
+    """The first ```sh block of docs/deployment.md after the line ``after``."""
+    text = (Path(__file__).parents[1] / "docs" / "deployment.md").read_text()
+    rest = text[text.index(after):]
+    return rest.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_deployment_recipe_runs_as_documented(model):
+    script = Path(__file__).parents[1] / "deploy" / "local-replicas.sh"
+    assert _doc_blocks("`deploy/local-replicas.sh` starts").strip() == "deploy/local-replicas.sh /path/to/model"
+    router_port, first_port, events_port = free_port(), free_port(), free_port()
+    env = {**os.environ, "ROUTER_PORT": str(router_port), "FIRST_PORT": str(first_port),
+           "FIRST_EVENTS_PORT": str(events_port), "TRIODE_BIN": str(BIN / "triode"),
+           "ROUTER_BIN": str(BIN / "vllm-router"), "REPLICAS": "2"}
+    with ServerLog(["bash", str(script), str(model), "--kv-cache-memory", "32MiB"], env) as recipe:
+        wait_until(lambda: "router ready" in recipe.text(), timeout=120, interval=0.2, what="the recipe's router")
+        commands = _doc_blocks("Then any OpenAI client talks to the router:").replace(
+            "127.0.0.1:30000", f"127.0.0.1:{router_port}")
+        lines = [c for c in commands.split("curl ")[1:]]
+        assert len(lines) == 2
+        plain = subprocess.run(["bash", "-c", "curl " + lines[0]], capture_output=True, text=True, timeout=60)
+        assert plain.returncode == 0, plain.stderr
+        assert json.loads(plain.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
+        streamed = subprocess.run(["bash", "-c", "curl " + lines[1]], capture_output=True, text=True, timeout=60)
+        assert streamed.returncode == 0 and streamed.stdout.rstrip().endswith("data: [DONE]"), streamed.stdout
+        assert "replica ready" in recipe.text()
+
+
+class ServerLog:
+    """A process group whose output goes to a file; stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.path = Path(os.environ.get("TMPDIR", "/tmp")) / f"recipe-{os.getpid()}-{free_port()}.log"
+        self._file = self.path.open("w")
+        self.process = subprocess.Popen(command, stdout=self._file, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+
+    def text(self) -> str:
+        return self.path.read_text()
+
+    def __enter__(self) -> ServerLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        self._file.close()

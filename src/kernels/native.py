@@ -62,11 +62,23 @@ def use_cache_dir(cache_dir: str | Path) -> None:
     _directory = Path(cache_dir) / "kernels"
 
 
+@functools.cache
+def _cpu_identity() -> str:
+    """This CPU's model and instruction-set flags: -march=native builds for them, so a cache
+    shared by machines of different CPUs (a volume under several nodes) keeps one library each."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = ("model name", "flags")
+    return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in wanted)
+
+
 def _build(compiler: str, isa: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     files = (path.read_text() for path in (*_SOURCES, *_HEADERS))
     compile_flags = (*_COMPILE_FLAGS, *ISA_FLAGS[isa])
-    text = "\0".join([*files, *compile_flags, *_LINK_FLAGS, version])
+    text = "\0".join([*files, *compile_flags, *_LINK_FLAGS, version, _cpu_identity()])
     library = _directory / f"triode-kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
     if library.exists():
         return library
