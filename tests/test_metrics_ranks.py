@@ -3,6 +3,7 @@ of a two-rank engine, no server."""
 
 from __future__ import annotations
 
+import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
 from triode.engine.engine_stats import EngineStatistics
@@ -49,3 +50,29 @@ def test_tokens_per_step_are_a_cumulative_histogram_with_vllms_bounds():
     assert buckets[-2:] == [("16384.0", 5), ("+Inf", 6)]
     totals = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples if not s.name.endswith("_bucket")}
     assert totals == {"count": 6, "sum": 20028}
+
+
+def test_gauges_are_fresh_at_every_scrape_and_histograms_within_a_second(monkeypatch):
+    from triode.frontend.server import metrics as metrics_module
+
+    now = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])
+    running = [2]
+
+    def statistics() -> EngineStatistics:
+        return attrs.evolve(_two_rank_statistics(), num_running=running[0])
+
+    metrics = ServerMetrics("m", statistics, max_model_len=512,
+                            cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
+
+    def scrape() -> dict[str, float]:
+        return {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+
+    assert scrape()["vllm:time_to_first_token_seconds_count"] == 0
+    running[0] = 7
+    metrics.ttft.labels("m", "0").observe(0.5)
+    samples = scrape()
+    assert samples["vllm:num_requests_running"] == 7  # fresh
+    assert samples["vllm:time_to_first_token_seconds_count"] == 0  # rendered less than a second ago
+    now[0] += metrics_module.HISTOGRAM_REFRESH
+    assert scrape()["vllm:time_to_first_token_seconds_count"] == 1

@@ -10,12 +10,16 @@ keeps the ``triode:`` prefix. Nothing is served under both names: a scrape every
 endpoint picker's) should not pay for a second copy.
 
 Gauges, the core's counters and its tokens-per-step histogram are read from
-``AsyncLLM.statistics()`` at scrape time; token counters, finish reasons and the per-request
+``AsyncLLM.statistics()`` at every scrape (what routers read is never stale); the request
+histograms are rendered at most once a second (``HISTOGRAM_REFRESH``), since rendering their
+buckets is most of a scrape's cost; token counters, finish reasons and the per-request
 histograms come from an observer the engine calls for every output it delivers (it must not
 block, and does not)."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -50,6 +54,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
+HISTOGRAM_REFRESH = 1.0  # seconds: how stale a scrape's histograms may be
 _CLOSED_KEPT = 1024
 _MAX_ITL_SAMPLES = 4096  # per non-streamed request, whose gaps are known only on average
 
@@ -165,18 +170,22 @@ class ServerMetrics:
                  cache: CacheConfig, max_model_len: int) -> None:
         """``max_model_len`` bounds the token-count histograms' buckets (as in vLLM)."""
         self.model_name = model_name
-        self.registry = r = CollectorRegistry()
+        # Two registries: what routers read (gauges, counters: a few samples) is rendered at
+        # every scrape; the histograms (hundreds of bucket samples, most of a render's cost) at
+        # most every HISTOGRAM_REFRESH seconds.
+        self.live = live = CollectorRegistry()
+        self.histograms = r = CollectorRegistry()
         labels = ["model_name", "engine"]
         self._labels = (model_name, ENGINE)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=live)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels,
-                                         registry=r)
+                                         registry=live)
         self.request_success = Counter("vllm:request_success", "Finished sequences by finish reason.",
-                                       [*labels, "finished_reason"], registry=r)
+                                       [*labels, "finished_reason"], registry=live)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.tpot = histogram("vllm:request_time_per_output_token_seconds",
@@ -205,13 +214,18 @@ class ServerMetrics:
                        self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
                        self.request_n):
             metric.labels(*self._labels)
-        r.register(_EngineCollector(model_name, cache, statistics))
-        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
+        live.register(_EngineCollector(model_name, cache, statistics))
+        ProcessCollector(registry=live)  # process_resident_memory_bytes, CPU seconds, open fds
         self._requests: dict[str, _Request] = {}
         self._closed: deque[str] = deque()
+        self._histograms_text = b""
+        self._histograms_at = -math.inf
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        now = time.monotonic()
+        if now - self._histograms_at >= HISTOGRAM_REFRESH:
+            self._histograms_text, self._histograms_at = generate_latest(self.histograms), now
+        return generate_latest(self.live) + self._histograms_text
 
     # ---- triode.engine.async_llm.RequestObserver ----------------------------------------
 
