@@ -84,18 +84,19 @@ def free_port() -> int:
 # ---- the sans-IO core -------------------------------------------------------------------------
 
 
-def _recording_scheduler(num_blocks: int, block_size: int) -> Scheduler:
-    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs=6, budget=24)
-    scheduler.block_manager = BlockManager(num_blocks, block_size, True, record_events=True)
+def _recording_scheduler(num_blocks: int, block_size: int, window: int | None = None) -> Scheduler:
+    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs=6, budget=24, sliding_window=window)
+    scheduler.block_manager = BlockManager(num_blocks, block_size, True, sliding_window=window, record_events=True)
     return scheduler
 
 
+@pytest.mark.parametrize("window", [None, 6])  # 6: blocks behind a sliding window are released
 @pytest.mark.parametrize("seed", range(6))
-def test_the_events_rebuild_the_prefix_cache_through_evictions_and_restarts(seed):
+def test_the_events_rebuild_the_prefix_cache_through_evictions_and_restarts(seed, window):
     rng = random.Random(seed)
     num_blocks, block_size = 24, 4
-    scheduler = _recording_scheduler(num_blocks, block_size)
-    worker = FakeWorker(num_blocks, block_size, seed)
+    scheduler = _recording_scheduler(num_blocks, block_size, window)
+    worker = FakeWorker(num_blocks, block_size, seed, window=window)
     mirror = CacheMirror()
     bases = [[rng.randrange(1, 4) for _ in range(20)] for _ in range(3)]
     kinds = {"stored": 0, "removed": 0, "cleared": 0}
@@ -215,6 +216,29 @@ def test_the_replay_buffer_keeps_the_last_buffer_steps_batches():
         replay.send((0).to_bytes(8, "big"))
         topic, seq, payload = replay.recv_multipart()  # a REQ socket reads the first reply
         assert topic == b"" and int.from_bytes(seq, "big") == 2 and payload
+    context.term()
+
+
+def test_a_subscriber_that_never_reads_never_blocks_the_publisher():
+    port, replay_port = free_port(), free_port()
+    config = _config(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}", hwm=2,
+                     max_queue_size=4, buffer_steps=100_000)
+    payload = [BlockStored((b"\x03" * 16,), None, tuple(range(64)), 64)]
+    context = zmq.Context()
+    with open_kv_event_publisher(config) as publisher, context.socket(zmq.SUB) as stalled:
+        stalled.setsockopt(zmq.SUBSCRIBE, b"")
+        stalled.setsockopt(zmq.RCVHWM, 1)
+        stalled.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.2)
+        started = time.monotonic()
+        for _ in range(5000):
+            publisher.publish(payload)
+        assert time.monotonic() - started < 5.0  # never waited on the stalled subscriber
+        deadline = time.monotonic() + 10
+        while publisher.published + publisher.dropped < 5000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert publisher.published + publisher.dropped == 5000
+        assert publisher.published >= 1
     context.term()
 
 

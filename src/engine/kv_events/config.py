@@ -25,9 +25,9 @@ class KVEventsConfig:
     ``endpoint`` with ``*`` or ``::`` in it, or an ``ipc://`` / ``inproc://`` one, is bound;
     any other is connected to (a subscriber that binds). ``replay_endpoint`` (always bound)
     serves the last ``buffer_steps`` batches to a subscriber that missed some; ``hwm`` bounds
-    what the PUB socket queues per subscriber, ``max_queue_size`` what waits for the
-    publisher's thread (past either, batches are dropped for the live stream; the replay
-    buffer still has them)."""
+    what the PUB socket queues per subscriber (past it the subscriber misses batches, which
+    the replay socket still has); ``max_queue_size`` bounds what waits for the publisher's
+    thread (past it batches are dropped outright, counted and logged, as vLLM does)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None

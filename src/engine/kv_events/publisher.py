@@ -20,15 +20,18 @@ from a REQ or DEALER socket) with every buffered batch from there as ``[topic, s
 payload]``, then ``[topic, -1, b""]``.
 
 The sockets live in one thread of their own: ``publish`` encodes the batch on the caller's
-thread and hands it over on an inproc pipe without waiting; a full pipe drops it (counted in
-``dropped``). A PUB socket never blocks on a slow or gone subscriber either: past ``hwm`` it
-drops messages for that subscriber, who can ask the replay socket for them."""
+thread and hands it over on an inproc pipe without waiting; a full pipe (``max_queue_size``
+batches the thread has not sent: the engine outrunning it) drops the batch outright, counted
+in ``dropped`` and logged. A PUB socket never blocks on a slow or gone subscriber either: past
+``hwm`` it drops messages for that subscriber, who sees the gap in the sequence numbers and
+can ask the replay socket for them."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +48,7 @@ from triode.engine.core.kv_cache_events import (
 from triode.engine.errors import TriodeError
 from triode.engine.kv_events.config import KVEventsConfig
 
+log = logging.getLogger(__name__)
 MEDIUM = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
@@ -114,6 +118,9 @@ class ZmqEventPublisher:
         try:
             self._pipe.send(encode_batch(events, time.time()), zmq.NOBLOCK)
         except zmq.Again:
+            if not self.dropped:
+                log.warning("kv_events: the publisher's queue is full (max_queue_size=%d): dropping batches",
+                            self.config.max_queue_size)
             self.dropped += 1
 
     def close(self) -> None:
