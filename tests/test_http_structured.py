@@ -196,3 +196,21 @@ def test_bad_constraints_get_a_400_naming_the_parameter(server, client, extra, p
     assert error["param"] == param and message in error["message"], error
     assert error["type"] == "invalid_request_error"
     assert metric(server.url, "vllm:prefix_cache_queries_total") == before  # nothing was scheduled
+
+
+def test_a_schema_that_leaves_additional_properties_unset_is_closed_as_vllm_does(client):
+    # What pydantic and most hand-written schemas give: properties, and no additionalProperties.
+    # Left open, the default model writes these four and then invents keys until the length runs
+    # out ("official_country_name_type", ...); vLLM's default backend closes the object.
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer"}, "language": {"type": "string"}},
+              "required": ["name", "country", "population", "language"]}
+    completion = client.chat.completions.create(
+        model=model(client), temperature=0, max_tokens=120,
+        messages=[{"role": "user", "content": "Describe Lisbon as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    assert len(completion.choices) == 1
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"  # the object closed: no keys invented to the length limit
+    assert set(json.loads(choice.message.content)) == {"name", "country", "population", "language"}

@@ -179,6 +179,39 @@ def test_the_mask_sets_exactly_the_clear_bits_to_minus_infinity(rows, vocab, dat
     assert torch.equal(logits, expected)
 
 
+def accepts(tokenizer_file, tiny_tokenizer, eos, params: StructuredOutputsParams, text: str,
+            parser: str | None = None) -> bool:
+    """Whether the worker's grammar state lets ``text`` through and then end."""
+    grammars = SequenceGrammars(tokenizer_file, len(tiny_tokenizer), reasoning_parser=parser)
+    grammars.start("s", params, eos)
+    for token in tiny_tokenizer.encode(text, add_special_tokens=False):
+        if not allowed_ids(grammars.allowed_tokens(["s"])[0], len(tiny_tokenizer)) >= {token}:
+            return False
+        grammars.accept("s", token)
+    return grammars.is_complete("s") or set(eos) <= allowed_ids(grammars.allowed_tokens(["s"])[0], len(tiny_tokenizer))
+
+
+OPEN_ENDED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, text, expected", [
+    # vLLM's default backend: declared properties and nothing else, unless the schema says so
+    ({"json": OPEN_ENDED}, '{"a":1}', True),
+    ({"json": OPEN_ENDED}, '{"a":1,"b":2}', False),
+    ({"json": {**OPEN_ENDED, "additionalProperties": True}}, '{"a":1,"b":2}', True),
+    ({"json": OPEN_ENDED, "disable_additional_properties": False}, '{"a":1,"b":2}', True),
+    ({"json": {"type": "object"}}, '{"x":1}', True),  # nothing declared: still any object
+    ({"json": {"type": "object"}, "disable_additional_properties": True}, '{"x":1}', False),
+    ({"json_object": True}, '{"x":1}', True),
+    ({"json": {"type": "object", "properties": {"in": OPEN_ENDED}}}, '{"in":{"a":1,"z":0}}', False),
+])
+def test_objects_with_declared_properties_admit_no_other_keys_by_default(
+    tokenizer_file, tiny_tokenizer, eos, fields, text, expected
+):
+    params = StructuredOutputsParams(disable_any_whitespace=True, **fields)
+    assert accepts(tokenizer_file, tiny_tokenizer, eos, params, text) == expected
+
+
 @pytest.mark.parametrize("parser, may_skip_thinking", [("qwen3", True), ("deepseek_r1", False)])
 def test_with_a_reasoning_parser_the_constraint_holds_after_the_thinking(
     tokenizer_file, tiny_tokenizer, eos, parser, may_skip_thinking
@@ -187,13 +220,7 @@ def test_with_a_reasoning_parser_the_constraint_holds_after_the_thinking(
     answer = '{"name":"ab","ok":true}'
 
     def accepted(text: str) -> bool:
-        grammars = SequenceGrammars(tokenizer_file, len(tiny_tokenizer), reasoning_parser=parser)
-        grammars.start("s", params, eos)
-        for token in tiny_tokenizer.encode(text, add_special_tokens=False):
-            if not allowed_ids(grammars.allowed_tokens(["s"])[0], len(tiny_tokenizer)) >= {token}:
-                return False
-            grammars.accept("s", token)
-        return grammars.is_complete("s") or set(eos) <= allowed_ids(grammars.allowed_tokens(["s"])[0], len(tiny_tokenizer))
+        return accepts(tokenizer_file, tiny_tokenizer, eos, params, text, parser)
 
     assert accepted("<think>a { b\nc</think>\n\n" + answer)
     assert accepted(answer) == may_skip_thinking

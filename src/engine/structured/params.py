@@ -51,8 +51,13 @@ class StructuredOutputsParams:
     """Exactly one of ``json`` (a JSON schema, as a dict or a JSON string), ``json_object``
     (any JSON object), ``regex``, ``choice`` (one of these strings, verbatim) or ``grammar``
     (Lark syntax, as llguidance reads it). ``disable_any_whitespace`` makes JSON compact
-    (no whitespace between tokens), ``disable_additional_properties`` reads a schema's
-    objects as if they said ``additionalProperties: false``; both as in vLLM."""
+    (no whitespace between tokens), as in vLLM. ``disable_additional_properties`` True reads
+    every object of a schema that leaves ``additionalProperties`` unset as if it said
+    ``false``, and False as if it said ``true``. Unset (None), an object that declares
+    ``properties`` admits no other keys, as vLLM's default backend (xgrammar) reads schemas,
+    while an object schema without ``properties`` stays open: a small model given a closed
+    four-field schema then closes the object instead of inventing keys until its length runs
+    out. ``json_object`` is never closed."""
 
     # hash=False: a schema is a dict; equal params still hash equal without it
     json: str | Mapping[str, Any] | bool | None = attrs.field(default=None, converter=_schema, hash=False)
@@ -61,7 +66,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
@@ -95,34 +100,42 @@ class StructuredOutputsParams:
 
     def cache_key(self) -> str:
         """The constraint's source in one canonical string: equal keys compile to one grammar."""
-        flags = f"{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
-        return f"{self.kind}:{flags}:{self.source_text()}"
+        return f"{self.kind}:{int(self.disable_any_whitespace)}{self.closed_objects}:{self.source_text()}"
+
+    @property
+    def closed_objects(self) -> str:
+        """Which object schemas without ``additionalProperties`` admit no other keys: "all",
+        "declared" (those with ``properties``) or "none"."""
+        if self.kind == "json_object" or self.disable_additional_properties is False:
+            return "none"
+        return "all" if self.disable_additional_properties else "declared"
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _VALUES = ("enum", "const", "default", "examples")
 
 
-def _closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that leaves it
-    unset (vLLM's ``disable_additional_properties``)."""
+def _closed_objects(schema: Any, which: str) -> Any:
+    """``schema`` with ``additionalProperties: false`` on the object schemas that leave it
+    unset: every one (``which`` "all"), or those that declare ``properties`` ("declared")."""
     if isinstance(schema, list):
-        return [_closed_objects(item) for item in schema]
+        return [_closed_objects(item, which) for item in schema]
     if not isinstance(schema, Mapping):
         return schema
     closed = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, Mapping):
-            closed[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+            closed[key] = {name: _closed_objects(sub, which) for name, sub in value.items()}
         else:
-            closed[key] = value if key in _VALUES else _closed_objects(value)
-    if ("properties" in closed or closed.get("type") == "object") and "additionalProperties" not in closed:
+            closed[key] = value if key in _VALUES else _closed_objects(value, which)
+    is_object = "properties" in closed or (which == "all" and closed.get("type") == "object")
+    if is_object and "additionalProperties" not in closed:
         closed["additionalProperties"] = False
     return closed
 
 
 @functools.lru_cache(maxsize=256)
-def _source(kind: str, value: str, compact: bool, closed: bool) -> str:
+def _source(kind: str, value: str, compact: bool, closed: str) -> str:
     from llguidance import LLMatcher
 
     if kind == "regex":
@@ -132,8 +145,8 @@ def _source(kind: str, value: str, compact: bool, closed: bool) -> str:
     if kind == "choice":
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(value)))
     schema = {"type": "object"} if kind == "json_object" else json.loads(value)
-    if closed:
-        schema = _closed_objects(schema)
+    if closed != "none":
+        schema = _closed_objects(schema, closed)
     options = {"whitespace_flexible": False} if compact else None
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
 
@@ -142,8 +155,7 @@ def grammar_source(params: StructuredOutputsParams, reasoning_parser: str | None
     """The llguidance grammar for ``params``, cached by the constraint's source; with a
     reasoning parser, the constraint holds after the thinking. A JSON schema that llguidance
     cannot read raises ``ValueError`` here."""
-    source = _source(params.kind, params.source_text(), params.disable_any_whitespace,
-                     params.disable_additional_properties)
+    source = _source(params.kind, params.source_text(), params.disable_any_whitespace, params.closed_objects)
     if reasoning_parser is None:
         return source
     from triode.engine.structured.reasoning import after_reasoning
