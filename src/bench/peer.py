@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from triode.engine.cpus import usable_cpus
+
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 _LLAMA_CPP_REQUIREMENT = "llama-cpp-python[server]==0.3.36"
 PEER_LOG = "serve-peer-llama-cpp.log"
@@ -146,7 +148,7 @@ def llama_cpp_build_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def start_llama_cpp(python: Path, gguf_path: Path, ns: argparse.Namespace,
                     log_path: Path) -> tuple[subprocess.Popen, str]:
-    threads = str(os.cpu_count() or 1)
+    threads = str(usable_cpus())
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

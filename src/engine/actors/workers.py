@@ -38,6 +38,7 @@ from triode.engine.actors.step_channel import (
 )
 from triode.engine.actors.worker_spawn import starting_engine_workers
 from triode.engine.config import EngineArgs
+from triode.engine.cpus import usable_cpus
 from triode.engine.model.config import ModelConfig
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.tensor_parallel import (
@@ -230,7 +231,7 @@ class ProcessWorkerGroup:
     async def load(self) -> WorkerInfo:
         size = self.args.tensor_parallel_size
         local = len(self._contexts)
-        threads = max(1, (os.cpu_count() or 1) // local)
+        threads = max(1, usable_cpus() // local)
         if size == 1:
             # One rank: no process group at all.
             infos = await self._on_ranks(

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from triode.engine.cpus import usable_cpus
 from triode.engine.tensor_parallel import (
     MASTER_PORT_ENV,
     Rendezvous,
@@ -65,7 +66,7 @@ def serve(
     from triode.engine.worker.host_memory import keep_freed_memory
     from triode.engine.worker.runner import ModelRunner
 
-    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    torch.set_num_threads(num_threads or usable_cpus())
     keep_freed_memory()
     joined: str | None = None
     served = 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from triode.engine.config import EngineArgs
+from triode.engine.cpus import usable_cpus
 from triode.engine.tensor_parallel import Rendezvous
 from triode.engine.worker import step_server
 from triode.engine.worker.distributed import peak_resident_bytes
@@ -71,7 +72,7 @@ def load(
     global _runner, _feed, _faults
     started = time.perf_counter()
     baseline = peak_resident_bytes()
-    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    torch.set_num_threads(num_threads or usable_cpus())
     atexit.unregister(_end_without_collecting)  # once, however often the process loads
     atexit.register(_end_without_collecting)
     keep_freed_memory()
