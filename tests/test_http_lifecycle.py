@@ -2,7 +2,7 @@
 non-streamed answer) aborts its request and its KV blocks are freed; a burst past
 --max-queued-requests gets 503 with Retry-After while accepted requests finish; SIGTERM
 drains (503 for new requests, in-flight ones finish or end with finish_reason "abort") and
-the server exits 0 leaving no worker processes. The tiny model here has a 4096-token context
+the server exits 0 leaving no worker processes. The tiny model here has a 32768-token context
 so that a long request cannot finish during a test."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import trio
 
 from tests.http_server import alive, ametric, await_condition, children, running, triode_serve
 
-LONG = 3000  # tokens: tens of seconds on the tiny model
+LONG = 30000  # tokens: a minute or more on the tiny model, past any drain window here
 
 # Leaving a stream early (our disconnects, and the openai SDK after [DONE]) leaves httpx2's and
 # the SDK's chained byte iterators unexhausted; trio warns when it finalizes them. Not our code.
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
-    return tiny_model_factory("llama", max_position_embeddings=4096)
+    return tiny_model_factory("llama", max_position_embeddings=32768)
 
 
 @pytest.fixture(scope="module")
