@@ -127,11 +127,15 @@ class ZmqEventPublisher:
         """Sends what is queued, then closes the sockets; idempotent."""
         if self._pipe.closed:
             return
+        # An empty batch ends the thread's loop. A full pipe drains fast (a PUB socket never
+        # waits), so the end waits for room, but not for ever.
+        self._pipe.setsockopt(zmq.SNDTIMEO, 5000)
         with contextlib.suppress(zmq.Again):
-            self._pipe.send(b"", zmq.NOBLOCK)  # an empty batch: the end
+            self._pipe.send(b"")
         self._pipe.close(linger=0)
         self._thread.join(timeout=5.0)
-        self._context.term()
+        if not self._thread.is_alive():  # else its sockets are open: terminating would hang
+            self._context.term()
 
     def _serve(self) -> None:
         config = self.config
