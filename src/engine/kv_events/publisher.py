@@ -132,8 +132,8 @@ class ZmqEventPublisher:
         self._pipe.setsockopt(zmq.SNDTIMEO, 5000)
         with contextlib.suppress(zmq.Again):
             self._pipe.send(b"")
+        self._thread.join(timeout=5.0)  # the pipe stays open until the thread has read the end
         self._pipe.close(linger=0)
-        self._thread.join(timeout=5.0)
         if not self._thread.is_alive():  # else its sockets are open: terminating would hang
             self._context.term()
 
