@@ -18,7 +18,7 @@ from typing import Any
 
 from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
 
-ROUTER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
+ROUTER_POLICIES = ("round_robin", "cache_aware")  # the policies tests/test_router.py runs
 
 SERVER_LOG = "serve-server.log"
 
