@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -101,6 +102,13 @@ def running(server: ServerProcess, timeout: float = 120) -> Iterator[ServerProce
                 server.stop(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server that must be told its port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def children(pid: int) -> set[int]:

@@ -15,6 +15,7 @@ import msgpack
 import pytest
 import zmq
 
+from tests.http_server import free_port, wait_until
 from tests.test_core_scheduler import FakeWorker, make_request, make_scheduler
 from triode import EngineArgs
 from triode.engine.core.kv_blocks import BlockManager
@@ -73,12 +74,6 @@ class CacheMirror:
 
 def engine_hashes(manager: BlockManager) -> set[int]:
     return {external_hash(h) for h in manager.cached}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the sans-IO core -------------------------------------------------------------------------
@@ -159,9 +154,7 @@ def test_batches_go_out_in_vllms_frames_and_a_gap_is_filled_from_the_replay_sock
             context.socket(zmq.DEALER) as replay:
         for _ in range(3):  # sent before the subscriber came: its gap
             publisher.publish([stored])
-        deadline = time.monotonic() + 5
-        while publisher.published < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: publisher.published >= 3, timeout=5, interval=0.01, what="3 batches sent")
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(f"tcp://127.0.0.1:{port}")
         # PUB drops what it sends before the subscription reaches it: publish until one arrives.
@@ -207,9 +200,7 @@ def test_the_replay_buffer_keeps_the_last_buffer_steps_batches():
     with open_kv_event_publisher(config) as publisher, context.socket(zmq.REQ) as replay:
         for _ in range(5):
             publisher.publish([BlockStored((b"\x02" * 16,), None, (1,), 1)])
-        deadline = time.monotonic() + 5
-        while publisher.published < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: publisher.published >= 5, timeout=5, interval=0.01, what="5 batches sent")
         assert publisher.published == 5
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
         replay.setsockopt(zmq.RCVTIMEO, 5000)
@@ -234,9 +225,8 @@ def test_a_subscriber_that_never_reads_never_blocks_the_publisher():
         for _ in range(5000):
             publisher.publish(payload)
         assert time.monotonic() - started < 5.0  # never waited on the stalled subscriber
-        deadline = time.monotonic() + 10
-        while publisher.published + publisher.dropped < 5000 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: publisher.published + publisher.dropped >= 5000, timeout=10, interval=0.01,
+                   what="every batch sent or dropped")
         assert publisher.published + publisher.dropped == 5000
         assert publisher.published >= 1
     context.term()
@@ -327,10 +317,7 @@ def test_a_real_engines_events_match_its_cache_after_evictions_and_a_worker_rest
             stats = engine.statistics()
             assert stats.worker_restarts == 1
             expected = engine_hashes(manager)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:  # the last batches on their way
-                _collect(sub, live, deadline)
-                time.sleep(0.05)
+            _collect(sub, live, time.monotonic() + 1)  # what arrived live: a subset of the replay
             replayed = _replayed(context, replay_port)
         finally:
             engine.close()

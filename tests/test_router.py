@@ -10,18 +10,25 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
 import openai
 import pytest
 
-from tests.http_server import BIN, ServerProcess, metric, running, triode_serve, wait_until
+from tests.http_server import (
+    BIN,
+    ServerProcess,
+    free_port,
+    metric,
+    running,
+    triode_serve,
+    wait_until,
+)
+from triode.bench.router import running_router
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,12 +36,6 @@ pytestmark = [
 ]
 
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,33 +55,11 @@ def replica(model: Path, *, port: int | None = None, events_port: int | None = N
                           *flags])
 
 
-@contextlib.contextmanager
-def router(urls: list[str], policy: str, *extra: str) -> Iterator[str]:
-    port = free_port()
-    command = [str(BIN / "vllm-router"), "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
-               "--port", str(port), "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-               "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-               "--health-success-threshold", "1", *extra]
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-router-{port}.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready() -> bool:
-            assert process.poll() is None, log.read_text()
-            try:
-                return httpx2.get(f"{url}/readiness", timeout=2).status_code == 200
-            except httpx2.TransportError:
-                return False
-
-        wait_until(ready, timeout=60, interval=0.2, what="the router")
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def router(urls: list[str], policy: str, *extra: str) -> contextlib.AbstractContextManager[str]:
+    """The bench's router, with health checks every second (two failures out, one success in)."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-router-{os.getpid()}-{free_port()}.log"
+    return running_router(urls, policy, log, "--health-check-interval-secs", "1", "--health-failure-threshold",
+                          "2", "--health-success-threshold", "1", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.hf_compare import greedy_params, ours_greedy
+from tests.http_server import free_port
 from tests.tp_ranks import Job, run_sharded
 from triode import LLM, EngineArgs, SamplingParams, kernels
 from triode.engine.errors import KVCacheTooSmallError
@@ -340,12 +341,6 @@ def test_hung_rank_trips_the_watchdog_and_the_group_restarts(tiny_model_factory,
     assert not any(is_running(pid) for pid in old_pids)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
     tiny_model_factory, prompts, monkeypatch
@@ -354,7 +349,7 @@ def test_follower_rank_runs_on_another_node_and_rejoins_after_a_restart(
     path = tiny_path(tiny_model_factory, "llama-kv2")
     reference = [tokens for tokens, _ in ours_greedy(path, prompts, MAX_TOKENS)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    port = _free_port()
+    port = free_port()
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
         monkeypatch.setenv(name, value)
     follower = subprocess.Popen(
@@ -540,7 +535,7 @@ def test_three_ranks_sum_a_row_in_rank_order_when_invariant():
     """--batch-invariant with three ranks: each element summed rank 0, 1, 2 whatever the
     message's size (gloo's ring chunks a message by its size)."""
     context = mp.get_context("spawn")
-    results, port = context.Queue(), _free_port()
+    results, port = context.Queue(), free_port()
     ranks = [context.Process(target=_sum_rank, args=(rank, port, results)) for rank in range(3)]
     for process in ranks:
         process.start()

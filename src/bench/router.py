@@ -43,11 +43,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_router(worker_urls: list[str], policy: str, log_path: Path) -> Iterator[str]:
-    """vllm-router on a free loopback port in front of ``worker_urls``; yields its /v1 URL."""
+def running_router(worker_urls: list[str], policy: str, log_path: Path, *flags: str) -> Iterator[str]:
+    """vllm-router on a free loopback port in front of ``worker_urls`` (``flags``: more of its
+    own); yields its base URL once it is ready."""
     port = _free_port()
     command = [router_binary(), "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1",
-               "--port", str(port), "--prometheus-port", str(_free_port()), "--worker-startup-check-interval", "1"]
+               "--port", str(port), "--prometheus-port", str(_free_port()), "--worker-startup-check-interval", "1",
+               *flags]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     print(f"starting vllm-router ({policy}, {len(worker_urls)} replicas; log: {log_path}) ...", flush=True)
@@ -63,7 +65,7 @@ def running_router(worker_urls: list[str], policy: str, log_path: Path) -> Itera
             if time.monotonic() > deadline:
                 raise SystemExit(f"triode: error: vllm-router was not ready in 60 s; see {log_path}")
             time.sleep(0.2)
-        yield f"{url}/v1"
+        yield url
     finally:
         stop_server(process)
 
@@ -93,7 +95,7 @@ def run(ns: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
         direct = trio.run(functools.partial(sweep, ns, urls[0], passes[0], label="direct "))
         with running_router([u.removesuffix("/v1") for u in urls], ns.router_policy,
                             output_dir / "router.log") as router_url:
-            routed = trio.run(functools.partial(sweep, ns, router_url, passes[1], label="router "))
+            routed = trio.run(functools.partial(sweep, ns, f"{router_url}/v1", passes[1], label="router "))
     finally:
         for process in replicas:
             stop_server(process)

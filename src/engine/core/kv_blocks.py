@@ -78,8 +78,11 @@ class BlockManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call, oldest first."""
-        events, self._events = self._events, ([] if self._events is not None else None)
-        return events or []
+        events = self._events
+        if not events:  # most steps change no cached block: nothing to allocate
+            return []
+        self._events = []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
