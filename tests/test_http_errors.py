@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx2
 import openai
 import pytest
@@ -14,13 +15,14 @@ import trio
 from tests.http_server import running, triode_serve
 
 KEYS = ("key-one", "key-two")
+MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 
 
 @pytest.fixture(scope="module")
 def url(tiny_model_factory):
     model = tiny_model_factory("llama")
-    flags = ["--kv-cache-memory", "64MiB", "--max-body-size", "64KiB", "--api-key", KEYS[0],
+    flags = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--max-body-size", "64KiB", "--api-key", KEYS[0],
              "--api-key", KEYS[1]]
     with running(triode_serve(model, *flags)) as server:
         yield server.url
@@ -60,6 +62,18 @@ def test_api_keys(url):
             client.models.list()
     assert httpx2.get(f"{url}/health").status_code == 200
     assert httpx2.get(f"{url}/metrics").status_code == 200
+
+
+def test_anthropic_clients_send_their_key_as_x_api_key(url):
+    for key in KEYS:
+        with anthropic.Anthropic(base_url=url, api_key=key, max_retries=0) as client:
+            assert client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi"}]).input_tokens
+    with anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0) as client:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert caught.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                             "message": caught.value.body["error"]["message"]}}
+    assert httpx2.get(f"{url}/v1/models", headers={"x-api-key": KEYS[1]}).status_code == 200
 
 
 def _post(url: str, path: str, body, **kwargs) -> httpx2.Response:

@@ -41,14 +41,21 @@ async def engine_idle(client: httpx2.AsyncClient, url: str) -> bool:
             and await ametric(client, url, "vllm:num_requests_running") == 0.0)
 
 
-async def test_disconnect_mid_stream_frees_kv_blocks(url):
+STREAMS = {  # each API's endless streamed request
+    "/v1/completions": {"prompt": "Hello", "max_tokens": LONG, "ignore_eos": True, "stream": True},
+    "/v1/messages": {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": LONG,
+                     "ignore_eos": True, "stream": True},
+}
+
+
+@pytest.mark.parametrize("path", sorted(STREAMS))
+async def test_disconnect_mid_stream_frees_kv_blocks(url, path):
     async with httpx2.AsyncClient(timeout=30) as client:
         aborted = await ametric(client, url, "vllm:request_success_total", finished_reason="abort")
         generated = await ametric(client, url, "vllm:generation_tokens_total")
         chunks = 0
         with trio.fail_after(30):
-            async with client.stream("POST", f"{url}/v1/completions", json={
-                    "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True, "stream": True}) as response:
+            async with client.stream("POST", f"{url}{path}", json=STREAMS[path]) as response:
                 async for line in response.aiter_lines():
                     chunks += line.startswith("data: {")
                     if chunks == 5:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _imports(modules: str, forbidden: str) -> list[str]:
     code = (f"import sys, {modules}; "
@@ -53,12 +55,12 @@ def test_the_scenario_runner_imports_nothing_of_the_runtime():
         assert _imports("triode.scenarios.command", package) == []
 
 
-def test_the_openai_protocol_imports_neither_the_server_nor_the_routes():
+@pytest.mark.parametrize("protocol, at_least", [("openai", 10), ("anthropic", 3)])
+def test_the_protocols_import_neither_the_server_nor_the_routes(protocol, at_least):
     import pkgutil
 
-    import triode.frontend.openai as protocol
-
-    modules = [info.name for info in pkgutil.walk_packages(protocol.__path__, "triode.frontend.openai.")]
-    assert len(modules) > 10
-    for package in ("triode.frontend.server", "triode.frontend.routes"):
-        assert _imports(", ".join(modules), package) == []
+    package = __import__(f"triode.frontend.{protocol}", fromlist=["__path__"])
+    modules = [info.name for info in pkgutil.walk_packages(package.__path__, f"triode.frontend.{protocol}.")]
+    assert len(modules) >= at_least
+    for forbidden in ("triode.frontend.server", "triode.frontend.routes"):
+        assert _imports(", ".join(modules), forbidden) == []

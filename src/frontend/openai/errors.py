@@ -2,14 +2,16 @@
 
 Handlers raise ``APIError``; engine errors and HTTP exceptions (404 route, 405, 413...) are
 mapped here, so every failure a client can cause comes back as a 4xx in that shape, and an
-unexpected one as a 500 in the same shape (logged with its traceback)."""
+unexpected one as a 500 in the same shape (logged with its traceback). An API with an error
+shape of its own (Anthropic's, under ``/v1/messages``) names its path prefix and its shape
+when the handlers are registered."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from quart import Quart, Response, jsonify
+from quart import Quart, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from triode.engine.errors import (
@@ -57,12 +59,15 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> Response:
-        response = jsonify(self.body())
+    def response(self, shape: ErrorShape | None = None) -> Response:
+        response = jsonify(self.body() if shape is None else shape(self))
         response.status_code = self.status
         for name, value in self.headers.items():
             response.headers[name] = value
         return response
+
+
+ErrorShape = Callable[[APIError], dict]
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -105,15 +110,21 @@ _HTTP_MESSAGES = {
 }
 
 
-def register_error_handlers(app: Quart) -> None:
+def register_error_handlers(app: Quart, *, shapes: Mapping[str, ErrorShape] | None = None) -> None:
+    """``shapes``: a path prefix -> the error body of the API served under it."""
+
+    def shape() -> ErrorShape | None:
+        for prefix, body in (shapes or {}).items():
+            if request.path == prefix or request.path.startswith(prefix + "/"):
+                return body
+        return None
+
     @app.errorhandler(APIError)
     async def _api_error(error: APIError) -> Response:
-        return error.response()
+        return error.response(shape())
 
     @app.errorhandler(HTTPException)
     async def _http_error(error: HTTPException) -> Response:
-        from quart import request
-
         status = error.code or 500
         template = _HTTP_MESSAGES.get(status)
         message = (
@@ -122,7 +133,7 @@ def register_error_handlers(app: Quart) -> None:
         )
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
         api_error = APIError(status, message, code=code)
-        response = api_error.response()
+        response = api_error.response(shape())
         valid_methods = getattr(error, "valid_methods", None)
         if status == 405 and valid_methods:
             response.headers["Allow"] = ", ".join(valid_methods)
@@ -130,4 +141,4 @@ def register_error_handlers(app: Quart) -> None:
 
     @app.errorhandler(Exception)
     async def _unexpected(error: Exception) -> Response:
-        return from_engine_error(error).response()
+        return from_engine_error(error).response(shape())

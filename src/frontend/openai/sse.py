@@ -1,16 +1,21 @@
-"""Server-sent events: ``data: {json}`` per chunk, ``data: [DONE]`` at the end.
+"""Server-sent events, in the three framings the APIs use:
+
+- chat and completions: ``data: {json}`` per chunk and ``data: [DONE]`` at the end;
+- Responses and Messages: ``event: <type>`` before each ``data: {json}`` (the event's own
+  ``type``), and no end marker.
 
 An error after the stream started cannot change the HTTP status any more: it is sent as an
-``event: error`` whose data is OpenAI's error object (the SDK raises it as APIError), followed
-by ``[DONE]``. Cancellation (the client left) and generator closing pass through untouched."""
+``event: error`` whose data is the API's error object (the SDKs raise it), then the stream
+ends (after ``[DONE]`` where the framing has one). Cancellation (the client left) and
+generator closing pass through untouched."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from triode.frontend.openai.errors import from_engine_error
+from triode.frontend.openai.errors import APIError, from_engine_error
 
 DONE = b"data: [DONE]\n\n"
 CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -23,11 +28,14 @@ def encode(data: dict[str, Any], *, event: str | None = None) -> bytes:
     return f"{prefix}data: {payload}\n\n".encode()
 
 
-async def event_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
+async def event_stream(chunks: AsyncGenerator[dict[str, Any], None], *, typed: bool = False,
+                       error_body: Callable[[APIError], dict[str, Any]] = APIError.body,
+                       ) -> AsyncIterator[bytes]:
+    """``typed``: name each event by its data's ``type`` and send no ``[DONE]``."""
     try:
         try:
             async for chunk in chunks:
-                yield encode(chunk)
+                yield encode(chunk, event=chunk["type"] if typed else None)
         except Exception as error:
             failed = from_engine_error(error)
         else:
@@ -35,5 +43,6 @@ async def event_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIte
     finally:
         await chunks.aclose()
     if failed is not None:
-        yield encode(failed.body(), event="error")
-    yield DONE
+        yield encode(error_body(failed), event="error")
+    if not typed:
+        yield DONE

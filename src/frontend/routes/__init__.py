@@ -60,10 +60,12 @@ def request_id() -> str:
 def register_routes(app: Quart) -> None:
     from triode.frontend.routes.generate import blueprint as generate
     from triode.frontend.routes.info import blueprint as info
+    from triode.frontend.routes.messages import blueprint as messages
     from triode.frontend.routes.tokens import blueprint as tokens
 
     app.register_blueprint(generate)
     app.register_blueprint(info)
+    app.register_blueprint(messages)
     app.register_blueprint(tokens)
 
     @app.after_request

@@ -1,5 +1,5 @@
 """API keys: with one or more keys configured, every ``/v1/*`` route needs
-``Authorization: Bearer <key>``. Keys are compared in constant time, against every configured
+``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's). Keys are compared in constant time, against every configured
 key (no early exit), so neither a key's content nor which key matched shows in the timing.
 ``/health``, ``/metrics`` and the other routes outside ``/v1`` stay open."""
 
@@ -29,11 +29,15 @@ class KeyChecker:
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def accepts(self, authorization: str | None) -> bool:
-        if authorization is None:
-            return False
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
+    def accepts(self, authorization: str | None, api_key: str | None = None) -> bool:
+        """``authorization``: the Authorization header; ``api_key``: the x-api-key header."""
+        if authorization is not None:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer":
+                return False
+        elif api_key is not None:
+            token = api_key
+        else:
             return False
         given = _digest(token.strip())
         matched = False
@@ -52,10 +56,11 @@ def install_auth(app: Quart, keys: Sequence[str]) -> None:
         path = request.path
         if path != PROTECTED_PREFIX and not path.startswith(PROTECTED_PREFIX + "/"):
             return
-        if not checker.accepts(request.headers.get("Authorization")):
+        if not checker.accepts(request.headers.get("Authorization"), request.headers.get("x-api-key")):
             raise APIError(
                 401,
-                "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )

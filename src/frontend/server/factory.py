@@ -21,6 +21,7 @@ from quart_trio.asgi import TrioASGILifespan
 
 from triode.engine.config import EngineArgs
 from triode.engine.errors import TriodeError
+from triode.frontend.anthropic.errors import error_body as anthropic_error_body
 from triode.frontend.openai.errors import register_error_handlers
 from triode.frontend.routes import register_routes
 from triode.frontend.server.auth import install_auth
@@ -118,7 +119,7 @@ def create_app(engine_args: EngineArgs | None = None, settings: ServerSettings |
         if request.method not in ("GET", "HEAD", "OPTIONS"):
             await request.get_data(cache=True)
 
-    register_error_handlers(app)
+    register_error_handlers(app, shapes={"/v1/messages": anthropic_error_body})
     install_auth(app, settings.api_keys)
     register_routes(app)
     return app
