@@ -45,6 +45,8 @@ STREAMS = {  # each API's endless streamed request
     "/v1/completions": {"prompt": "Hello", "max_tokens": LONG, "ignore_eos": True, "stream": True},
     "/v1/messages": {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": LONG,
                      "ignore_eos": True, "stream": True},
+    "/v1/responses": {"model": "tiny", "input": "Hello", "max_output_tokens": LONG, "ignore_eos": True,
+                      "stream": True},
 }
 
 
@@ -68,7 +70,8 @@ async def test_disconnect_mid_stream_frees_kv_blocks(url, path):
         assert await ametric(client, url, "vllm:generation_tokens_total") - generated < LONG / 2
 
 
-async def test_disconnect_before_a_non_streamed_answer_frees_kv_blocks(url):
+@pytest.mark.parametrize("path", sorted(STREAMS))
+async def test_disconnect_before_a_non_streamed_answer_frees_kv_blocks(url, path):
     async with httpx2.AsyncClient(timeout=30) as client:
         aborted = await ametric(client, url, "vllm:request_success_total", finished_reason="abort")
 
@@ -80,8 +83,7 @@ async def test_disconnect_before_a_non_streamed_answer_frees_kv_blocks(url):
 
             async def request() -> None:
                 with cancel:
-                    await client.post(f"{url}/v1/completions",
-                                      json={"prompt": "Hello", "max_tokens": LONG, "ignore_eos": True})
+                    await client.post(f"{url}{path}", json={**STREAMS[path], "stream": False})
                     raise AssertionError("the request should have been cancelled")
 
             nursery.start_soon(request)

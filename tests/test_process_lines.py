@@ -55,7 +55,7 @@ def test_the_scenario_runner_imports_nothing_of_the_runtime():
         assert _imports("triode.scenarios.command", package) == []
 
 
-@pytest.mark.parametrize("protocol, at_least", [("openai", 10), ("anthropic", 3)])
+@pytest.mark.parametrize("protocol, at_least", [("openai", 10), ("anthropic", 3), ("responses", 3)])
 def test_the_protocols_import_neither_the_server_nor_the_routes(protocol, at_least):
     import pkgutil
 

@@ -28,6 +28,8 @@ def _serve(namespace: argparse.Namespace) -> int:
         trust_request_chat_template=namespace.trust_request_chat_template,
         chat_template=namespace.chat_template, tool_call_parser=namespace.tool_call_parser,
         enable_auto_tool_choice=namespace.enable_auto_tool_choice,
+        responses_store_size=namespace.responses_store_size,
+        responses_store_max_age=namespace.responses_store_max_age,
     )
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
@@ -57,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                        help='let the model decide when to call tools (tool_choice "auto"); needs '
                             "--tool-call-parser (default: $TRIODE_ENABLE_AUTO_TOOL_CHOICE or no)")
+    serve.add_argument("--responses-store-size", type=int, default=None, metavar="N",
+                       help="responses kept for previous_response_id and GET /v1/responses/{id}, the "
+                            "oldest dropped first; 0 keeps none (default: $TRIODE_RESPONSES_STORE_SIZE or "
+                            "1000)")
+    serve.add_argument("--responses-store-max-age", type=float, default=None, metavar="SECONDS",
+                       help="how long a stored response is kept (default: $TRIODE_RESPONSES_STORE_MAX_AGE "
+                            "or 3600)")
     add_engine_flags(serve)
     # once a flag; now refused with where it belongs rather than as an unknown argument
     serve.add_argument("--fault-plan", help=argparse.SUPPRESS, default=None)

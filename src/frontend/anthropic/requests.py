@@ -61,7 +61,8 @@ def parse_messages_request(body: dict[str, Any], defaults: GenerationDefaults | 
     reader.log_unknown()
     return GenerationRequest(model=model, params=params, stream=StreamOptions(stream=stream, include_usage=False),
                              priority=0, chat=chat, tools=tools, reasoning_parser=serving.reasoning_parser,
-                             param_names={"structured_outputs.json": "output_config.format.schema"})
+                             param_names={"structured_outputs.json": "output_config.format.schema",
+                                          "prompt": "messages"})
 
 
 def _output_format(reader: Reader) -> StructuredOutputsParams | None:

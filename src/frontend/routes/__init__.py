@@ -11,6 +11,7 @@ from quart import Quart, current_app, g, request
 
 from triode.engine.inputs import ChatOptions
 from triode.frontend.openai.errors import APIError
+from triode.frontend.openai.requests import ChatServing
 from triode.frontend.server.lifecycle import EngineHost
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -18,6 +19,14 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 
 def host() -> EngineHost:
     return current_app.extensions["triode"]
+
+
+def chat_serving() -> ChatServing:
+    """What the server was started with that shapes chat-like requests (every API's)."""
+    settings = current_app.extensions["triode.settings"]
+    return ChatServing(tool_call_parser=settings.tool_call_parser,
+                       enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                       reasoning_parser=host().args.reasoning_parser)
 
 
 def check_model(model: str | None) -> None:
@@ -61,11 +70,13 @@ def register_routes(app: Quart) -> None:
     from triode.frontend.routes.generate import blueprint as generate
     from triode.frontend.routes.info import blueprint as info
     from triode.frontend.routes.messages import blueprint as messages
+    from triode.frontend.routes.responses import blueprint as responses
     from triode.frontend.routes.tokens import blueprint as tokens
 
     app.register_blueprint(generate)
     app.register_blueprint(info)
     app.register_blueprint(messages)
+    app.register_blueprint(responses)
     app.register_blueprint(tokens)
 
     @app.after_request

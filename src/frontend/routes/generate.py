@@ -10,18 +10,18 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import attrs
-from quart import Blueprint, Response, current_app, jsonify, request
+from quart import Blueprint, Response, jsonify, request
 
 from triode.frontend.openai import sse
 from triode.frontend.openai.request_body import read_json_object
 from triode.frontend.openai.requests import (
-    ChatServing,
     GenerationRequest,
     parse_chat,
     parse_completion,
 )
 from triode.frontend.openai.responses import ResponseBuilder
 from triode.frontend.routes import (
+    chat_serving,
     check_chat_template,
     check_model,
     generation,
@@ -42,11 +42,7 @@ async def completions() -> Response:
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     body = await read_json_object(request)
-    settings = current_app.extensions["triode.settings"]
-    serving = ChatServing(tool_call_parser=settings.tool_call_parser,
-                          enable_auto_tool_choice=settings.enable_auto_tool_choice,
-                          reasoning_parser=host().args.reasoning_parser)
-    return await _serve(parse_chat(body, host().generation, serving), prefix="chatcmpl")
+    return await _serve(parse_chat(body, host().generation, chat_serving()), prefix="chatcmpl")
 
 
 async def _serve(parsed: GenerationRequest, *, prefix: str) -> Response:

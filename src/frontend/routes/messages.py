@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 import trio
-from quart import Blueprint, Response, current_app, jsonify, request
+from quart import Blueprint, Response, jsonify, request
 
 from triode.engine.errors import InvalidRequestError
 from triode.frontend.anthropic.errors import error_body
@@ -19,8 +19,8 @@ from triode.frontend.anthropic.requests import parse_count_tokens, parse_message
 from triode.frontend.openai import sse
 from triode.frontend.openai.errors import from_engine_error
 from triode.frontend.openai.request_body import read_json_object
-from triode.frontend.openai.requests import ChatServing
 from triode.frontend.routes import (
+    chat_serving,
     check_chat_template,
     check_model,
     generation,
@@ -31,13 +31,6 @@ from triode.frontend.routes import (
 
 PREFIX = "/v1/messages"
 blueprint = Blueprint("messages", __name__)
-
-
-def chat_serving() -> ChatServing:
-    settings = current_app.extensions["triode.settings"]
-    return ChatServing(tool_call_parser=settings.tool_call_parser,
-                       enable_auto_tool_choice=settings.enable_auto_tool_choice,
-                       reasoning_parser=host().args.reasoning_parser)
 
 
 @blueprint.post(PREFIX)

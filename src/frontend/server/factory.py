@@ -23,6 +23,7 @@ from triode.engine.config import EngineArgs
 from triode.engine.errors import TriodeError
 from triode.frontend.anthropic.errors import error_body as anthropic_error_body
 from triode.frontend.openai.errors import register_error_handlers
+from triode.frontend.responses.store import ResponseStore
 from triode.frontend.routes import register_routes
 from triode.frontend.server.auth import install_auth
 from triode.frontend.server.lifecycle import EngineHost
@@ -99,6 +100,8 @@ def create_app(engine_args: EngineArgs | None = None, settings: ServerSettings |
     engine_host = EngineHost(engine_args)
     app.extensions["triode"] = engine_host
     app.extensions["triode.settings"] = settings
+    app.extensions["triode.responses"] = ResponseStore(max_size=settings.responses_store_size,
+                                                      max_age=settings.responses_store_max_age)
 
     @app.before_serving
     async def _start_engine() -> None:

@@ -1,6 +1,7 @@
 """Server settings that are not engine arguments: API keys, the request body limit, whether
-requests may bring their own chat template, the server's chat template, and the tool-call
-parser (vLLM's ``--chat-template``, ``--tool-call-parser``, ``--enable-auto-tool-choice``).
+requests may bring their own chat template, the server's chat template, the tool-call
+parser (vLLM's ``--chat-template``, ``--tool-call-parser``, ``--enable-auto-tool-choice``),
+and the bounds of the Responses API's store.
 ``--reasoning-parser`` is an engine argument, as in vLLM: the engine lets a constrained
 output think first.
 
@@ -27,6 +28,8 @@ from triode.engine.errors import InvalidRequestError
 from triode.engine.model_files.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_RESPONSES_STORE_SIZE = 1000  # responses
+DEFAULT_RESPONSES_STORE_MAX_AGE = 3600.0  # seconds
 
 
 def _keys(value: Sequence[str] | None) -> tuple[str, ...]:
@@ -43,6 +46,14 @@ def _tool_parser(instance: object, attribute: attrs.Attribute, value: str | None
     if value is not None and value not in TOOL_PARSERS:
         raise InvalidRequestError(f"tool_call_parser: expected one of {', '.join(sorted(TOOL_PARSERS))}, "
                                   f"got {value!r}", field="tool_call_parser")
+
+
+def _at_least(low: float):
+    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
+            raise InvalidRequestError(f"{attribute.name}: expected a number >= {low:g}, got {value!r}",
+                                      field=attribute.name)
+    return check
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -66,6 +77,9 @@ class ServerSettings:
     chat_template: str | None = attrs.field(default=None, converter=read_chat_template)
     tool_call_parser: str | None = attrs.field(default=None, validator=_tool_parser)
     enable_auto_tool_choice: bool = False
+    # /v1/responses with store: how many responses are kept, and for how long (0: none kept)
+    responses_store_size: int = attrs.field(default=DEFAULT_RESPONSES_STORE_SIZE, validator=_at_least(0))
+    responses_store_max_age: float = attrs.field(default=DEFAULT_RESPONSES_STORE_MAX_AGE, validator=_at_least(1e-3))
 
     def __attrs_post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -100,6 +114,11 @@ def _from_text(field: attrs.Attribute, env: str, raw: str) -> object:
             return parse_size(raw) if raw else DEFAULT_MAX_BODY_BYTES
         except ValueError as e:
             raise InvalidRequestError(f"{env}: {e}", field="max_body_size") from None
+    if str(field.type) in ("int", "float"):
+        try:
+            return int(raw) if str(field.type) == "int" else float(raw)
+        except ValueError:
+            raise InvalidRequestError(f"{env}={raw!r} is not a number", field=field.name) from None
     if str(field.type).startswith("bool"):
         lowered = raw.strip().lower()
         if lowered not in _BOOLEANS:
