@@ -28,6 +28,8 @@ from triode.bench.report import (
     write_json,
 )
 from triode.engine.config import EngineArgs
+from triode.engine.model.config import ModelConfig
+from triode.engine.model_files.layout import load_hf_config
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker.runner import ModelRunner
@@ -45,6 +47,9 @@ def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
     batch, length = prompts.shape
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     blocks_per_seq = -(-(length + steps + 1) // runner.block_size)
+    if batch * blocks_per_seq > runner.num_blocks:  # the blocks below are handed out unchecked
+        raise ValueError(f"{batch} sequences of {length + steps + 1} tokens need {batch * blocks_per_seq} KV "
+                         f"blocks; the runner has {runner.num_blocks}")
     new, chunks = [], []
     for i in range(batch):
         seq_id = f"bench-{batch}-{i}"
@@ -88,6 +93,15 @@ def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
+def _kv_budget(path: Path, batch: int, tokens: int, block_size: int) -> int:
+    """Bytes of KV cache that hold ``batch`` sequences of ``tokens`` in float32 (the widest
+    dtype a runner here may use), and at least 2 GiB."""
+    config = ModelConfig.from_hf(load_hf_config(path))
+    blocks = batch * -(-tokens // block_size)
+    per_block = block_size * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    return max(2 << 30, blocks * per_block)
+
+
 def _label(runner: ModelRunner, activation: str) -> str:
     """What a runner computes with: its dtype, and the block types it keeps quantized."""
     kinds = sorted(set(runner.quantized.values()))
@@ -124,8 +138,10 @@ def run(
 
 def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eager, compare_batch_invariant,
          output_dir) -> list[dict]:
-    args = EngineArgs.from_env(model=model, kv_cache_memory="2GiB", max_num_seqs=max(256, *batch_sizes))
+    args = EngineArgs.from_env(model=model, max_num_seqs=max(256, *batch_sizes))
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
+    args = attrs.evolve(args, kv_cache_memory=_kv_budget(resolved.path, max(batch_sizes), context + steps + 1,
+                                                         args.block_size))
     # One runner per dtype; one that keeps quantized weights, one per activation type (loaded
     # with it: integer activations may interleave the weights). The activation type is a
     # process-wide kernel setting, set again before each runner is timed.
