@@ -9,7 +9,8 @@ task outlives the handler or the body generator, and closing them aborts what is
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -99,3 +100,28 @@ async def finals(jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
     finally:
         await stream.aclose()
     return sorted(last.items())
+
+
+class EventBuilder(Protocol):
+    """An API whose stream opens with events of its own (Responses, Messages)."""
+
+    def start(self, first: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def events(self, output: RequestOutput) -> list[dict[str, Any]]: ...
+
+
+async def events(jobs: list[Job], builder: EventBuilder) -> AsyncGenerator[dict[str, Any], None]:
+    """The stream's events: the builder's opening ones at the first output, then those of
+    every output; closing it closes the jobs."""
+    stream = outputs(jobs)
+    try:
+        started = False
+        async for _, output in stream:
+            if not started:
+                started = True
+                for event in builder.start(output):
+                    yield event
+            for event in builder.events(output):
+                yield event
+    finally:
+        await stream.aclose()

@@ -5,9 +5,6 @@ error handlers pick it for this path)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from typing import Any
-
 import attrs
 import trio
 from quart import Blueprint, Response, jsonify, request
@@ -44,23 +41,8 @@ async def messages() -> Response:
     if not parsed.stream.stream:
         [(_, final)] = await generation.finals(jobs)
         return jsonify(builder.full(final))
-    return Response(sse.event_stream(_events(builder, jobs), typed=True, error_body=error_body),
+    return Response(sse.event_stream(generation.events(jobs, builder), typed=True, error_body=error_body),
                     content_type=sse.CONTENT_TYPE, headers=sse.HEADERS)
-
-
-async def _events(builder: MessageBuilder, jobs: list[generation.Job]) -> AsyncGenerator[dict[str, Any], None]:
-    outputs = generation.outputs(jobs)
-    try:
-        started = False
-        async for _, output in outputs:
-            if not started:
-                started = True
-                for event in builder.start(output):
-                    yield event
-            for event in builder.events(output):
-                yield event
-    finally:
-        await outputs.aclose()
 
 
 @blueprint.post(PREFIX + "/count_tokens")

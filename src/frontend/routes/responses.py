@@ -102,21 +102,15 @@ async def _events(builder: ResponseBuilder, jobs: list[generation.Job], response
                   items: Items) -> AsyncGenerator[dict[str, Any], None]:
     """The body's events; ``responses``: where the response is stored (the body outlives the
     request's app context)."""
-    outputs = generation.outputs(jobs)
+    stream = generation.events(jobs, builder)
     final: dict[str, Any] | None = None
     try:
-        started = False
-        async for _, output in outputs:
-            if not started:
-                started = True
-                for event in builder.start(output):
-                    yield event
-            for event in builder.events(output):
-                if event["type"] in ("response.completed", "response.incomplete"):
-                    final = event["response"]
-                yield event
+        async for event in stream:
+            if event["type"] in ("response.completed", "response.incomplete"):
+                final = event["response"]
+            yield event
     finally:
-        await outputs.aclose()
+        await stream.aclose()
         if responses is not None:
             if final is not None:
                 responses.put(final, (*items, *final["output"]))
