@@ -1,6 +1,7 @@
 """triode: a trio-native LLM inference and serving engine. This package is its Python API.
 
-- ``LLM``: offline batches (sync): ``LLM().generate(prompts, SamplingParams(...))``.
+- ``LLM``: offline batches (sync): ``LLM().generate(prompts, SamplingParams(...))``, and a
+  pooling model's ``LLM(model, runner="pooling").embed(prompts)``.
 - ``LLMEngine``: a sync engine whose caller drives ``step()``.
 - ``AsyncLLM`` (also ``AsyncLLMEngine``, vLLM's name): the trio API:
   ``async with AsyncLLM.open(EngineArgs(...)) as llm``.
@@ -30,6 +31,9 @@ _EXPORTS = {
     "EngineStatistics": "triode.engine.engine_stats",
     "ChatOptions": "triode.engine.inputs",
     "CompletionOutput": "triode.engine.outputs",
+    "EmbeddingOutput": "triode.engine.outputs",
+    "EmbeddingRequestOutput": "triode.engine.outputs",
+    "PoolingParams": "triode.engine.pooling_params",
     "Logprob": "triode.engine.outputs",
     "TextPrompt": "triode.engine.inputs",
     "TokensPrompt": "triode.engine.inputs",
@@ -54,6 +58,8 @@ __all__ = [
     "AsyncLLMEngine",
     "ChatOptions",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineDeadError",
     "EngineShutdownError",
@@ -64,6 +70,7 @@ __all__ = [
     "Logprob",
     "ModelLoadError",
     "OutputKind",
+    "PoolingParams",
     "QueueFull",
     "RequestMetrics",
     "RequestOutput",
@@ -100,6 +107,14 @@ if TYPE_CHECKING:
     from triode.engine.inputs import ChatOptions, TextPrompt, TokensPrompt
     from triode.engine.llm import LLM
     from triode.engine.llm_engine import LLMEngine
-    from triode.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from triode.engine.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestMetrics,
+        RequestOutput,
+    )
+    from triode.engine.pooling_params import PoolingParams
     from triode.engine.sampling_params import OutputKind, SamplingParams
     from triode.engine.structured.params import StructuredOutputsParams

@@ -1,8 +1,8 @@
 """Unit tests: the sans-IO engine core (triode.engine.core.engine_core) that both drivers run:
 admission all or none, aborts by the user's id, stop-string finishes, every end-of-sequence
 id, the step cycle with its failure path and idle-time accounting, the step pipeline (steps out
-with their tickets, dropped on a failure); and the output side's
-vLLM-shaped logprobs (triode.engine.core.output_processor)."""
+with their tickets, dropped on a failure), pooling requests (chunked, planned ahead,
+recomputed); and the output side's vLLM-shaped logprobs (triode.engine.core.output_processor)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,16 @@ from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.scheduler_output import SequenceUpdate
 from triode.engine.errors import InvalidRequestError
-from triode.engine.outputs import Logprob
+from triode.engine.outputs import EmbeddingRequestOutput, Logprob
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
-from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
+from triode.engine.worker_messages import (
+    PooledOutput,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 EOS_IDS = (7, 8, 9)  # the model's own first
 
@@ -181,3 +188,53 @@ def test_logprobs_come_out_as_vllm_dicts_with_the_chosen_token_first():
     assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == 3
     assert output.prompt_logprobs[1][2] == Logprob(-1.0, 2, "<2>")
     assert list(output.prompt_logprobs[2]) == [3]
+
+
+def pooled_for(plan: StepPlan) -> StepResult:
+    """Embeds every pooling sequence whose prompt the plan ends: its seq id's length, as a vector."""
+    return StepResult(step_id=plan.step_id, pooled=tuple(
+        PooledOutput(c.seq_id, (float(len(c.seq_id)),)) for c in plan.chunks if c.sample))
+
+
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
+def test_a_pooling_request_runs_its_prompt_in_chunks_then_ends_with_its_embedding(steps_in_flight):
+    scheduler = Scheduler(BlockManager(32, 4, False), max_num_seqs=16, max_num_batched_tokens=6,
+                          max_steps_in_flight=steps_in_flight)
+    core = EngineCore(scheduler, max_model_len=64, eos_token_ids=EOS_IDS, runner="pooling")
+    with pytest.raises(InvalidRequestError, match="pooling model"):
+        core.add_request("gen", [1, 2], params(), arrival_time=0.0)
+    core.add_request("emb", list(range(10, 25)), PoolingParams(), arrival_time=0.0)  # 15 tokens: 3 chunks
+    plans = []
+    while core.can_schedule() and (plan := core.schedule(now=0.0)) is not None:
+        plans.append(plan)
+    assert len(plans) == steps_in_flight
+    assert plans[0].new_sequences[0].pooling == PoolingParams()
+    updates = []
+    while plans:
+        updates += core.update_from_output(pooled_for(plans.pop(0)), now=0.0)
+        while core.can_schedule() and (plan := core.schedule(now=0.0)) is not None:
+            plans.append(plan)
+    assert len(updates) == 1
+    (update,) = updates
+    assert (update.request_id, update.finish_reason, update.embedding, update.new_token_ids) == (
+        "emb", "stop", (3.0,), ())
+    assert not core.has_unfinished_requests() and core.statistics().kv_blocks_free == 32
+
+
+def test_a_pooling_request_is_recomputed_after_a_lost_step_and_its_output_built_once():
+    core = EngineCore(Scheduler(BlockManager(32, 4, False), max_num_seqs=16, max_num_batched_tokens=64),
+                      max_model_len=64, eos_token_ids=EOS_IDS, runner="pooling")
+    outputs = OutputProcessor(tokenizer=None)
+    core.add_request("emb", [5, 6, 7], PoolingParams(dimensions=1), arrival_time=0.0)
+    outputs.add_request("emb", prompt="x", prompt_token_ids=[5, 6, 7], params=PoolingParams(dimensions=1),
+                        seq_ids=("emb",), arrival_time=0.0)
+    core.schedule(now=0.0)
+    assert [s.seq_id for s in core.step_failed()] == ["emb"]
+    plan = core.schedule(now=1.0)
+    assert [s.seq_id for s in plan.new_sequences] == ["emb"]  # the worker starts it anew
+    step = outputs.process(core.update_from_output(pooled_for(plan), now=2.0), now=2.0)
+    (output,) = step.outputs
+    assert isinstance(output, EmbeddingRequestOutput) and output.outputs.embedding == [3.0]
+    assert output.prompt_token_ids == (5, 6, 7) and not outputs.pooling
+    with pytest.raises(InvalidRequestError, match="generates text"):
+        make_core().add_request("e", [1], PoolingParams(), arrival_time=0.0)

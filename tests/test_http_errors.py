@@ -193,7 +193,7 @@ def test_wrong_content_type_routes_and_methods(url):
         assert_error(_post(url, COMPLETIONS, body, headers={"Content-Type": content_type}), 400,
                      code="unsupported_content_type")
     assert_error(httpx2.get(f"{url}/no-such-route"), 404, code="not_found")
-    assert_error(httpx2.post(f"{url}/v1/embeddings", json={}, headers=AUTH), 404, code="not_found")
+    assert_error(httpx2.post(f"{url}/v1/audio/transcriptions", json={}, headers=AUTH), 404, code="not_found")
     response = httpx2.get(f"{url}{COMPLETIONS}", headers=AUTH)
     assert_error(response, 405, code="method_not_allowed")
     assert "POST" in response.headers["allow"]

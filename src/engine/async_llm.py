@@ -25,15 +25,16 @@ from triode.engine.actors.scheduler import SchedulerActor
 from triode.engine.actors.streams import RequestStream
 from triode.engine.actors.supervisor import GroupOpener, WorkerSupervisor
 from triode.engine.config import EngineArgs
-from triode.engine.core.engine_core import EngineCore
+from triode.engine.core.engine_core import EngineCore, check_runner
 from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
 from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
 from triode.engine.kv_events.publisher import open_kv_event_publisher
 from triode.engine.model.setup import EngineModel, open_engine_model, open_input_processor
-from triode.engine.outputs import RequestOutput
-from triode.engine.sampling_params import SamplingParams
+from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from triode.engine.pooling_params import PoolingParams
+from triode.engine.sampling_params import OutputKind, SamplingParams
 
 # Between actors, a few messages of slack are enough: each is drained every step.
 _ACTOR_CHANNEL_SIZE = 64
@@ -45,9 +46,9 @@ _ABORT_SEND_TIMEOUT = 10.0
 class RequestObserver(Protocol):
     """What watches the requests of an :class:`AsyncLLM` (the server's metrics)."""
 
-    def opened(self, request_id: str, params: SamplingParams) -> None: ...
+    def opened(self, request_id: str, params: SamplingParams | PoolingParams) -> None: ...
 
-    def output(self, output: RequestOutput) -> None: ...
+    def output(self, output: RequestOutput | EmbeddingRequestOutput) -> None: ...
 
     def closed(self, request_id: str) -> None: ...
 
@@ -77,6 +78,7 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM needs a running worker-supervisor (its workers loaded)")
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.runner = info.runner  # "generate", or "pooling" (encode, not generate)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -148,13 +150,38 @@ class AsyncLLM:
             if prompt is not None:
                 raise InvalidRequestError("messages: pass either a prompt or messages", field="messages")
             prompt = ChatOptions(messages=messages)
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        async for output in self._request(prompt, params, request_id, priority):
+            assert isinstance(output, RequestOutput)
+            yield output
+
+    async def encode(
+        self,
+        prompt: PromptInput | ChatOptions,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """A pooling model's embedding of ``prompt``: one final output (vLLM's ``encode``).
+        Raises as ``generate`` does; a generation model refuses it (``InvalidRequestError``)."""
+        self.check_health()
+        if not self._accepting:
+            raise EngineShutdownError("the engine is shutting down and accepts no new requests")
+        async for output in self._request(prompt, pooling_params or PoolingParams(), request_id, priority):
+            assert isinstance(output, EmbeddingRequestOutput)
+            yield output
+
+    async def _request(self, prompt: PromptInput | ChatOptions | None, params: SamplingParams | PoolingParams,
+                       request_id: str | None, priority: int) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
+        check_runner(self.runner, params)  # before the prompt is read
         if prompt is None:
             raise InvalidRequestError("prompt: is required", field="prompt")
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._open:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
-        stream = RequestStream(request_id, params.output_kind)
+        kind = params.output_kind if isinstance(params, SamplingParams) else OutputKind.FINAL_ONLY
+        stream = RequestStream(request_id, kind)
         chat, text = (prompt, None) if isinstance(prompt, ChatOptions) else (None, prompt)
         self.intake.submit(AddRequest(  # QueueFull: nothing was queued, nothing to undo
             request_id=request_id, prompt=text, chat=chat,

@@ -10,6 +10,7 @@ import attrs
 
 from triode.engine.errors import InvalidRequestError
 from triode.engine.kv_events.config import KVEventsConfig, kv_events_config
+from triode.engine.model.pooling import CONVERTS, RUNNERS, PoolerConfig, pooler_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -142,6 +143,13 @@ class EngineArgs:
     # Seconds a request's structured_outputs may take to compile before it is refused (400).
     structured_outputs_compile_timeout: float = attrs.field(default=5.0, validator=_positive)
     cache_dir: str | None = None  # None: $TRIODE_CACHE or the user's cache dir
+    # Generation or pooling (embeddings), as vLLM's --runner / --convert: auto runs a causal
+    # LM as generation and a bare decoder (Qwen3Model...) as pooling; --runner pooling on a
+    # causal LM converts it (--convert embed). How a pooling model pools: --pooler-config
+    # (a JSON object), else its sentence-transformers files (triode.engine.model.pooling).
+    runner: str = attrs.field(default="auto", validator=_one_of(RUNNERS))
+    convert: str = attrs.field(default="auto", validator=_one_of(CONVERTS))
+    pooler_config: PoolerConfig | None = attrs.field(default=None, converter=pooler_config)
     # vLLM's KV-cache events (a JSON object with vLLM's KVEventsConfig fields): the prefix
     # cache's changes published on ZMQ for cache-aware routers (triode.engine.kv_events).
     kv_events_config: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)

@@ -15,6 +15,7 @@ import attrs
 from transformers import PreTrainedTokenizerFast
 
 from triode.engine.errors import InvalidRequestError, ModelLoadError
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.structured.compiler import GrammarCompiler
 
@@ -174,15 +175,18 @@ def parse_prompt(prompt: PromptInput) -> tuple[str | None, tuple[int, ...] | Non
 class ProcessedPrompt:
     prompt: str | None  # the text, when the request gave text or chat messages
     prompt_token_ids: tuple[int, ...]
-    params: SamplingParams  # with max_tokens bounded by the room left in max_model_len
+    # with max_tokens bounded by the room left in max_model_len; or a pooling request's
+    params: SamplingParams | PoolingParams
 
 
 class InputProcessor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerFast, *, max_model_len: int, vocab_size: int,
-        grammars: GrammarCompiler | None = None,
+        grammars: GrammarCompiler | None = None, hidden_size: int = 0,
     ) -> None:
+        """``hidden_size``: a pooling model's embedding size (what ``dimensions`` may cut)."""
         self.tokenizer = tokenizer
+        self.hidden_size = hidden_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.grammars = grammars
@@ -221,21 +225,13 @@ class InputProcessor:
             raise InvalidRequestError(f"{field}: the chat template did not render: "
                                       f"{type(e).__name__}: {e}", field=field) from e
 
-    def process(self, prompt: PromptInput | ChatOptions, params: SamplingParams) -> ProcessedPrompt:
+    def process(self, prompt: PromptInput | ChatOptions, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
         """Renders (chat), tokenizes (text) or checks (token ids) the prompt and validates it
         with the parameters against the model. A chat's text already holds its special
         tokens, so tokenizing it adds none."""
-        if isinstance(prompt, ChatOptions):
-            text: str | None = self.render_chat(prompt)
-            token_ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-        else:
-            text, ids = parse_prompt(prompt)
-            if ids is None:
-                if not text:
-                    raise InvalidRequestError("prompt: must not be empty", field="prompt")
-                token_ids = tuple(self.tokenizer.encode(text, add_special_tokens=True))
-            else:
-                token_ids = self._checked_ids(ids)
+        if isinstance(params, PoolingParams):
+            return self._pooling(prompt, params)
+        text, token_ids = self._tokens(prompt)
         params.validate_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             if self.grammars is None:
@@ -256,6 +252,34 @@ class InputProcessor:
                     field="min_tokens",
                 )
             params = attrs.evolve(params, max_tokens=room)
+        return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
+
+    def _tokens(self, prompt: PromptInput | ChatOptions) -> tuple[str | None, tuple[int, ...]]:
+        if isinstance(prompt, ChatOptions):
+            text: str | None = self.render_chat(prompt)
+            return text, tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        text, ids = parse_prompt(prompt)
+        if ids is not None:
+            return text, self._checked_ids(ids)
+        if not text:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        return text, tuple(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def _pooling(self, prompt: PromptInput | ChatOptions, params: PoolingParams) -> ProcessedPrompt:
+        """A prompt to embed: whole within max_model_len, or its last truncate_prompt_tokens."""
+        params.validate_for(self.hidden_size)
+        text, token_ids = self._tokens(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise InvalidRequestError(f"truncate_prompt_tokens: {keep} exceeds the model's maximum length of "
+                                          f"{self.max_model_len} tokens", field="truncate_prompt_tokens")
+            token_ids = token_ids[-keep:]
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {len(token_ids)} tokens exceed the model's maximum length of {self.max_model_len} tokens "
+                "(truncate_prompt_tokens keeps the last ones)", field="prompt")
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
 
     def _checked_ids(self, token_ids: tuple[Any, ...]) -> tuple[int, ...]:

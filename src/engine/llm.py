@@ -1,4 +1,5 @@
-"""LLM: offline batch generation, ``LLM(model=...).generate(prompts, sampling_params)``.
+"""LLM: offline batch generation, ``LLM(model=...).generate(prompts, sampling_params)``, and
+embeddings from a pooling model, ``LLM(model=..., runner="pooling").embed(prompts)``.
 
 The surface is vLLM's, so that a vLLM script runs with only its import changed: prompts as
 text, token ids or prompt dicts, ``sampling_params=`` (one, or one per prompt), ``chat``
@@ -18,7 +19,8 @@ from tqdm import tqdm
 from triode.engine.config import EngineArgs
 from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
 from triode.engine.llm_engine import LLMEngine
-from triode.engine.outputs import RequestOutput
+from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
 
 
@@ -78,6 +80,23 @@ class LLM:
         ]
         return self._run(chats, sampling_params, use_tqdm=use_tqdm, priority=None)
 
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """A pooling model's embedding of each prompt, in input order (``output.outputs.embedding``).
+        ``truncate_prompt_tokens``: keep each prompt's last k tokens (-1: as many as fit)."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(pooling_params if pooling_params is not None else PoolingParams(), len(batch),
+                             PoolingParams)
+        if truncate_prompt_tokens is not None:
+            params = [attrs.evolve(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._collect(batch, params, use_tqdm=use_tqdm, priority=None, kind="Embedding")
+
     def _run(
         self,
         prompts: Sequence[PromptInput | ChatOptions],
@@ -86,15 +105,19 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
-        engine = self.llm_engine
         if sampling_params is None:
-            sampling_params = engine.get_default_sampling_params()
+            sampling_params = self.llm_engine.get_default_sampling_params()
         # Only final outputs are collected, so the engine need not build the others.
-        params_list = [
-            attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY) for p in _per_prompt(sampling_params, len(prompts))
-        ]
+        params_list = [attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY)
+                       for p in _per_prompt(sampling_params, len(prompts), SamplingParams)]
+        return self._collect(prompts, params_list, use_tqdm=use_tqdm, priority=priority, kind="Generating")
+
+    def _collect(self, prompts: Sequence[PromptInput | ChatOptions], params_list: Sequence[Any], *,
+                 use_tqdm: bool, priority: Sequence[int] | None, kind: str) -> list[Any]:
+        """Runs one request per prompt to its final output; returns them in input order."""
+        engine = self.llm_engine
         ids: list[str] = []
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         # Whatever stops this call (bad input, KeyboardInterrupt, a dead engine) aborts the
         # requests it queued: the next call starts clean.
         try:
@@ -103,14 +126,15 @@ class LLM:
                 self._next_id += 1
                 ids.append(request_id)  # first: an abort of an id that was not added is a no-op
                 engine.add_request(request_id, prompt, params, priority=priority[index] if priority else 0)
-            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            with tqdm(total=len(ids), desc=kind, unit="req", disable=not use_tqdm) as bar:
                 generated = 0
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         finished[output.request_id] = output
-                        generated += sum(len(o.token_ids) for o in output.outputs)
                         bar.update(1)
-                        bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+                        if isinstance(output, RequestOutput):
+                            generated += sum(len(o.token_ids) for o in output.outputs)
+                            bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
         except BaseException:
             engine.abort_request([i for i in ids if i not in finished])
             raise
@@ -135,10 +159,11 @@ def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]
     return items
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
+def _per_prompt(params: Any, count: int, kind: type) -> list[Any]:
+    """One ``kind`` (SamplingParams or PoolingParams) for every prompt, or one per prompt."""
+    if isinstance(params, kind):
         return [params] * count
     params = list(params)
     if len(params) != count:
-        raise ValueError(f"sampling_params: {len(params)} SamplingParams for {count} prompts")
+        raise ValueError(f"{kind.__name__}: {len(params)} given for {count} prompts")
     return params

@@ -24,14 +24,15 @@ from typing import Any
 
 from triode.engine.actors.supervisor import WorkerSupervisor
 from triode.engine.config import EngineArgs
-from triode.engine.core.engine_core import EngineCore
+from triode.engine.core.engine_core import EngineCore, check_runner
 from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, WorkerFailure
 from triode.engine.inputs import ChatOptions, PromptInput
 from triode.engine.kv_events.publisher import ZmqEventPublisher, start_kv_event_publisher
 from triode.engine.model.setup import open_engine_model, open_input_processor
-from triode.engine.outputs import RequestOutput
+from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.sync_bridge import TrioThread, deferred_keyboard_interrupt
 from triode.engine.worker_messages import StepPlan, StepResult
@@ -83,14 +84,16 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptInput | ChatOptions,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
     ) -> None:
         """Validates and queues a request (all its ``n`` samples, or nothing): raises
-        ``InvalidRequestError`` naming the field."""
+        ``InvalidRequestError`` naming the field. PoolingParams: an embedding, from a pooling
+        model."""
         self._check_alive()
         params = params if params is not None else self.get_default_sampling_params()
+        check_runner(self.core.runner, params)  # before the prompt is read
         processed = self.inputs.process(prompt, params)
         now = time.monotonic()
         with deferred_keyboard_interrupt():  # the core and the output side learn of it together
@@ -103,7 +106,7 @@ class LLMEngine:
                 params=processed.params, seq_ids=seq_ids, arrival_time=now,
             )
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Runs one engine step and returns the outputs it produced."""
         self._check_alive()
         with deferred_keyboard_interrupt():

@@ -82,3 +82,26 @@ class RequestOutput:
             outputs=tuple(by_index[i] for i in sorted(by_index)),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: a pooling model's embedding of a prompt."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput`` (``LLM.embed``'s items): one per prompt, final."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: EmbeddingOutput
+    metrics: RequestMetrics
+    finished: bool = True

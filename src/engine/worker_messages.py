@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import attrs
 
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
 # The step channel's framing (triode.engine.actors.step_channel, triode.engine.worker.step_server): a
@@ -37,6 +38,8 @@ class NewSequence:
     # The model's end-of-sequence ids, banned with the stop token ids until min_tokens are
     # out (the engine reads them from config.json and generation_config.json).
     eos_token_ids: tuple[int, ...] = ()
+    # A pooling sequence: its last chunk returns its embedding, and it samples nothing.
+    pooling: PoolingParams | None = None
 
 
 class ScheduledChunk(NamedTuple):
@@ -93,12 +96,20 @@ class SampledToken(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
+class PooledOutput(NamedTuple):
+    """A pooling sequence's embedding (as floats: results are pickled, never tensors)."""
+
+    seq_id: str
+    embedding: tuple[float, ...]
+
+
 @attrs.frozen(kw_only=True)
 class StepResult:
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
     # seq_id -> logprobs of prompt tokens 1.. computed in this step's chunk
     prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
+    pooled: tuple[PooledOutput, ...] = ()  # the pooling sequences whose prompt this step ended
     execute_seconds: float = 0.0
     collective_seconds: float = 0.0  # of execute_seconds, in tensor-parallel collectives
     grammar_seconds: float = 0.0  # of execute_seconds, following grammars and masking logits
@@ -135,6 +146,8 @@ class WorkerInfo:
     tensor_parallel_size: int = 1
     kv_heads: int = 0  # KV heads this rank holds (all of them at size 1)
     kv_window: int | None = None  # the sliding window when every layer of the model has one
+    runner: str = "generate"  # or "pooling": the model embeds, and samples nothing
+    hidden_size: int = 0  # a pooling model's embedding size
     # VmHWM (peak resident set) of the worker process: before the load (imports only), once
     # the weights were loaded, and after the KV cache was allocated too.
     baseline_rss_bytes: int | None = None

@@ -42,6 +42,13 @@ _HELP = {
     "structured_outputs_compile_timeout": "seconds a request's JSON schema, regex or grammar may "
                                           "take to compile before it is refused with 400",
     "cache_dir": "where converted models are cached (default: $TRIODE_CACHE or ~/.cache/triode)",
+    "runner": "generate or pooling (embeddings); auto: pooling for a bare decoder checkpoint "
+              "(Qwen3Model...), generate otherwise",
+    "convert": "embed: run a causal LM as an embedding model (its LM head dropped); auto: when "
+               "--runner pooling asks for it",
+    "pooler_config": "how a pooling model pools, a JSON object such as '{\"pooling_type\": \"MEAN\", "
+                     "\"normalize\": true}' (default: its sentence-transformers files, else the last "
+                     "token, normalized)",
     "kv_events_config": "publish the prefix cache's events for cache-aware routers, as vLLM: a JSON object "
                         "such as '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
                         "\"replay_endpoint\": \"tcp://*:5558\"}'",

@@ -13,6 +13,7 @@ import trio
 from triode.engine.actors.messages import AddRequest, NewRequest, SchedulerMessage
 from triode.engine.errors import InvalidRequestError, QueueFull, TriodeError
 from triode.engine.inputs import InputProcessor, ProcessedPrompt
+from triode.engine.sampling_params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)
@@ -54,7 +55,8 @@ class IntakeActor:
                     continue  # the client left while the request queued
                 try:
                     if (request.chat is not None or isinstance(request.prompt, str | Mapping)
-                            or request.params.structured_outputs is not None):
+                            or (isinstance(request.params, SamplingParams)
+                                and request.params.structured_outputs is not None)):
                         # Templates, tokenizers and grammar compilation take real time (and
                         # release the GIL): never on the event loop.
                         processed = await trio.to_thread.run_sync(self._process, request)

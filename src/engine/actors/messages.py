@@ -11,6 +11,7 @@ import attrs
 from triode.engine.actors.streams import RequestStream
 from triode.engine.core.scheduler_output import SequenceUpdate
 from triode.engine.inputs import ChatOptions, ProcessedPrompt, PromptInput
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
 
@@ -21,7 +22,7 @@ class AddRequest:
     request_id: str
     prompt: PromptInput | None = None
     chat: ChatOptions | None = None  # a chat: its messages, rendered with the template
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding
     priority: int = 0
     arrival_time: float
     stream: RequestStream = attrs.field(eq=False)

@@ -24,7 +24,7 @@ from triode.engine.actors.messages import (
 )
 from triode.engine.actors.streams import RequestStream
 from triode.engine.core.output_processor import OutputProcessor
-from triode.engine.outputs import RequestOutput
+from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 
 
 @attrs.frozen(kw_only=True)
@@ -46,7 +46,7 @@ class OutputActor:
         self._streams: dict[str, RequestStream] = {}
         self._outputs_sent = 0
         self.processing_seconds = 0.0  # detokenizing and building outputs, for statistics()
-        self.observers: list[Callable[[RequestOutput], None]] = []  # metrics; must not block
+        self.observers: list[Callable[[RequestOutput | EmbeddingRequestOutput], None]] = []  # metrics; must not block
 
     async def run(self, *, task_status: trio.TaskStatus[OutputActor] = trio.TASK_STATUS_IGNORED) -> None:
         with self._inbox, self._to_scheduler:
@@ -77,14 +77,16 @@ class OutputActor:
                 for request_id in request_ids:
                     if (aborted := self.processor.abort(request_id, trio.current_time())) is not None:
                         self._deliver(aborted)
+                    elif (stream := self._streams.pop(request_id, None)) is not None:
+                        stream.end()  # a pooling request: no partial result
             case EngineFailed(error=error):
                 for stream in self._streams.values():
                     stream.fail(error)
                 self._streams.clear()
-                for request_id in list(self.processor.requests):
+                for request_id in [*self.processor.requests, *self.processor.pooling]:
                     self.processor.forget(request_id)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
         self._outputs_sent += 1
         for observe in self.observers:
             observe(output)

@@ -13,28 +13,38 @@ from __future__ import annotations
 
 import trio
 
-from triode.engine.outputs import RequestOutput
+from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from triode.engine.sampling_params import OutputKind
+
+Output = RequestOutput | EmbeddingRequestOutput
 
 
 class RequestStream:
     def __init__(self, request_id: str, output_kind: OutputKind) -> None:
         self.request_id = request_id
         self._delta = output_kind == OutputKind.DELTA
-        self._pending: RequestOutput | None = None
+        self._pending: Output | None = None
         self._error: BaseException | None = None
         self._wakeup = trio.Event()
         self.finished = False  # the final output (or an error) has been put
         self.closed = False  # the consumer went away
         self.abort_requested = False
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: Output) -> None:
         if self.closed or self.finished:
             return
         pending = self._pending
-        self._pending = pending.followed_by(output) if pending is not None and self._delta else output
+        if isinstance(pending, RequestOutput) and isinstance(output, RequestOutput) and self._delta:
+            output = pending.followed_by(output)
+        self._pending = output
         self.finished = output.finished
         self._wakeup.set()
+
+    def end(self) -> None:
+        """Ends the stream without a last output (an aborted pooling request has none)."""
+        if not (self.closed or self.finished):
+            self.finished = True
+            self._wakeup.set()
 
     def fail(self, error: BaseException) -> None:
         if self.closed or self.finished:
@@ -43,7 +53,7 @@ class RequestStream:
         self.finished = True
         self._wakeup.set()
 
-    async def get(self) -> RequestOutput | None:
+    async def get(self) -> Output | None:
         """The next (possibly coalesced) output; None after the final one."""
         while self._pending is None:
             if self._error is not None:

@@ -36,6 +36,7 @@ from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
@@ -55,14 +56,26 @@ class StepInFlight(Generic[Ticket]):
 KVEventSink = Callable[[list[KVCacheEvent]], None]
 
 
+def check_runner(runner: str, params: SamplingParams | PoolingParams) -> None:
+    """Raises ``InvalidRequestError`` for a request the model does not run."""
+    if runner == "pooling" and not isinstance(params, PoolingParams):
+        raise InvalidRequestError("this model is a pooling model: it embeds (LLM.embed, /v1/embeddings) and "
+                                  "generates nothing", field="model")
+    if runner != "pooling" and isinstance(params, PoolingParams):
+        raise InvalidRequestError("this model generates text: embeddings need a pooling model (--runner "
+                                  "pooling)", field="model")
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, *, max_model_len: int, eos_token_ids: collections.abc.Sequence[int],
-                 publish_kv_events: KVEventSink | None = None) -> None:
+                 publish_kv_events: KVEventSink | None = None, runner: str = "generate") -> None:
         """``eos_token_ids``: every end-of-sequence id of the model, its own (the tokenizer's)
         first: that one ends a sequence with ``stop_reason`` None, the others with their id.
         ``publish_kv_events``: where the prefix cache's events go (the scheduler's block
-        manager must record them); it must not block."""
+        manager must record them); it must not block. ``runner``: ``generate``, or
+        ``pooling`` for a model that embeds (its requests carry PoolingParams)."""
         self.scheduler = scheduler
+        self.runner = runner
         self._publish_kv_events = publish_kv_events
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -78,9 +91,10 @@ class EngineCore:
         """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
         scheduler = Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window,
                                                worker_device=worker.device,
-                                               record_kv_events=publish_kv_events is not None)
+                                               record_kv_events=publish_kv_events is not None,
+                                               pooling=worker.runner == "pooling")
         return cls(scheduler, max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids,
-                   publish_kv_events=publish_kv_events)
+                   publish_kv_events=publish_kv_events, runner=worker.runner)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -88,14 +102,16 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: collections.abc.Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         arrival_time: float,
         priority: int = 0,
     ) -> tuple[str, ...]:
         """Admits a request's sequences (their ids are returned), or none of them: a request id
         in use, a sequence id of its ``n > 1`` samples that another request's sequence holds,
-        or a request that could not fit the KV cache raises ``InvalidRequestError``."""
+        a request the model does not run (generation on a pooling model, or the reverse), or
+        a request that could not fit the KV cache raises ``InvalidRequestError``."""
+        check_runner(self.runner, params)
         scheduler = self.scheduler
         if request_id in scheduler.families:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")

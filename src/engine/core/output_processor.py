@@ -17,7 +17,15 @@ import attrs
 
 from triode.engine.core.detokenizer import IncrementalDetokenizer
 from triode.engine.core.scheduler_output import SequenceUpdate
-from triode.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from triode.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
 from triode.engine.worker_messages import TokenLogprobs
 
@@ -90,9 +98,17 @@ class _RequestState:
         return True
 
 
+@attrs.define
+class _PoolingState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    timeline: _Timeline
+
+
 @attrs.frozen(kw_only=True)
 class ProcessedStep:
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput | EmbeddingRequestOutput]
     stop_string_finished: list[tuple[str, str]]  # (seq id, stop string): finish in the scheduler
 
 
@@ -101,6 +117,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.decode_token = TokenDecoder(tokenizer)
         self.requests: dict[str, _RequestState] = {}
+        self.pooling: dict[str, _PoolingState] = {}  # pooling requests, until their embedding
         self._request_of_seq: dict[str, str] = {}
 
     def add_request(
@@ -109,10 +126,15 @@ class OutputProcessor:
         *,
         prompt: str | None,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         seq_ids: Sequence[str],
         arrival_time: float,
     ) -> None:
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = _PoolingState(request_id, prompt, tuple(prompt_token_ids),
+                                                     _Timeline(arrival_time))
+            self._request_of_seq.update(dict.fromkeys(seq_ids, request_id))
+            return
         samples = [
             _Sample(
                 seq_id=seq_id,
@@ -137,14 +159,20 @@ class OutputProcessor:
     def mark_scheduled(self, seq_ids: Iterable[str], when: float) -> None:
         """Records when a step that runs these sequences started (the end of queueing)."""
         for seq_id in seq_ids:
-            state = self.requests.get(self._request_of_seq.get(seq_id, ""))
+            request_id = self._request_of_seq.get(seq_id, "")
+            state = self.requests.get(request_id) or self.pooling.get(request_id)
             if state is not None and state.timeline.first_scheduled_time is None:
                 state.timeline.first_scheduled_time = when
 
     def process(self, updates: Iterable[SequenceUpdate], now: float) -> ProcessedStep:
         touched: dict[str, _RequestState] = {}
         stops: list[tuple[str, str]] = []
+        embedded: list[RequestOutput | EmbeddingRequestOutput] = []
         for update in updates:
+            if update.embedding is not None:
+                if (pooling := self.pooling.pop(update.request_id, None)) is not None:
+                    embedded.append(self._embedding(pooling, update, now))
+                continue
             state = self.requests.get(update.request_id)
             if state is None:
                 continue  # aborted while its step ran
@@ -161,7 +189,18 @@ class OutputProcessor:
             if sample.detokenizer.stop_string is not None and update.finish_reason is None:
                 stops.append((sample.seq_id, sample.detokenizer.stop_string))
         outputs = [out for state in touched.values() if (out := self._output(state, now)) is not None]
-        return ProcessedStep(outputs=outputs, stop_string_finished=stops)
+        return ProcessedStep(outputs=[*embedded, *outputs], stop_string_finished=stops)
+
+    def _embedding(self, state: _PoolingState, update: SequenceUpdate, now: float) -> EmbeddingRequestOutput:
+        self._request_of_seq.pop(update.seq_id, None)
+        assert update.embedding is not None
+        timeline = state.timeline
+        return EmbeddingRequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=EmbeddingOutput(embedding=list(update.embedding)),
+            metrics=RequestMetrics(arrival_time=timeline.arrival_time,
+                                   first_scheduled_time=timeline.first_scheduled_time,
+                                   first_token_time=now, last_token_time=now, finished_time=now))
 
     def _apply_tokens(self, state: _RequestState, sample: _Sample, update: SequenceUpdate, now: float) -> None:
         if state.timeline.first_token_time is None:
@@ -189,9 +228,15 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         for sample in state.samples if state is not None else ():
             self._request_of_seq.pop(sample.seq_id, None)
+        if self.pooling.pop(request_id, None) is not None:
+            self._request_of_seq.pop(request_id, None)  # its one sequence has the request's id
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> RequestOutput | None:
-        """Ends a request that had not finished; returns its final output (None if unknown)."""
+        """Ends a request that had not finished; returns its final output (None if unknown,
+        or a pooling request: it has no partial result to report)."""
+        if request_id in self.pooling:
+            self.forget(request_id)
+            return None
         state = self.requests.get(request_id)
         if state is None:
             return None

@@ -87,12 +87,16 @@ class Scheduler:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None,
-                         worker_device: str = "cpu", record_kv_events: bool = False) -> Scheduler:
+                         worker_device: str = "cpu", record_kv_events: bool = False,
+                         pooling: bool = False) -> Scheduler:
         """``kv_window``: the model's sliding window when every layer has one (its blocks
         behind the window are freed as sequences advance); ``worker_device``: where the
-        workers run (async scheduling's default depends on it)."""
+        workers run (async scheduling's default depends on it); ``pooling``: the model embeds,
+        so no prefix cache (a pooler reads every prompt token's hidden state, which a cache hit
+        would skip)."""
         return cls(
-            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching, sliding_window=kv_window,
+            BlockManager(num_blocks, args.block_size, args.enable_prefix_caching and not pooling,
+                         sliding_window=kv_window,
                          record_events=record_kv_events),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -265,6 +269,7 @@ class Scheduler:
                         output_token_ids=tuple(seq.output_token_ids),
                         params=seq.params,
                         eos_token_ids=seq.eos_token_ids,
+                        pooling=seq.pooling,
                     )
                 )
                 chunks[seq.seq_id] = self._chunk(seq, num_new)
@@ -342,12 +347,13 @@ class Scheduler:
         skipped, as are those preempted (their recompute is another incarnation)."""
         expected = self._in_flight[0][0] if self._in_flight else None
         if expected != result.step_id:
-            if result.step_id == self._step_id and not result.sampled:
+            if result.step_id == self._step_id and not result.sampled and not result.pooled:
                 return []  # the result of a plan without chunks, sent anyway
             raise RuntimeError(f"result of step {result.step_id} does not match the next step in flight "
                                f"({expected})")
         in_flight = self._in_flight.popleft()[1]
         sampled = {token.seq_id: token for token in result.sampled}
+        pooled = dict(result.pooled)
         prompt_logprobs = dict(result.prompt_logprobs)
         # This loop runs for every sequence of every step: what it can, it looks up once.
         bm = self.block_manager
@@ -372,6 +378,13 @@ class Scheduler:
                                                   None, None, seq.num_cached_tokens))
                 continue
             seq.num_in_flight_samples -= 1
+            if seq.pooling is not None:  # its prompt has run: its embedding is its result
+                if seq_id not in pooled:
+                    raise RuntimeError(f"step {result.step_id} pooled nothing for {seq_id!r}")
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+                updates.append(SequenceUpdate(seq_id, seq.request_id, seq.index, finish_reason="stop",
+                                              num_cached_tokens=seq.num_cached_tokens, embedding=pooled[seq_id]))
+                continue
             token = sampled.get(seq_id)
             if token is None:
                 raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")

@@ -22,6 +22,7 @@ class SequenceUpdate(NamedTuple):
     finish_reason: str | None = None  # "stop" / "length" once finished by a token-id check
     stop_reason: int | str | None = None  # the stop token id that ended it (None for EOS)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    embedding: tuple[float, ...] | None = None  # a pooling sequence's, when its prompt has run
 
 
 # Upper bounds of the tokens-per-step histogram (vLLM's vllm:iteration_tokens_total buckets).

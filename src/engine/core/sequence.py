@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Sequence:
         priority: int = 0,
         request_id: str | None = None,
         index: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
@@ -80,6 +82,7 @@ class Sequence:
         self.request_id = seq_id if request_id is None else request_id  # the user's request id
         self.index = index  # which of the parent's n outputs this is
         self.params = params
+        self.pooling = pooling  # a pooling sequence: its one "sample" is its embedding
         self.arrival_time = arrival_time  # given by the caller: the core never reads a clock
         self.priority = priority  # lower value = more important (vLLM's convention)
         # The model's end-of-sequence ids, its own first (see check_stop).
@@ -208,19 +211,26 @@ class Sequence:
         self.num_blocks_sent = 0
 
 
+# The sampling side of a pooling sequence: one step past its prompt, which is its embedding.
+POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
+
 def make_sequences(
     request_id: str,
     prompt_token_ids: collections.abc.Sequence[int],
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams,
     *,
     arrival_time: float,
     max_model_len: int,
     eos_token_ids: collections.abc.Sequence[int] = (),
     priority: int = 0,
 ) -> list[Sequence]:
-    """The sequences of one user request: itself when ``n == 1``, else ``n`` children with ids
-    ``"{request_id}-{i}"``, ``n=1`` params, and ``seed + i`` (wrapped to int64) so seeded
-    parallel samples differ yet stay reproducible, as in vLLM."""
+    """The sequences of one user request: itself when ``n == 1`` (or it pools), else ``n``
+    children with ids ``"{request_id}-{i}"``, ``n=1`` params, and ``seed + i`` (wrapped to
+    int64) so seeded parallel samples differ yet stay reproducible, as in vLLM."""
+    if isinstance(params, PoolingParams):
+        return [Sequence(request_id, prompt_token_ids, POOLING_SAMPLING, arrival_time=arrival_time,
+                         max_model_len=max_model_len, priority=priority, pooling=params)]
     if params.n == 1:
         return [
             Sequence(

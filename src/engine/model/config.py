@@ -20,6 +20,7 @@ from triode.engine.model.hf_fields import (
     ropes,
     rotary_dim,
 )
+from triode.engine.model.pooling import BASE_MODELS
 
 __all__ = ["ACTIVATIONS", "GEMMA", "LAYER_TYPES", "ROPE_FIELDS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES",
            "ModelConfig"]
@@ -74,6 +75,8 @@ class ModelConfig:
 
     # the leading dimensions of each head that rotate (Phi-4-mini's partial_rotary_factor)
     rotary_dim: int | None = None
+    # a bare decoder checkpoint (Qwen3Model...): no LM head, a pooling model
+    base_model: bool = False
 
     @property
     def rope_dim(self) -> int:
@@ -120,11 +123,14 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         architectures = raw.get("architectures") or []
+        base = next((a for a in architectures if a in BASE_MODELS), None)
+        architectures = [BASE_MODELS[base]] if base else architectures
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
             raise UnsupportedModelError(
                 f"architecture {architectures or raw.get('model_type')!r} is not supported; "
-                f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)}",
+                f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)} and, as pooling models, "
+                f"{', '.join(BASE_MODELS)}",
                 path=source,
             )
         prefix = ""
@@ -178,5 +184,6 @@ class ModelConfig:
             local_rope_theta=local_theta,
             weights_prefix=prefix,
             rotary_dim=rotary_dim(raw, architecture, source),
+            base_model=base is not None,
             **experts(raw, architecture, source),
         )

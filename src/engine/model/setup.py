@@ -54,4 +54,4 @@ def open_input_processor(model: EngineModel, args: EngineArgs, info: WorkerInfo)
         log.info("chat template: the model's own ignores tools; chats with tools use triode's %s",
                  TOOL_TEMPLATE_NAME)
     return InputProcessor(model.tokenizer, max_model_len=info.max_model_len,
-                          vocab_size=info.vocab_size, grammars=grammars)
+                          vocab_size=info.vocab_size, grammars=grammars, hidden_size=info.hidden_size)

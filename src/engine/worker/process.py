@@ -97,6 +97,8 @@ def load(
         tensor_parallel_size=rendezvous.world_size if rendezvous is not None else 1,
         kv_heads=_runner.kv_caches[0][0].shape[2],
         kv_window=_runner.config.kv_window,
+        runner=_runner.runner,
+        hidden_size=_runner.config.hidden_size,
         baseline_rss_bytes=baseline,
         weights_peak_rss_bytes=_runner.weights_peak_rss_bytes,
         peak_rss_bytes=peak_resident_bytes(),

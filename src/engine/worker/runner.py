@@ -21,7 +21,9 @@ from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import blocks_in_use_at_most
 from triode.engine.errors import KVCacheTooSmallError
 from triode.engine.model.config import ModelConfig
+from triode.engine.model.pooling import read_pooler_config, resolve_runner
 from triode.engine.model_files.layout import load_hf_config
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.tensor_parallel import Rendezvous
 from triode.engine.worker.block_tables import BlockTables
@@ -44,6 +46,7 @@ from triode.engine.worker.placement import (
     resolve_max_model_len,
     resolve_quantized_activations,
 )
+from triode.engine.worker.pooler import Pooler
 from triode.engine.worker.sampler import Sampler, compute_logprobs
 from triode.engine.worker.sampling_batch import (
     SamplingBatch,
@@ -52,7 +55,13 @@ from triode.engine.worker.sampling_batch import (
     samples_as_before,
 )
 from triode.engine.worker.step_inputs import StepInputs
-from triode.engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
+from triode.engine.worker_messages import (
+    PooledOutput,
+    SampledToken,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,7 @@ class _Sequence:
     output_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    pooling: PoolingParams | None = None
 
 
 class ModelRunner:
@@ -89,7 +99,12 @@ class ModelRunner:
             self.device = torch.device("cuda", rank if local_rank is None else local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.config = ModelConfig.from_hf(load_hf_config(path), source=str(path / "config.json"))
+        hf_config = load_hf_config(path)
+        self.config = ModelConfig.from_hf(hf_config, source=str(path / "config.json"))
+        self.runner = resolve_runner(hf_config.get("architectures") or [], runner=args.runner, convert=args.convert,
+                                     source=str(path / "config.json"))
+        # A pooling model embeds its prompts: no LM head, no sampling, no decode graphs.
+        self.pooler = Pooler(read_pooler_config(path, args.pooler_config)) if self.runner == "pooling" else None
         self.max_model_len = resolve_max_model_len(self.config, args.max_model_len)
         self.block_size = args.block_size
         self.max_num_batched_tokens = args.max_num_batched_tokens
@@ -100,7 +115,7 @@ class ModelRunner:
         tensor_parallel = rendezvous is not None and rendezvous.world_size > 1
         # Decode graphs keep one KV block for their padding rows. Not under tensor
         # parallelism: every rank would have to replay in lockstep (not built yet).
-        wants_graphs = not tensor_parallel and (
+        wants_graphs = not tensor_parallel and self.pooler is None and (
             decode_graph_capture is not None or (self.device.type == "cuda" and not args.enforce_eager))
         self._reserved_blocks = int(wants_graphs)
         if tensor_parallel:
@@ -120,7 +135,7 @@ class ModelRunner:
         self.model = build_model(
             self.config, iter_safetensors(path, select=select), dtype=self.dtype,
             device=self.device, max_positions=self.max_model_len, source=str(path),
-            parallel=self.parallel, quantized=self.quantized,
+            parallel=self.parallel, quantized=self.quantized, head=self.pooler is None,
         )
         if args.batch_invariant:
             check_batch_invariant(quantized=bool(self.quantized))
@@ -143,7 +158,8 @@ class ModelRunner:
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), rows=args.max_num_seqs)
         # Only rank 0 samples, so only it follows grammars (built on first use).
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
-                                         reasoning_parser=args.reasoning_parser) if rank == 0 else None
+                                         reasoning_parser=args.reasoning_parser) \
+            if rank == 0 and self.pooler is None else None
         self._grammar_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
         if wants_graphs:
@@ -186,10 +202,12 @@ class ModelRunner:
             self.block_tables.remove(seq_id)
             if self.grammars is not None:
                 self.grammars.forget(seq_id)
+            if self.pooler is not None:
+                self.pooler.forget(seq_id)
         self._grammar_seconds = 0.0
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = _Sequence(
-                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids
+                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids, new.pooling
             )
             self.block_tables.add(new.seq_id)
             if self.grammars is not None and new.params.structured_outputs is not None:
@@ -212,7 +230,13 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.collective_seconds = 0.0
         self._prepare_seconds = time.perf_counter() - started
-        if self._replays(chunks, inputs):
+        pooled: tuple[PooledOutput, ...] = ()
+        if self.pooler is not None:
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            params = {c.seq_id: self.sequences[c.seq_id].pooling or PoolingParams() for c in chunks}
+            pooled = self.pooler.pool(chunks, inputs, hidden, params)
+            sampled, prompt_logprobs = (), ()
+        elif self._replays(chunks, inputs):
             logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
             sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits), ()
         else:
@@ -223,6 +247,7 @@ class ModelRunner:
             step_id=plan.step_id,
             sampled=sampled,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
             execute_seconds=time.perf_counter() - started,
             grammar_seconds=self._grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,

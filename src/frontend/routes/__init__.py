@@ -67,6 +67,7 @@ def request_id() -> str:
 
 
 def register_routes(app: Quart) -> None:
+    from triode.frontend.routes.embeddings import blueprint as embeddings
     from triode.frontend.routes.generate import blueprint as generate
     from triode.frontend.routes.info import blueprint as info
     from triode.frontend.routes.messages import blueprint as messages
@@ -74,6 +75,7 @@ def register_routes(app: Quart) -> None:
     from triode.frontend.routes.tokens import blueprint as tokens
 
     app.register_blueprint(generate)
+    app.register_blueprint(embeddings)
     app.register_blueprint(info)
     app.register_blueprint(messages)
     app.register_blueprint(responses)

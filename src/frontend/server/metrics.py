@@ -40,7 +40,8 @@ from prometheus_client.core import (
 
 from triode.engine.core.scheduler_output import ITERATION_TOKEN_BUCKETS
 from triode.engine.engine_stats import EngineStatistics
-from triode.engine.outputs import RequestOutput
+from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -82,7 +83,7 @@ class CacheConfig:
 
 @attrs.define
 class _Request:
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     tokens: dict[int, int] = attrs.Factory(dict)
     reasons: dict[int, str] = attrs.Factory(dict)
     prompt_tokens: int = 0
@@ -229,7 +230,7 @@ class ServerMetrics:
 
     # ---- triode.engine.async_llm.RequestObserver ----------------------------------------
 
-    def opened(self, request_id: str, params: SamplingParams) -> None:
+    def opened(self, request_id: str, params: SamplingParams | PoolingParams) -> None:
         self._requests[request_id] = _Request(params=params)
 
     def closed(self, request_id: str) -> None:
@@ -241,10 +242,14 @@ class ServerMetrics:
             while len(self._closed) > _CLOSED_KEPT:
                 self._requests.pop(self._closed.popleft(), None)
 
-    def output(self, output: RequestOutput) -> None:
+    def output(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
         state = self._requests.get(output.request_id)
         if state is None:
             return
+        if isinstance(output, EmbeddingRequestOutput):
+            self._embedded(output)
+            return
+        assert isinstance(state.params, SamplingParams)
         labels = self._labels
         metrics = output.metrics
         delta = state.params.output_kind == OutputKind.DELTA
@@ -275,11 +280,27 @@ class ServerMetrics:
         if output.finished:
             self._finish(output, state)
 
+    def _embedded(self, output: EmbeddingRequestOutput) -> None:
+        """A pooling request: its prompt, its one result, its times (no tokens generated)."""
+        labels = self._labels
+        del self._requests[output.request_id]
+        prompt_tokens = len(output.prompt_token_ids)
+        self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
+        self.request_success.labels(*labels, "stop").inc()
+        metrics = output.metrics
+        arrival, scheduled, finished = metrics.arrival_time, metrics.first_scheduled_time, metrics.finished_time
+        for histogram, start, end in ((self.e2e, arrival, finished), (self.queue_time, arrival, scheduled),
+                                      (self.inference_time, scheduled, finished)):
+            if start is not None and end is not None:
+                histogram.labels(*labels).observe(end - start)
+
     def _finish(self, output: RequestOutput, state: _Request) -> None:
         labels = self._labels
         metrics = output.metrics
         del self._requests[output.request_id]
         params = state.params
+        assert isinstance(params, SamplingParams)
         for index in range(params.n):
             self.request_success.labels(*labels, state.reasons.get(index, "abort")).inc()
         self.request_prompt_tokens.labels(*labels).observe(state.prompt_tokens)

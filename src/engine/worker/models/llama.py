@@ -146,8 +146,10 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(
-        self, config: ModelConfig, *, max_positions: int, parallel: TensorParallelGroup | None = None
+        self, config: ModelConfig, *, max_positions: int, parallel: TensorParallelGroup | None = None,
+        head: bool = True,
     ) -> None:
+        """``head``: False for a pooling model, which reads its hidden states (no LM head)."""
         super().__init__()
         self.config = config
         self.parallel = parallel
@@ -155,8 +157,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         self.embed_tokens = Embedding(vocab, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(config, layer, parallel) for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = head and not config.base_model
         self.lm_head = (
-            None if config.tie_word_embeddings
+            None if config.tie_word_embeddings or not self.head
             else Linear(config.hidden_size, vocab, bias=False)
         )
         self.max_positions = max_positions
@@ -175,10 +178,10 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | SparseMoE):
                 module.pack()
-        if self.lm_head is None and self.embed_tokens.parts is None:
+        if self.head and self.lm_head is None and self.embed_tokens.parts is None:
             self.tied_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight.detach(),
                                                                 min_weights=PACK_MIN_WEIGHTS)
-        elif self.lm_head is None:
+        elif self.head and self.lm_head is None:
             # The table is the LM head too: interleaved for its matmul; lookups read any layout.
             self.embed_tokens.parts = interleaved_parts(self.embed_tokens.parts)
 

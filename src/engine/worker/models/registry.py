@@ -38,12 +38,14 @@ def build_model(
     source: str,
     parallel: TensorParallelGroup | None = None,
     quantized: Mapping[str, str] | None = None,
+    head: bool = True,
 ) -> nn.Module:
     """Builds the model without initialising parameters (they are overwritten by the load).
     With ``parallel``, the model holds that rank's shard and ``weights`` must yield the
     slices ``checkpoint_slices`` names (the loader reads only those). ``quantized`` (tensor
     name -> block type) names the checkpoint's quantized tensors to keep as they are; other
-    quantized tensors are dequantized as they load."""
+    quantized tensors are dequantized as they load. ``head``: False for a pooling model (no
+    LM head is built, and a checkpoint's is not read)."""
     model_class = _MODELS.get(config.architecture)
     if model_class is None:
         raise UnsupportedModelError(
@@ -55,7 +57,7 @@ def build_model(
         weights = _under(weights, config.weights_prefix)
     weights = unfuse(weights, config, slice_of=slice_of, source=source)
     with torch.device("meta"):
-        model = model_class(config, max_positions=max_positions, parallel=parallel)
+        model = model_class(config, max_positions=max_positions, parallel=parallel, head=head)
         if quantized:
             model.keep_quantized(unfused_names(quantized, config))
     model = model.to_empty(device=device).to(dtype)
