@@ -2,7 +2,7 @@
 tiny random ``Qwen3Model`` (a pooling model: last token, normalized), checked against Hugging
 Face's hidden states; ``dimensions``, base64 and float encodings, ``truncate_prompt_tokens``;
 errors in OpenAI's shape, an embedding request to a generation model and the reverse
-included; the requests counted in the metrics."""
+included; the requests counted in the metrics; a client that hangs up frees the engine."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+import trio
 
-from tests.http_server import metric, running, triode_serve
+from tests.http_server import ametric, await_condition, metric, running, triode_serve
 from tests.test_pooling_contract import hf_hidden
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France.", "def add(a, b):"]
@@ -103,3 +104,35 @@ def test_errors(server, protocol_server):
                              json={"messages": [{"role": "user", "content": "Hi"}]}), 400, "model", "pooling model")
     openai_error(httpx2.post(f"{protocol_server.url}/v1/embeddings", json={"input": "Hi"}), 400, "model",
                  "generates text")
+
+
+async def test_a_client_that_hangs_up_frees_the_engine(server):
+    # 1024 inputs of 120 tokens: seconds of prefill on two cores, long enough to leave midway.
+    body = {"input": [[5 + (i + j) % 50 for j in range(120)] for i in range(1024)]}
+    async with httpx2.AsyncClient(timeout=60) as client:
+
+        async def busy() -> bool:
+            return await ametric(client, server.url, "vllm:num_requests_running") > 0
+
+        async def idle() -> bool:
+            return (await ametric(client, server.url, "vllm:num_requests_running") == 0
+                    and await ametric(client, server.url, "vllm:num_requests_waiting") == 0
+                    and await ametric(client, server.url, "vllm:kv_cache_usage_perc") == 0)
+
+        embedded = await ametric(client, server.url, "vllm:request_success_total", finished_reason="stop")
+        async with trio.open_nursery() as nursery:
+            cancel = trio.CancelScope()
+
+            async def request() -> None:
+                with cancel:
+                    await client.post(f"{server.url}/v1/embeddings", json=body)
+                    raise AssertionError("the request should have been cancelled")
+
+            nursery.start_soon(request)
+            with trio.fail_after(30):
+                await await_condition(busy)
+            cancel.cancel()
+        with trio.fail_after(20):
+            await await_condition(idle)
+        done = await ametric(client, server.url, "vllm:request_success_total", finished_reason="stop") - embedded
+        assert done < 1024  # the rest were aborted, not computed
