@@ -238,3 +238,16 @@ def test_a_pooling_request_is_recomputed_after_a_lost_step_and_its_output_built_
     assert output.prompt_token_ids == (5, 6, 7) and not outputs.pooling
     with pytest.raises(InvalidRequestError, match="generates text"):
         make_core().add_request("e", [1], PoolingParams(), arrival_time=0.0)
+
+
+def test_an_encoders_prompts_run_whole_and_wait_rather_than_being_cut():
+    scheduler = Scheduler(BlockManager(32, 4, False), max_num_seqs=16, max_num_batched_tokens=10,
+                          whole_prompts=True, long_prefill_token_threshold=2)
+    core = EngineCore(scheduler, max_model_len=10, eos_token_ids=EOS_IDS, runner="pooling")
+    for name, length in (("a", 6), ("b", 6), ("c", 3)):
+        core.add_request(name, list(range(1, length + 1)), PoolingParams(), arrival_time=0.0)
+    first = core.schedule(now=0.0)
+    assert [(c.seq_id, len(c.token_ids), c.sample) for c in first.chunks] == [("a", 6, True)]  # b waits, c too
+    core.update_from_output(pooled_for(first), now=0.0)
+    second = core.schedule(now=0.0)
+    assert [(c.seq_id, len(c.token_ids)) for c in second.chunks] == [("b", 6), ("c", 3)]

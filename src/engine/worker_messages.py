@@ -148,6 +148,7 @@ class WorkerInfo:
     kv_window: int | None = None  # the sliding window when every layer of the model has one
     runner: str = "generate"  # or "pooling": the model embeds, and samples nothing
     hidden_size: int = 0  # a pooling model's embedding size
+    whole_prompts: bool = False  # an encoder: each prompt runs whole, in one step
     # VmHWM (peak resident set) of the worker process: before the load (imports only), once
     # the weights were loaded, and after the KV cache was allocated too.
     baseline_rss_bytes: int | None = None

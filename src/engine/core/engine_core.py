@@ -92,7 +92,9 @@ class EngineCore:
         scheduler = Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window,
                                                worker_device=worker.device,
                                                record_kv_events=publish_kv_events is not None,
-                                               pooling=worker.runner == "pooling")
+                                               pooling=worker.runner == "pooling",
+                                               whole_prompts_of=worker.max_model_len if worker.whole_prompts
+                                               else None)
         return cls(scheduler, max_model_len=worker.max_model_len, eos_token_ids=eos_token_ids,
                    publish_kv_events=publish_kv_events, runner=worker.runner)
 

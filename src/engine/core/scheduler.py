@@ -61,7 +61,10 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         scheduling_policy: str = "fcfs",
         max_steps_in_flight: int = 1,
+        whole_prompts: bool = False,
     ) -> None:
+        """``whole_prompts``: a prompt is never cut into chunks (an encoder's, whose every token
+        attends to every other); ``max_num_batched_tokens`` must then hold the longest one."""
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
         if max_steps_in_flight not in (1, 2):
@@ -70,8 +73,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.long_prefill_token_threshold = None if whole_prompts else long_prefill_token_threshold
         self.scheduling_policy = scheduling_policy
+        self.whole_prompts = whole_prompts
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by seq id
         self.families: dict[str, list[Sequence]] = {}  # user request id -> unfinished sequences
         self.waiting: list[Sequence] = []  # sorted by _key
@@ -88,21 +92,23 @@ class Scheduler:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, num_blocks: int, kv_window: int | None = None,
                          worker_device: str = "cpu", record_kv_events: bool = False,
-                         pooling: bool = False) -> Scheduler:
+                         pooling: bool = False, whole_prompts_of: int | None = None) -> Scheduler:
         """``kv_window``: the model's sliding window when every layer has one (its blocks
         behind the window are freed as sequences advance); ``worker_device``: where the
         workers run (async scheduling's default depends on it); ``pooling``: the model embeds,
         so no prefix cache (a pooler reads every prompt token's hidden state, which a cache hit
-        would skip)."""
+        would skip); ``whole_prompts_of``: an encoder's maximum length, every prompt of which
+        runs whole (the token budget is raised to it if lower)."""
         return cls(
             BlockManager(num_blocks, args.block_size, args.enable_prefix_caching and not pooling,
                          sliding_window=kv_window,
                          record_events=record_kv_events),
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, whole_prompts_of or 0),
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
             max_steps_in_flight=2 if args.async_scheduling_on(worker_device) else 1,
+            whole_prompts=whole_prompts_of is not None,
         )
 
     def _key(self, seq: Sequence) -> tuple[float, ...]:
@@ -254,6 +260,8 @@ class Scheduler:
                     continue  # share its prompt blocks once they are cached
                 hits, num_hit_tokens = bm.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, threshold, budget)
+                if self.whole_prompts and num_new < seq.num_tokens - num_hit_tokens:
+                    break  # it runs whole in a later step, first in line
                 if bm.allocate_slots(seq, num_new, hits) is None:
                     break  # no queue jumping: the head waits for blocks, and gets them
                 if seq.status == SequenceStatus.WAITING:

@@ -20,7 +20,7 @@ from triode.engine.model.hf_fields import (
     ropes,
     rotary_dim,
 )
-from triode.engine.model.pooling import BASE_MODELS
+from triode.engine.model.pooling import BASE_MODELS, ENCODERS
 
 __all__ = ["ACTIVATIONS", "GEMMA", "LAYER_TYPES", "ROPE_FIELDS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES",
            "ModelConfig"]
@@ -77,6 +77,11 @@ class ModelConfig:
     rotary_dim: int | None = None
     # a bare decoder checkpoint (Qwen3Model...): no LM head, a pooling model
     base_model: bool = False
+    # an encoder (BertModel, XLMRobertaModel): bidirectional attention over a whole prompt,
+    # learned absolute positions from position_offset (XLM-R's padding_idx + 1), LayerNorm
+    # after each block (rms_norm_eps holds its eps), token type 0 added to every embedding
+    encoder: bool = False
+    position_offset: int = 0
 
     @property
     def rope_dim(self) -> int:
@@ -102,6 +107,12 @@ class ModelConfig:
 
     @property
     def max_positions(self) -> int:
+        if self.encoder:
+            return self.max_position_embeddings - self.position_offset
+        return self._rope_positions
+
+    @property
+    def _rope_positions(self) -> int:
         """The longest context the model's rope is defined for, derived as vLLM derives it (a
         linear, dynamic or yarn scaling stretches its pretraining length by its factor), but
         never below max_position_embeddings."""
@@ -121,8 +132,28 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @classmethod
+    def _encoder(cls, raw: dict[str, Any], architecture: str, source: str) -> ModelConfig:
+        activation = raw.get("hidden_act", "gelu")
+        if activation != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(f"{architecture} with hidden_act={activation!r} and position_embedding_type="
+                                        f"{raw.get('position_embedding_type')!r} is not supported (gelu, absolute)",
+                                        path=source)
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        return cls(
+            architecture=architecture, vocab_size=raw["vocab_size"], hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=heads, head_dim=hidden // heads, rms_norm_eps=raw.get("layer_norm_eps", 1e-12),
+            rope_theta=0.0, rope_scaling=None, max_position_embeddings=raw.get("max_position_embeddings", 512),
+            tie_word_embeddings=False, qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False,
+            sliding_window=None, hidden_act="gelu", base_model=True, encoder=True,
+            position_offset=raw.get("pad_token_id", 1) + 1 if architecture == "XLMRobertaModel" else 0,
+        )
+
+    @classmethod
     def from_hf(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         architectures = raw.get("architectures") or []
+        if encoder := next((a for a in architectures if a in ENCODERS), None):
+            return cls._encoder(raw, encoder, source)
         base = next((a for a in architectures if a in BASE_MODELS), None)
         architectures = [BASE_MODELS[base]] if base else architectures
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
@@ -130,7 +161,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architecture {architectures or raw.get('model_type')!r} is not supported; "
                 f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)} and, as pooling models, "
-                f"{', '.join(BASE_MODELS)}",
+                f"{', '.join((*BASE_MODELS, *ENCODERS))}",
                 path=source,
             )
         prefix = ""

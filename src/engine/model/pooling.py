@@ -3,11 +3,11 @@ from the model's files alone (no torch: the engine and the workers both read it)
 
 - ``runner``: ``generate`` for a ``*ForCausalLM`` checkpoint, ``pooling`` for a bare
   decoder (``Qwen3Model``, ``Qwen2Model``, ``LlamaModel``, ``MistralModel``: vLLM's ``*Model``
-  rule); ``--runner pooling`` on a causal LM converts it (``--convert embed``: its LM head is
-  dropped).
+  rule) and for the encoders ``BertModel`` and ``XLMRobertaModel``; ``--runner pooling`` on
+  a causal LM converts it (``--convert embed``: its LM head is dropped).
 - pooling: ``--pooler-config`` if given, else sentence-transformers' ``modules.json`` (its
   Pooling module's ``config.json``: CLS, mean or last token; a Normalize module), else the
-  last token, normalized (what vLLM gives a decoder embedding model)."""
+  last token (a decoder's) or CLS (an encoder's), normalized, as vLLM defaults them."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # whose layers it has.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+# Encoders (bidirectional attention over a whole prompt): pooling models only.
+ENCODERS = ("BertModel", "XLMRobertaModel")
 _ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN",
              "pooling_mode_lasttoken": "LAST"}
 
@@ -60,7 +62,7 @@ def pooler_config(value: PoolerConfig | Mapping[str, Any] | str | None) -> Poole
 def resolve_runner(architectures: Sequence[str], *, runner: str = "auto", convert: str = "auto",
                    source: str = "config.json") -> str:
     """``generate`` or ``pooling`` for a checkpoint of ``architectures``."""
-    base = any(a in BASE_MODELS for a in architectures)
+    base = any(a in BASE_MODELS or a in ENCODERS for a in architectures)
     if runner == "generate" and base:
         raise UnsupportedModelError(f"{architectures[0]} has no language-model head: it runs only as "
                                     "--runner pooling", path=source)
@@ -74,17 +76,18 @@ def resolve_runner(architectures: Sequence[str], *, runner: str = "auto", conver
     return "generate"
 
 
-def read_pooler_config(model_path: str | Path, given: PoolerConfig | None) -> PoolerConfig:
+def read_pooler_config(model_path: str | Path, given: PoolerConfig | None, *, encoder: bool = False) -> PoolerConfig:
     """The pooling of a pooling model: ``given``, else sentence-transformers' files, else
-    the last token, normalized."""
+    the last token (a decoder's) or the first (an encoder's CLS), normalized."""
     if given is not None:
         return given
     path = Path(model_path)
+    default = "CLS" if encoder else "LAST"
     modules = _json(path / "modules.json")
     if not isinstance(modules, list):
-        return PoolerConfig()
+        return PoolerConfig(pooling_type=default)
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
-    pooling_type = "LAST"
+    pooling_type = default
     if "Pooling" in kinds:
         config = _json(path / kinds["Pooling"].get("path", "") / "config.json") or {}
         modes = [mode for key, mode in _ST_MODES.items() if config.get(key)]

@@ -99,6 +99,7 @@ def load(
         kv_window=_runner.config.kv_window,
         runner=_runner.runner,
         hidden_size=_runner.config.hidden_size,
+        whole_prompts=_runner.config.encoder,
         baseline_rss_bytes=baseline,
         weights_peak_rss_bytes=_runner.weights_peak_rss_bytes,
         peak_rss_bytes=peak_resident_bytes(),

@@ -104,7 +104,8 @@ class ModelRunner:
         self.runner = resolve_runner(hf_config.get("architectures") or [], runner=args.runner, convert=args.convert,
                                      source=str(path / "config.json"))
         # A pooling model embeds its prompts: no LM head, no sampling, no decode graphs.
-        self.pooler = Pooler(read_pooler_config(path, args.pooler_config)) if self.runner == "pooling" else None
+        self.pooler = (Pooler(read_pooler_config(path, args.pooler_config, encoder=self.config.encoder))
+                       if self.runner == "pooling" else None)
         self.max_model_len = resolve_max_model_len(self.config, args.max_model_len)
         self.block_size = args.block_size
         self.max_num_batched_tokens = args.max_num_batched_tokens
@@ -147,7 +148,9 @@ class ModelRunner:
         # Peak resident memory once the weights are in (before the KV cache): what loading
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()
-        shape = (self.num_blocks + self._reserved_blocks, self.block_size, kv_heads, self.config.head_dim)
+        # An encoder keeps no KV: its blocks only count what the scheduler admits.
+        blocks = 0 if self.config.encoder else self.num_blocks + self._reserved_blocks
+        shape = (blocks, self.block_size, kv_heads, self.config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))

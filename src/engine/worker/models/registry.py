@@ -9,15 +9,18 @@ from torch import nn
 
 from triode.engine.errors import UnsupportedModelError
 from triode.engine.model.config import GEMMA, SUPPORTED_ARCHITECTURES, ModelConfig
+from triode.engine.model.pooling import ENCODERS
 from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.models.bert import BertModel
 from triode.engine.worker.models.fused_checkpoint import unfuse, unfused_names
 from triode.engine.worker.models.gemma import GemmaForCausalLM
 from triode.engine.worker.models.llama import LlamaForCausalLM, checkpoint_slices
 
-_MODELS: dict[str, type[LlamaForCausalLM]] = {
+_MODELS: dict[str, type[nn.Module]] = {
     **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),
     # a Gemma3ForConditionalGeneration checkpoint is read as its text model, Gemma3ForCausalLM
     **dict.fromkeys((*GEMMA, "Gemma3ForConditionalGeneration"), GemmaForCausalLM),
+    **dict.fromkeys(ENCODERS, BertModel),
 }
 
 
