@@ -11,29 +11,18 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+from transformers import AutoModel
 
 from tests.test_pooling_contract import PROMPTS
+from tests.tiny_models import ENCODERS, build_tiny_encoder
 from triode import LLM
 
 ENGINE = dict(max_model_len=128, kv_cache_memory="4MiB", dtype="float32")
-ENCODERS = {"bert": (BertConfig, BertModel, {}),
-            # XLM-R's positions start past its padding id: 128 usable of max_position_embeddings
-            "xlm-roberta": (XLMRobertaConfig, XLMRobertaModel, {"max_position_embeddings": 128 + 3})}
 
 
 @pytest.fixture(scope="module", params=sorted(ENCODERS))
 def encoder(request, tiny_tokenizer, tmp_path_factory):
-    config_class, model_class, extra = ENCODERS[request.param]
-    torch.manual_seed(0)
-    settings = dict(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    intermediate_size=128, max_position_embeddings=128, pad_token_id=tiny_tokenizer.pad_token_id,
-                    initializer_range=0.1)
-    config = config_class(**{**settings, **extra})
-    directory = tmp_path_factory.mktemp(request.param)
-    model_class(config, add_pooling_layer=True).eval().save_pretrained(directory, safe_serialization=True)
-    tiny_tokenizer.save_pretrained(directory)
-    return directory
+    return build_tiny_encoder(tmp_path_factory.mktemp(request.param), request.param, tiny_tokenizer)
 
 
 def hf_states(path, tokenizer, prompt: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """HTTP tests: ``/v1/embeddings`` through the real openai SDK against ``triode serve`` on a
 tiny random ``Qwen3Model`` (a pooling model: last token, normalized), checked against Hugging
-Face's hidden states; ``dimensions``, base64 and float encodings, ``truncate_prompt_tokens``;
+Face's hidden states (and a tiny BERT too); ``dimensions``, base64 and float encodings, ``truncate_prompt_tokens``;
 errors in OpenAI's shape, an embedding request to a generation model and the reverse
 included; the requests counted in the metrics; a client that hangs up frees the engine."""
 
@@ -18,6 +18,7 @@ import trio
 
 from tests.http_server import ametric, await_condition, metric, running, triode_serve
 from tests.test_pooling_contract import hf_hidden
+from tests.tiny_models import build_tiny_encoder
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France.", "def add(a, b):"]
 
@@ -136,3 +137,16 @@ async def test_a_client_that_hangs_up_frees_the_engine(server):
             await await_condition(idle)
         done = await ametric(client, server.url, "vllm:request_success_total", finished_reason="stop") - embedded
         assert done < 1024  # the rest were aborted, not computed
+
+
+def test_an_encoder_serves_embeddings_too(tiny_tokenizer, tmp_path):
+    from tests.test_encoder_contract import hf_states
+
+    model = build_tiny_encoder(tmp_path / "bert", "bert", tiny_tokenizer)
+    with running(triode_serve(model, "--kv-cache-memory", "4MiB", "--dtype", "float32")) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        response = client.embeddings.create(model=str(model), input=PROMPTS, dimensions=32)
+    assert len(response.data) == len(PROMPTS)
+    for prompt, item in zip(PROMPTS, response.data, strict=True):  # CLS, cut, then normalized
+        expected = F.normalize(hf_states(model, tiny_tokenizer, prompt)[0][:32], dim=-1)
+        torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=1e-5, rtol=1e-4)

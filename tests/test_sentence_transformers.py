@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel
 
 from tests.test_pooling_contract import PROMPTS
+from tests.tiny_models import build_tiny_encoder
 from triode import LLM
 
 MODES = {"MEAN": "pooling_mode_mean_tokens", "LAST": "pooling_mode_lasttoken", "CLS": "pooling_mode_cls_token"}
@@ -38,14 +38,7 @@ def with_sentence_transformers_files(source: Path, target: Path, pooling: str) -
 
 @pytest.fixture(scope="module")
 def bert(tiny_tokenizer, tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=128, pad_token_id=tiny_tokenizer.pad_token_id,
-                        initializer_range=0.1)
-    directory = tmp_path_factory.mktemp("bert")
-    BertModel(config).eval().save_pretrained(directory, safe_serialization=True)
-    tiny_tokenizer.save_pretrained(directory)
-    return directory
+    return build_tiny_encoder(tmp_path_factory.mktemp("bert"), "bert", tiny_tokenizer)
 
 
 @pytest.mark.parametrize("family, pooling", [("bert", "MEAN"), ("bert", "CLS"), ("qwen3", "LAST")])

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    BertConfig,
+    BertModel,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -26,6 +28,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    XLMRobertaConfig,
+    XLMRobertaModel,
 )
 
 CORPUS = [
@@ -131,5 +135,22 @@ def build_tiny_model(
     model = model_class(config_class(**settings)).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+ENCODERS = {"bert": (BertConfig, BertModel, {}),
+            # XLM-R's positions start past its padding id: 128 usable of max_position_embeddings
+            "xlm-roberta": (XLMRobertaConfig, XLMRobertaModel, {"max_position_embeddings": 128 + 3})}
+
+
+def build_tiny_encoder(directory: Path, family: str, tokenizer: PreTrainedTokenizerFast, *, seed: int = 0) -> Path:
+    """A tiny random BertModel or XLMRobertaModel checkpoint (128 positions) with ``tokenizer``."""
+    config_class, model_class, extra = ENCODERS[family]
+    settings = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+                    initializer_range=0.1)
+    torch.manual_seed(seed)
+    model_class(config_class(**{**settings, **extra})).eval().save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
