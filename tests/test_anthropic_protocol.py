@@ -96,7 +96,8 @@ def test_choices_thinking_prefill_and_output_format():
     ({"system": [{"type": "image"}]}, "system[0]"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
-    ({"tools": [{"name": "bad name", "input_schema": {"type": "object"}}]}, "tools[0].function.name"),
+    ({"tools": [{"name": "bad name", "input_schema": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     ({"tools": [WEATHER]}, "tool_choice"),  # auto, and the server has no tool-call parser
@@ -148,6 +149,8 @@ CASES = [
      ["thinking", "tool_use", "tool_use"], "tool_use"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}, ChatServing(),
      '{"city": "Ro', "length", None, ["text"], "max_tokens"),
+    ({}, ChatServing(reasoning_parser="deepseek_r1"), "all thinking, cut", "length", None, ["thinking", "text"],
+     "max_tokens"),
     ({}, ChatServing(), "", "stop", 2, ["text"], "end_turn"),
 ]
 

@@ -97,6 +97,9 @@ def test_choices_formats_and_reasoning():
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{**CALL, "arguments": "{not json"}]}, "input[0].arguments"),
     ({"input": [{**CALL, "call_id": ""}]}, "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 1}]}]},
+     "input[0].content[0].text"),
+    ({"text": None, "input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice.name"),
@@ -132,6 +135,8 @@ CASES = [  # (request fields, serving, output text, finish, status, output item 
      '<think>Two.</think>[{"name": "get_weather", "parameters": {"city": "Rome"}}, '
      '{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop", "completed",
      ["reasoning", "function_call", "function_call"]),
+    ({}, ChatServing(reasoning_parser="deepseek_r1"), "all thinking, cut", "length", "incomplete",
+     ["reasoning", "message"]),
     ({}, ChatServing(), "", "stop", "completed", ["message"]),
 ]
 
@@ -159,8 +164,8 @@ def test_the_event_stream_folds_into_the_whole_response(data, fields, serving, t
     assert [item.type for item in parsed.output] == items and parsed.status == status
     assert (parsed.usage.input_tokens, parsed.usage.input_tokens_details.cached_tokens,
             parsed.usage.output_tokens) == (12, 4, 9)
-    assert parsed.usage.output_tokens_details.reasoning_tokens == (len("It is Paris.") if "It is" in text
-                                                                   else len("Two.") if "Two" in text else 0)
+    reasoning = next((item.content[0].text for item in parsed.output if item.type == "reasoning"), "")
+    assert parsed.usage.output_tokens_details.reasoning_tokens == min(len(reasoning), 9)  # counted by len here
 
     points = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
@@ -204,3 +209,20 @@ def test_the_store_keeps_the_newest_within_its_age():
     empty = ResponseStore(max_size=0, max_age=10.0)
     empty.put({"id": "r"}, ())
     assert empty.get("r") is None
+
+
+def test_a_running_background_response_outlives_the_stores_bounds():
+    now = [0.0]
+    store = ResponseStore(max_size=1, max_age=10.0, clock=lambda: now[0])
+
+    async def cancel() -> None: ...
+
+    store.put({"id": "bg", "status": "in_progress"}, (), cancel=cancel)
+    store.put({"id": "done", "status": "completed"}, ())  # over size: the oldest finished one goes
+    assert store.get("bg") is not None and store.get("done") is None
+    now[0] = 20.0
+    assert store.get("bg") is not None  # past its age, still running
+    store.put({"id": "bg", "status": "completed"}, ())  # it finished: an ordinary entry now
+    store.put({"id": "next", "status": "completed"}, ())
+    assert store.get("bg") is None and store.get("next") is not None
+    assert store.statistics().evicted == 2

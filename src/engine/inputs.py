@@ -275,12 +275,28 @@ class InputProcessor:
             if keep > self.max_model_len:
                 raise InvalidRequestError(f"truncate_prompt_tokens: {keep} exceeds the model's maximum length of "
                                           f"{self.max_model_len} tokens", field="truncate_prompt_tokens")
-            token_ids = token_ids[-keep:]
+            if len(token_ids) > keep:
+                token_ids = self._truncated(text, token_ids, keep, from_text=not isinstance(prompt, ChatOptions))
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt: {len(token_ids)} tokens exceed the model's maximum length of {self.max_model_len} tokens "
                 "(truncate_prompt_tokens keeps the last ones)", field="prompt")
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
+
+    def _truncated(self, text: str | None, token_ids: tuple[int, ...], keep: int, *,
+                   from_text: bool) -> tuple[int, ...]:
+        """The last ``keep`` tokens. A text prompt keeps the special tokens the tokenizer puts
+        around it (an encoder's [CLS] and [SEP], which its pooling reads) and loses words."""
+        if text is None or not from_text:
+            return token_ids[-keep:]
+        marked = self.tokenizer.encode("a", add_special_tokens=True)
+        plain = self.tokenizer.encode("a", add_special_tokens=False)
+        start = next((i for i in range(len(marked)) if marked[i:i + len(plain)] == plain), None)
+        if start is None or keep <= len(marked) - len(plain):
+            return token_ids[-keep:]
+        prefix, suffix = marked[:start], marked[start + len(plain):]
+        words = self.tokenizer.encode(text, add_special_tokens=False)
+        return (*prefix, *words[len(words) - (keep - len(prefix) - len(suffix)):], *suffix)
 
     def _checked_ids(self, token_ids: tuple[Any, ...]) -> tuple[int, ...]:
         if not token_ids:

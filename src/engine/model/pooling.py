@@ -87,11 +87,14 @@ def read_pooler_config(model_path: str | Path, given: PoolerConfig | None, *, en
     if not isinstance(modules, list):
         return PoolerConfig(pooling_type=default)
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    if unknown := sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"}):
+        raise UnsupportedModelError(f"sentence-transformers module {unknown[0]} is not supported (Transformer, "
+                                    "Pooling and Normalize are)", path=str(path))
     pooling_type = default
     if "Pooling" in kinds:
         config = _json(path / kinds["Pooling"].get("path", "") / "config.json") or {}
         modes = [mode for key, mode in _ST_MODES.items() if config.get(key)]
-        if len(modes) != 1:
+        if len(modes) != 1 or config.get("include_prompt", True) is not True:
             raise UnsupportedModelError(f"sentence-transformers pooling {sorted(k for k in config if config[k])} "
                                         "is not supported (one of CLS, mean or last token)", path=str(path))
         pooling_type = modes[0]

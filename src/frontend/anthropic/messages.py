@@ -54,6 +54,7 @@ class MessageBuilder:
         self.cached_tokens = 0
         self.output_tokens = 0
         self._block: str | None = None  # the type of the open content block
+        self._text_opened = False
         self._index = -1
 
     def _count(self, output: RequestOutput) -> CompletionOutput:
@@ -97,7 +98,7 @@ class MessageBuilder:
             return self._blocks(deltas)
         events = self._blocks(deltas + self.chat.finish())
         reason, sequence = stop_reason(completion, bool(self.chat.tool_calls))
-        if self._block is None:  # a message has at least one block, if empty
+        if not self._text_opened and not self.chat.tool_calls:  # as the whole message has: an empty text
             events += self._open({"type": "text", "text": ""})
         events += self._close()
         return [*events, {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -126,6 +127,7 @@ class MessageBuilder:
         events = self._close()
         self._index += 1
         self._block = block["type"]
+        self._text_opened |= self._block == "text"
         return [*events, {"type": "content_block_start", "index": self._index, "content_block": block}]
 
     def _close(self) -> list[dict[str, Any]]:

@@ -252,8 +252,12 @@ def read_tools(reader: Reader, serving: ChatServing, *, check_auto: bool = True)
             "parameters": tool["input_schema"]}})
     try:
         tools = checked_tools(functions)
-    except InvalidRequestError as error:
-        raise from_engine_error(error) from None
+    except InvalidRequestError as error:  # chat's field names, as the Messages API spells them
+        api_error = from_engine_error(error)
+        for chat_name, name in ((".function.parameters", ".input_schema"), (".function.", ".")):
+            api_error.param = api_error.param and api_error.param.replace(chat_name, name)
+            api_error.message = api_error.message.replace(chat_name, name)
+        raise api_error from None
     choice = choice or {"type": "auto"}
     mode = _CHOICES.get(choice.get("type"))  # type: ignore[arg-type]
     if mode is None:

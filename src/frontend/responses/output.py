@@ -83,8 +83,8 @@ class ResponseBuilder:
         return {"input_tokens": self.input_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": self._count_tokens(self.chat.reasoning)
-                                          if self.chat.reasoning else 0},
+                "output_tokens_details": {"reasoning_tokens": min(self.output_tokens, self._count_tokens(
+                    self.chat.reasoning)) if self.chat.reasoning else 0},
                 "total_tokens": self.input_tokens + self.output_tokens}
 
     def _count(self, output: RequestOutput) -> CompletionOutput:
@@ -124,7 +124,8 @@ class ResponseBuilder:
             return self._stream(deltas)
         events = self._stream(deltas + self.chat.finish())
         status = _status(completion)
-        if self._open is None and not self.items:  # a response has a message, if empty
+        if not any(item["type"] == "message" for item in [*self.items, self._open or {"type": ""}]) \
+                and not self.chat.tool_calls:  # as the whole response has: an empty message
             events += self._open_item(message_item("", "in_progress"))
         events += self._close(status)
         kind = "response.completed" if status == "completed" else "response.incomplete"

@@ -112,7 +112,7 @@ def parse_responses_request(body: dict[str, Any], defaults: GenerationDefaults |
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": previous,
             "reasoning": {"effort": effort, "summary": None}, "store": store, "background": background,
             "temperature": params.temperature, "top_p": params.top_p, "truncation": "disabled",
-            "text": {"format": body.get("text", {}).get("format") or {"type": "text"}},
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or ("auto" if tools is not None else "none"),
             "tools": body.get("tools") or [], "user": body.get("user")}
     kwargs = None if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
@@ -167,14 +167,24 @@ def items_to_messages(items: Sequence[dict[str, Any]], *, first_input: int = 0) 
             text = _text(where, item, field="output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
-            reasoning += "".join(part.get("text", "") for part in item.get("content") or ()
-                                 if isinstance(part, dict))
+            reasoning += _reasoning_text(where, item)
         else:
             raise bad_request(f"{where}.type: unknown or unsupported item type {kind!r} (supported: message, "
                               "function_call, function_call_output, reasoning)", param=f"{where}.type")
     if not messages:
         raise bad_request("input: holds no message", param="input")
     return messages
+
+
+def _reasoning_text(where: str, item: Mapping[str, Any]) -> str:
+    """A reasoning item's ``reasoning_text`` parts (its summary is not the reasoning)."""
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content: expected an array of reasoning_text parts", param=f"{where}.content")
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.content[{index}].text: expected a string", param=f"{where}.content[{index}].text")
+    return "".join(part["text"] for part in content)
 
 
 def _assistant(messages: list[dict[str, Any]], reasoning: str, *, content: str = "",

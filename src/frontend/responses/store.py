@@ -1,7 +1,7 @@
 """The responses a server keeps for ``previous_response_id``, ``GET /v1/responses/{id}`` and
 cancel: in memory, bounded in number (the oldest go first) and in age (an entry older than
 ``max_age`` seconds is gone on the next look), both set by ``--responses-store-size`` and
-``--responses-store-max-age``. Each entry holds the response object and the conversation
+``--responses-store-max-age``; a background response still running is kept past both. Each entry holds the response object and the conversation
 that led to it, as Responses items (its input, its history, its output), so a follow-up
 continues it; a background response also holds what cancels it."""
 
@@ -49,8 +49,8 @@ class ResponseStore:
             return
         self._entries.pop(response["id"], None)
         self._entries[response["id"]] = StoredResponse(response, items, self._clock(), cancel)
-        while len(self._entries) > self.max_size:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self.max_size and (oldest := self._oldest_done()) is not None:
+            del self._entries[oldest]
             self._evicted += 1
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -61,13 +61,19 @@ class ResponseStore:
         self._expire()
         return self._entries.pop(response_id, None) is not None
 
+    def _oldest_done(self, before: float | None = None) -> str | None:
+        """The oldest entry (stored before ``before``) that is not a background response
+        still running: those stay, or nothing could cancel them."""
+        for response_id, entry in self._entries.items():
+            if before is not None and entry.stored_at > before:
+                return None
+            if entry.cancel is None or entry.response.get("status") != "in_progress":
+                return response_id
+        return None
+
     def _expire(self) -> None:
-        cutoff = self._clock() - self.max_age
-        while self._entries:
-            oldest = next(iter(self._entries.values()))
-            if oldest.stored_at > cutoff:
-                break
-            self._entries.popitem(last=False)
+        while (oldest := self._oldest_done(before=self._clock() - self.max_age)) is not None:
+            del self._entries[oldest]
             self._expired += 1
 
     def statistics(self) -> StoreStatistics:

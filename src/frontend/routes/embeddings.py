@@ -1,5 +1,6 @@
-"""POST /v1/embeddings: one engine request per input, run at once; the answer comes when
-all are embedded. A client that disconnects cancels the handler, which aborts them all."""
+"""POST /v1/embeddings: one engine request per input, up to ``SUBMITTED_AT_ONCE`` of them
+in the engine at a time; the answer comes when all are embedded. A client that disconnects
+cancels the handler, which aborts them all."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from triode.frontend.openai.request_body import read_json_object
 from triode.frontend.routes import check_model, generation, host, request_id
 
 blueprint = Blueprint("embeddings", __name__)
+SUBMITTED_AT_ONCE = 128
 
 
 @blueprint.post("/v1/embeddings")
@@ -25,9 +27,15 @@ async def embeddings() -> Response:
     ids = generation.engine_request_ids(request_id(), len(parsed.inputs))
     results: list[EmbeddingRequestOutput | None] = [None] * len(parsed.inputs)
 
+    # At most so many of them in the engine's intake queue at once: a request of 2048 inputs
+    # must not overflow the queue it shares with everyone (each waits for a slot instead).
+    slots = trio.CapacityLimiter(min(SUBMITTED_AT_ONCE, max(1, llm.args.max_queued_requests // 2)))
+
     async def embed(index: int) -> None:
-        async for output in llm.encode(parsed.inputs[index], parsed.params, ids[index], priority=parsed.priority):
-            results[index] = output
+        async with slots:
+            async for output in llm.encode(parsed.inputs[index], parsed.params, ids[index],
+                                           priority=parsed.priority):
+                results[index] = output
 
     try:
         async with trio.open_nursery() as nursery:

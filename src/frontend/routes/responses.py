@@ -17,7 +17,6 @@ import attrs
 import trio
 from quart import Blueprint, Response, current_app, jsonify, request
 
-from triode.engine.errors import TriodeError
 from triode.frontend.openai import sse
 from triode.frontend.openai.errors import APIError, bad_request, from_engine_error
 from triode.frontend.openai.request_body import read_json_object
@@ -73,6 +72,9 @@ async def create() -> Response:
                               count_tokens=lambda text: len(llm.tokenizer.encode(text, add_special_tokens=False)))
     jobs = await generation.start(engine_host, engine_request, request_id())
     items = (*history, *parsed.input_items)
+    if parsed.background and store().max_size == 0:
+        raise bad_request("background: the server keeps no responses (--responses-store-size 0), so a "
+                          "background response could never be read", param="background")
     if parsed.background:
         assert engine_host.nursery is not None
         finished = trio.Event()
@@ -111,7 +113,7 @@ async def _events(builder: ResponseBuilder, jobs: list[generation.Job], response
             yield event
     finally:
         await stream.aclose()
-        if responses is not None:
+        if responses is not None and responses.get(builder.id) is not None:  # not deleted meanwhile
             if final is not None:
                 responses.put(final, (*items, *final["output"]))
             else:
@@ -129,7 +131,7 @@ async def _background(responses: ResponseStore, builder: ResponseBuilder, jobs: 
                 assert final is not None
                 body = builder.full(final)
                 responses.put(body, (*items, *body["output"]))
-            except (APIError, TriodeError) as error:
+            except Exception as error:  # a bug must fail this response, not the server's nursery
                 responses.put(builder.response("failed", error=from_engine_error(error)), items)
         if scope.cancelled_caught:
             responses.put(builder.response("cancelled"), items)
