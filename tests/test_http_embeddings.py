@@ -85,6 +85,12 @@ def test_dimensions_base64_and_truncation(client, model, tiny_tokenizer):
     assert kept.data[0].embedding == last.data[0].embedding and kept.usage.prompt_tokens == 100
 
 
+def test_the_most_inputs_a_request_may_have_fit_the_engines_queue(client):
+    response = client.embeddings.create(model="embedder", input=[[5 + i % 40, 6] for i in range(2048)],
+                                        encoding_format="float")
+    assert len(response.data) == 2048 and response.data[2047].embedding == response.data[7].embedding
+
+
 def openai_error(response: httpx2.Response, status: int, param: str | None, says: str) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
