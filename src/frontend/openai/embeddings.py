@@ -16,7 +16,7 @@ from triode.engine.errors import InvalidRequestError
 from triode.engine.outputs import EmbeddingRequestOutput
 from triode.engine.pooling_params import PoolingParams
 from triode.frontend.openai.errors import from_engine_error
-from triode.frontend.openai.request_body import Reader
+from triode.frontend.openai.request_body import Reader, read_prompts
 
 ENDPOINT = "/v1/embeddings"
 MAX_INPUTS = 2048  # OpenAI's limit per request
@@ -35,7 +35,7 @@ class EmbeddingsRequest:
 def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
     reader = Reader(body, ENDPOINT)
     model = reader.string("model")
-    inputs = _inputs(reader)
+    inputs = read_prompts(reader, "input", limit=MAX_INPUTS, non_empty=True)
     encoding = reader.string("encoding_format", "float")
     if encoding not in ENCODINGS:
         raise reader.fail("encoding_format", f"expected float or base64, got {encoding!r}")
@@ -51,27 +51,6 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
     reader.log_unknown()
     assert encoding is not None and priority is not None
     return EmbeddingsRequest(model=model, inputs=inputs, params=params, encoding_format=encoding, priority=priority)
-
-
-def _inputs(reader: Reader) -> tuple[str | tuple[int, ...], ...]:
-    value = reader.raw("input")
-    if isinstance(value, str) and value:
-        return (value,)
-    if isinstance(value, list) and value:
-        if all(isinstance(item, str) and item for item in value):
-            inputs: tuple = tuple(value)
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            inputs = (tuple(value),)
-        elif all(isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in item) for item in value):
-            inputs = tuple(tuple(item) for item in value)
-        else:
-            raise reader.fail("input", "expected a non-empty string, an array of non-empty strings, token ids, "
-                                       "or an array of non-empty token-id arrays")
-        if len(inputs) > MAX_INPUTS:
-            raise reader.fail("input", f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}")
-        return inputs
-    raise reader.fail("input", "is required: a non-empty string or array")
 
 
 def embeddings_response(outputs: Sequence[EmbeddingRequestOutput], *, model: str, encoding_format: str,

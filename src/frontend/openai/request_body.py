@@ -227,3 +227,29 @@ def read_sampling(reader: Reader, *, max_tokens: int | None, logprobs: int | Non
         return SamplingParams(**fields)
     except InvalidRequestError as e:
         raise from_engine_error(e, aliases) from None
+
+
+def read_prompts(reader: Reader, name: str, *, limit: int, non_empty: bool = False) -> tuple[str | tuple[int, ...], ...]:
+    """A field of OpenAI's prompt shapes: a string, an array of strings, token ids, or an array
+    of non-empty token-id arrays (``non_empty``: no empty string either), at most ``limit``."""
+    value = reader.raw(name)
+    if value is None:
+        raise reader.fail(name, "is required")
+    if isinstance(value, str) and (value or not non_empty):
+        return (value,)
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) and (p or not non_empty) for p in value):
+            prompts: tuple = tuple(value)
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            prompts = (tuple(value),)
+        elif all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                 for p in value):
+            prompts = tuple(tuple(p) for p in value)
+        else:
+            strings = "non-empty strings" if non_empty else "strings"
+            raise reader.fail(name, f"expected a string, an array of {strings}, an array of token ids or an "
+                                    "array of non-empty token-id arrays")
+        if len(prompts) > limit:
+            raise reader.fail(name, f"at most {limit} per request, got {len(prompts)}")
+        return prompts
+    raise reader.fail(name, "expected a non-empty string or array")

@@ -20,7 +20,13 @@ from triode.engine.inputs import ChatOptions
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import SamplingParams
 from triode.frontend.openai.errors import bad_request
-from triode.frontend.openai.request_body import Reader, StreamOptions, read_sampling, read_stream
+from triode.frontend.openai.request_body import (
+    Reader,
+    StreamOptions,
+    read_prompts,
+    read_sampling,
+    read_stream,
+)
 from triode.frontend.openai.structured_request import read_constraint
 from triode.frontend.openai.tool_request import ToolPlan, read_tools
 
@@ -61,7 +67,7 @@ def _common(reader: Reader) -> dict[str, Any]:
 def parse_completion(body: dict[str, Any], defaults: GenerationDefaults | None = None) -> GenerationRequest:
     reader = Reader(body, "/v1/completions")
     common = _common(reader)
-    prompts = _prompts(reader)
+    prompts = read_prompts(reader, "prompt", limit=MAX_PROMPTS)
     reader.reject("suffix", lambda v: v == "", "is not supported")
     reader.reject("best_of", lambda v: v == 1, "is not supported (only best_of=1)")
     echo = reader.bool("echo", False)
@@ -76,29 +82,6 @@ def parse_completion(body: dict[str, Any], defaults: GenerationDefaults | None =
     reader.log_unknown()
     return GenerationRequest(**common, params=params, prompts=prompts, echo=echo, logprobs=logprobs,
                              param_names=constraint.names)
-
-
-def _prompts(reader: Reader) -> tuple[str | tuple[int, ...], ...]:
-    value = reader.raw("prompt")
-    if value is None:
-        raise reader.fail("prompt", "is required")
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and value:
-        if all(isinstance(p, str) for p in value):
-            prompts: tuple = tuple(value)
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            prompts = (tuple(value),)
-        elif all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                 for p in value):
-            prompts = tuple(tuple(p) for p in value)
-        else:
-            raise reader.fail("prompt", "expected a string, an array of strings, an array of token ids "
-                                        "or an array of non-empty token-id arrays")
-        if len(prompts) > MAX_PROMPTS:
-            raise reader.fail("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
-        return prompts
-    raise reader.fail("prompt", "expected a non-empty string or array")
 
 
 @attrs.frozen(kw_only=True)
