@@ -12,6 +12,8 @@ supported architecture, by the rules the CPU contract tests use:
 - the whole engine, ``LLM(device=device)`` with its worker process, in float32 with a token
   budget and KV cache small enough to force chunked prefill and preemption, with async
   scheduling off and on: the same tokens as HF, and every KV block free afterwards.
+- pooling models, ``LLM(runner="pooling").embed`` with a 16-token budget: a Qwen3 decoder's
+  last token and a BERT encoder's CLS, normalized, within 1e-4 of transformers' hidden states.
 
     python scripts/gpu_model_check.py                 # on a CUDA machine, about a minute
     python scripts/gpu_model_check.py --device cpu    # the same checks on the CPU
@@ -106,6 +108,29 @@ def check_engine(path: Path, prompts: list[list[int]], device: str) -> list[str]
     return results
 
 
+def check_pooling(path: Path, prompts: list[list[int]], device: str) -> list[str]:
+    """Embeddings (chunked for the decoder, whole for the encoder) against HF's hidden states."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModel
+
+    from triode import LLM
+
+    is_encoder = "Bert" in (path / "config.json").read_text()
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    with LLM(str(path), runner="pooling", device=device, dtype="float32", max_model_len=128,
+             kv_cache_memory="64MiB", max_num_batched_tokens=16) as llm:
+        outputs = llm.embed(prompts, use_tqdm=False)
+    worst = 0.0
+    for ids, output in zip(prompts, outputs, strict=True):
+        with torch.inference_mode():
+            states = model(torch.tensor([ids], device=device)).last_hidden_state[0]
+        expected = F.normalize((states[0] if is_encoder else states[-1]).float(), dim=-1).cpu()
+        worst = max(worst, (torch.tensor(output.outputs.embedding) - expected).abs().max().item())
+    assert worst < 1e-4, f"embeddings differ from HF by {worst:.2e}"
+    return [f"{len(outputs)} embeddings ({'CLS' if is_encoder else 'last token'}), max |triode - HF| {worst:.1e}"]
+
+
 def _blocks_of(path: Path, blocks: int) -> int:
     """Bytes of KV cache for ``blocks`` blocks of 16 tokens in float32."""
     import json
@@ -126,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_model_check: no CUDA device here", file=sys.stderr)
         return 2
     from tests.hf_compare import TINY_MODEL_TEXTS
-    from tests.tiny_models import ARCHITECTURES, build_tiny_model, train_tokenizer
+    from tests.tiny_models import (
+        ARCHITECTURES,
+        build_tiny_encoder,
+        build_tiny_model,
+        train_tokenizer,
+    )
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"gpu_model_check: {name}; torch {torch.__version__}")
@@ -142,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(("graphs llama", check_graphs, paths["llama"]))
         checks.append(("graphs gemma2", check_graphs, paths["gemma2"]))  # windows and soft caps
         checks.append(("engine llama", check_engine, paths["llama"]))
+        checks.append(("pooling qwen3", check_pooling, paths["qwen3"]))
+        (Path(scratch) / "bert").mkdir()
+        checks.append(("pooling bert", check_pooling, build_tiny_encoder(Path(scratch) / "bert", "bert", tokenizer)))
         for label, check, path in checks:
             started = time.monotonic()
             try:
