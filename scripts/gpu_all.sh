@@ -6,10 +6,10 @@
 # --compare-eager), the host cost of a step (bench step --overhead), and offline W1v on the
 # 8B shape against Hugging Face's generate (bench throughput --shape). Each part has its
 # own time limit, and a part that fails does not stop the others; logs, JSON and PNG files go
-# to $OUT (default gpu-results/). The limits add up to 515 s, so the whole script fits one
+# to $OUT (default gpu-results/). The limits add up to 545 s, so the whole script fits one
 # 10-minute command of the device tool with time for installing wheels. On an H200 on
 # 2026-12-04 the parts took, in the order they run, 143 s (gpu_model_check, run alone on a
-# fresh machine), 31, 37, 58, 26 and 101 s.
+# fresh machine, before its two pooling checks were added), 31, 37, 58, 26 and 101 s.
 #
 #     OUT=/path/to/results bash scripts/gpu_all.sh        # from the repository root
 #
@@ -57,7 +57,7 @@ cat "$OUT/gpu.txt"
 
 tokenizer=(${TOKENIZER_MODEL:+--model "$TOKENIZER_MODEL"})
 
-part gpu_model_check 170 "$PY" scripts/gpu_model_check.py
+part gpu_model_check 200 "$PY" scripts/gpu_model_check.py
 part gpu_check 50 "$PY" scripts/gpu_check.py --budget 40
 part step_smollm2 45 "$PY" -m triode.frontend.cli bench step --shape smollm2-135m --compare-eager \
     --batch-sizes 1 8 32 64 256 --context 128 --steps 16 --output-dir "$OUT/step-smollm2"
