@@ -56,6 +56,9 @@ async def create() -> Response:
     serving = chat_serving()
     parsed = parse_responses_request(await read_json_object(request), host().generation, serving)
     check_model(parsed.model)
+    if parsed.background and store().max_size == 0:
+        raise bad_request("background: the server keeps no responses (--responses-store-size 0), so a "
+                          "background response could never be read", param="background")
     history: Items = ()
     if parsed.previous_response_id is not None:
         previous = _stored(parsed.previous_response_id, param="previous_response_id")
@@ -72,9 +75,6 @@ async def create() -> Response:
                               count_tokens=lambda text: len(llm.tokenizer.encode(text, add_special_tokens=False)))
     jobs = await generation.start(engine_host, engine_request, request_id())
     items = (*history, *parsed.input_items)
-    if parsed.background and store().max_size == 0:
-        raise bad_request("background: the server keeps no responses (--responses-store-size 0), so a "
-                          "background response could never be read", param="background")
     if parsed.background:
         assert engine_host.nursery is not None
         finished = trio.Event()
