@@ -147,13 +147,11 @@ async def test_a_client_that_hangs_up_frees_the_engine(server):
 
 
 def test_an_encoder_serves_embeddings_too(tiny_tokenizer, tmp_path):
-    from tests.test_encoder_contract import hf_states
-
     model = build_tiny_encoder(tmp_path / "bert", "bert", tiny_tokenizer)
     with running(triode_serve(model, "--kv-cache-memory", "4MiB", "--dtype", "float32")) as server, \
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
         response = client.embeddings.create(model=str(model), input=PROMPTS, dimensions=32)
     assert len(response.data) == len(PROMPTS)
     for prompt, item in zip(PROMPTS, response.data, strict=True):  # CLS, cut, then normalized
-        expected = F.normalize(hf_states(model, tiny_tokenizer, prompt)[0][:32], dim=-1)
+        expected = F.normalize(hf_hidden(model, tiny_tokenizer, prompt)[0][:32], dim=-1)
         torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=1e-5, rtol=1e-4)

@@ -71,7 +71,8 @@ def test_pooling_that_would_not_match_the_library_is_refused(tmp_path, kinds, po
 
 
 def test_bad_pooler_configs():
-    for value in ('{"pooling_type": "MAX"}', "{not json", '{"pooling": "MEAN"}'):
+    for value in ('{"pooling_type": "MAX"}', "{not json", '{"pooling": "MEAN"}', '{"pooling_type": 3}',
+                  '{"normalize": "yes"}', "[1]"):
         with pytest.raises(InvalidRequestError):
             pooler_config(value)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel
 
+from tests.tiny_models import with_sentence_transformers_files
 from triode import LLM, InvalidRequestError, PoolingParams, SamplingParams
 from triode.engine.errors import UnsupportedModelError
 
@@ -79,18 +80,7 @@ def test_a_bare_decoder_embeds_its_last_token_normalized(bare, tiny_tokenizer):
 
 
 def test_a_converted_causal_lm_pools_as_its_sentence_transformers_files_say(causal, tiny_tokenizer, tmp_path):
-    model = tmp_path / "st-model"
-    model.mkdir()
-    for item in causal.iterdir():
-        (model / item.name).write_bytes(item.read_bytes())
-    (model / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    (model / "1_Pooling").mkdir()
-    (model / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
-         "pooling_mode_lasttoken": False}))
+    model = with_sentence_transformers_files(causal, tmp_path / "st-model", "MEAN")
     # Chunks of 16 tokens: the longer prompts run over several steps, the mean spans them.
     with LLM(str(model), runner="pooling", max_num_batched_tokens=16, **ENGINE) as llm:
         batch = vectors(llm.embed(PROMPTS, use_tqdm=False))

@@ -5,35 +5,14 @@ and chunked here."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.test_pooling_contract import PROMPTS
-from tests.tiny_models import build_tiny_encoder
+from tests.tiny_models import build_tiny_encoder, with_sentence_transformers_files
 from triode import LLM
-
-MODES = {"MEAN": "pooling_mode_mean_tokens", "LAST": "pooling_mode_lasttoken", "CLS": "pooling_mode_cls_token"}
-
-
-def with_sentence_transformers_files(source: Path, target: Path, pooling: str) -> Path:
-    """``source``'s checkpoint with a Transformer, a Pooling and a Normalize module."""
-    target.mkdir()
-    for item in source.iterdir():
-        if item.is_file():
-            (target / item.name).write_bytes(item.read_bytes())
-    hidden = json.loads((source / "config.json").read_text())["hidden_size"]
-    (target / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    (target / "1_Pooling").mkdir()
-    (target / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": hidden, **{key: mode == pooling for mode, key in MODES.items()}}))
-    (target / "2_Normalize").mkdir()
-    return target
 
 
 @pytest.fixture(scope="module")

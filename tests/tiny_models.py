@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -154,3 +155,27 @@ def build_tiny_encoder(directory: Path, family: str, tokenizer: PreTrainedTokeni
     model_class(config_class(**{**settings, **extra})).eval().save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+ST_MODES = {"MEAN": "pooling_mode_mean_tokens", "LAST": "pooling_mode_lasttoken", "CLS": "pooling_mode_cls_token"}
+
+
+def with_sentence_transformers_files(source: Path, target: Path, pooling: str, *, normalize: bool = True) -> Path:
+    """A copy of ``source``'s checkpoint with sentence-transformers' Transformer, Pooling and
+    (``normalize``) Normalize modules."""
+    target.mkdir()
+    for item in source.iterdir():
+        if item.is_file():
+            (target / item.name).write_bytes(item.read_bytes())
+    hidden = json.loads((source / "config.json").read_text())["hidden_size"]
+    kinds = ["Transformer", "Pooling", *(["Normalize"] if normalize else [])]
+    paths = ["", "1_Pooling", "2_Normalize"]
+    (target / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": paths[i], "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(kinds)]))
+    (target / "1_Pooling").mkdir()
+    (target / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, **{key: mode == pooling for mode, key in ST_MODES.items()}}))
+    if normalize:
+        (target / "2_Normalize").mkdir()
+    return target

@@ -6,6 +6,7 @@ intake actor (which runs it in a worker thread: tokenizers release the GIL) shar
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -283,18 +284,23 @@ class InputProcessor:
                 "(truncate_prompt_tokens keeps the last ones)", field="prompt")
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
 
+    @functools.cached_property
+    def _special_frame(self) -> tuple[list[int], list[int]] | None:
+        """The special tokens the tokenizer puts before and after a text ([CLS], [SEP]), or
+        None if they cannot be told apart from the text's own."""
+        marked = self.tokenizer.encode("a", add_special_tokens=True)
+        plain = self.tokenizer.encode("a", add_special_tokens=False)
+        start = next((i for i in range(len(marked)) if marked[i:i + len(plain)] == plain), None)
+        return None if start is None else (marked[:start], marked[start + len(plain):])
+
     def _truncated(self, text: str | None, token_ids: tuple[int, ...], keep: int, *,
                    from_text: bool) -> tuple[int, ...]:
         """The last ``keep`` tokens. A text prompt keeps the special tokens the tokenizer puts
         around it (an encoder's [CLS] and [SEP], which its pooling reads) and loses words."""
-        if text is None or not from_text:
+        frame = self._special_frame
+        if text is None or not from_text or frame is None or keep <= len(frame[0]) + len(frame[1]):
             return token_ids[-keep:]
-        marked = self.tokenizer.encode("a", add_special_tokens=True)
-        plain = self.tokenizer.encode("a", add_special_tokens=False)
-        start = next((i for i in range(len(marked)) if marked[i:i + len(plain)] == plain), None)
-        if start is None or keep <= len(marked) - len(plain):
-            return token_ids[-keep:]
-        prefix, suffix = marked[:start], marked[start + len(plain):]
+        prefix, suffix = frame
         words = self.tokenizer.encode(text, add_special_tokens=False)
         return (*prefix, *words[len(words) - (keep - len(prefix) - len(suffix)):], *suffix)
 

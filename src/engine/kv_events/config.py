@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.json_options import from_json_object
 
 PUBLISHERS = ("null", "zmq")
 _FIELD = "kv_events_config"
@@ -59,16 +59,4 @@ class KVEventsConfig:
 
 def kv_events_config(value: KVEventsConfig | Mapping[str, Any] | str | None) -> KVEventsConfig | None:
     """EngineArgs' converter: a KVEventsConfig from itself, a mapping or vLLM's JSON text."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise _check(f"not JSON: {error}") from None
-    if not isinstance(value, Mapping):
-        raise _check(f"must be a JSON object, got {type(value).__name__}")
-    known = {field.name for field in attrs.fields(KVEventsConfig)}
-    if unknown := sorted(set(value) - known):
-        raise _check(f"unknown field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}")
-    return KVEventsConfig(**value)
+    return from_json_object(KVEventsConfig, value, _FIELD)

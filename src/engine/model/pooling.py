@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError, UnsupportedModelError
+from triode.engine.json_options import from_json_object
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
@@ -35,28 +36,21 @@ _ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN"
 
 @attrs.frozen(kw_only=True)
 class PoolerConfig:
-    pooling_type: str = attrs.field(default="LAST", converter=str.upper)
+    pooling_type: str = attrs.field(default="LAST", converter=lambda v: v.upper() if isinstance(v, str) else v)
     normalize: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(f"pooler_config.pooling_type: expected one of {', '.join(POOLING_TYPES)}, "
                                       f"got {self.pooling_type!r}", field="pooler_config")
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"pooler_config.normalize: expected true or false, got {self.normalize!r}",
+                                      field="pooler_config")
 
 
 def pooler_config(value: PoolerConfig | Mapping[str, Any] | str | None) -> PoolerConfig | None:
     """``--pooler-config``: a JSON object (``{"pooling_type": "MEAN", "normalize": false}``)."""
-    if value is None or isinstance(value, PoolerConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"pooler_config: not valid JSON ({e.msg})", field="pooler_config") from None
-    if not isinstance(value, Mapping) or set(value) - {"pooling_type", "normalize"}:
-        raise InvalidRequestError('pooler_config: expected {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": '
-                                  "true|false}", field="pooler_config")
-    return PoolerConfig(**value)
+    return from_json_object(PoolerConfig, value, "pooler_config")
 
 
 def resolve_runner(architectures: Sequence[str], *, runner: str = "auto", convert: str = "auto",

@@ -21,7 +21,7 @@ from triode.engine.errors import InvalidRequestError
 from triode.engine.inputs import ChatOptions, checked_tools
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.structured.params import StructuredOutputsParams
-from triode.frontend.openai.errors import bad_request, from_engine_error
+from triode.frontend.openai.errors import bad_request, from_engine_error, renamed
 from triode.frontend.openai.request_body import Reader, StreamOptions, read_sampling
 from triode.frontend.openai.requests import ChatServing, GenerationRequest
 from triode.frontend.openai.tool_request import ToolPlan
@@ -253,11 +253,8 @@ def read_tools(reader: Reader, serving: ChatServing, *, check_auto: bool = True)
     try:
         tools = checked_tools(functions)
     except InvalidRequestError as error:  # chat's field names, as the Messages API spells them
-        api_error = from_engine_error(error)
-        for chat_name, name in ((".function.parameters", ".input_schema"), (".function.", ".")):
-            api_error.param = api_error.param and api_error.param.replace(chat_name, name)
-            api_error.message = api_error.message.replace(chat_name, name)
-        raise api_error from None
+        raise renamed(from_engine_error(error), (".function.parameters", ".input_schema"),
+                      (".function.", ".")) from None
     choice = choice or {"type": "auto"}
     mode = _CHOICES.get(choice.get("type"))  # type: ignore[arg-type]
     if mode is None:

@@ -70,6 +70,15 @@ class APIError(Exception):
 ErrorShape = Callable[[APIError], dict]
 
 
+def renamed(error: APIError, *names: tuple[str, str]) -> APIError:
+    """``error`` with its field named as another API spells it: each (ours, theirs) replaced in
+    ``param`` and the message (chat's ``tools[0].function.name`` is Responses' ``tools[0].name``)."""
+    for ours, theirs in names:
+        error.param = error.param and error.param.replace(ours, theirs)
+        error.message = error.message.replace(ours, theirs)
+    return error
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

@@ -26,7 +26,7 @@ from triode.engine.inputs import ChatOptions
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.structured.params import StructuredOutputsParams
-from triode.frontend.openai.errors import APIError, bad_request, from_engine_error
+from triode.frontend.openai.errors import APIError, bad_request, from_engine_error, renamed
 from triode.frontend.openai.request_body import Reader, StreamOptions, read_sampling
 from triode.frontend.openai.requests import ChatServing, GenerationRequest
 from triode.frontend.openai.tool_request import ToolPlan, read_tools
@@ -258,9 +258,7 @@ def _tools(reader: Reader, serving: ChatServing) -> ToolPlan | None:
         return read_tools(Reader(chat_body, ENDPOINT), parser=serving.tool_call_parser,
                           auto_enabled=serving.enable_auto_tool_choice)
     except APIError as error:  # chat's field names, as the Responses API spells them
-        error.param = error.param and error.param.replace(".function.", ".")
-        error.message = error.message.replace(".function.", ".")
-        raise
+        raise renamed(error, (".function.", ".")) from None
 
 
 def _text_format(reader: Reader) -> StructuredOutputsParams | None:
