@@ -34,6 +34,8 @@ _EXPORTS = {
     "EmbeddingOutput": "triode.engine.outputs",
     "EmbeddingRequestOutput": "triode.engine.outputs",
     "PoolingParams": "triode.engine.pooling_params",
+    "LoRARequest": "triode.engine.lora.request",
+    "LoRAAdapterError": "triode.engine.lora.peft_files",
     "Logprob": "triode.engine.outputs",
     "TextPrompt": "triode.engine.inputs",
     "TokensPrompt": "triode.engine.inputs",
@@ -67,6 +69,8 @@ __all__ = [
     "InvalidRequestError",
     "KVCacheTooSmallError",
     "LLMEngine",
+    "LoRAAdapterError",
+    "LoRARequest",
     "Logprob",
     "ModelLoadError",
     "OutputKind",
@@ -107,6 +111,8 @@ if TYPE_CHECKING:
     from triode.engine.inputs import ChatOptions, TextPrompt, TokensPrompt
     from triode.engine.llm import LLM
     from triode.engine.llm_engine import LLMEngine
+    from triode.engine.lora.peft_files import LoRAAdapterError
+    from triode.engine.lora.request import LoRARequest
     from triode.engine.outputs import (
         CompletionOutput,
         EmbeddingOutput,

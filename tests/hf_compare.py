@@ -28,11 +28,16 @@ TINY_MODEL_TEXTS = (
 
 
 def hf_greedy(path: Path, prompts: Sequence[Sequence[int]], max_tokens: int, *, dtype=torch.float32,
-              device: str = "cpu"):
+              device: str = "cpu", adapter: Path | None = None):
     """(token ids, per-step log-softmax rows, on the CPU) for each prompt, one prompt at a time
     so that no padding enters the comparison. A directory holding a GGUF file (the default
-    model's cache entry) is read from that file, as transformers dequantizes it."""
+    model's cache entry) is read from that file, as transformers dequantizes it. ``adapter``:
+    a PEFT adapter's directory, run as ``PeftModel`` runs it."""
     model = load_hf_reference(path, dtype, device)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     # Without this, generate merges the model's own EOS back in and stops early.
     model.generation_config.eos_token_id = None
     config = GenerationConfig(

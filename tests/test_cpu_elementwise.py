@@ -66,6 +66,16 @@ def test_silu_and_mul_matches_reference(rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_of_gates_past_exp_range_is_finite(dtype):
+    """Gates beyond +-88, where expf overflows (NaN under -ffast-math before the cap)."""
+    gate = torch.tensor([[-1000.0, -150.0, -89.0, -88.0, 89.0, 150.0, 1000.0, 0.5] * 4], dtype=dtype)
+    x = torch.cat([gate, torch.full_like(gate, 2.0)], dim=1)
+    out = silu_and_mul_cpu(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), silu_and_mul_reference(x).float(), atol=1e-30, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (40, 4, 2, 128), (300, 2, 1, 16)]
 )

@@ -31,6 +31,7 @@ from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
 from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
 from triode.engine.kv_events.publisher import open_kv_event_publisher
+from triode.engine.lora.request import LoRARequest
 from triode.engine.model.setup import EngineModel, open_engine_model, open_input_processor
 from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from triode.engine.pooling_params import PoolingParams
@@ -138,10 +139,12 @@ class AsyncLLM:
         *,
         priority: int = 0,
         messages: Sequence[ChatMessage] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs (cumulative or delta per ``output_kind``). ``prompt``:
         text, token ids, a vLLM prompt dict, or ``ChatOptions`` for a chat (``messages=`` is
-        the short form of the latter). Raises ``InvalidRequestError``, ``QueueFull``,
+        the short form of the latter). ``lora_request``: the adapter it runs with (an engine
+        with ``enable_lora``). Raises ``InvalidRequestError``, ``QueueFull``,
         ``EngineDeadError`` or ``EngineShutdownError``."""
         self.check_health()
         if not self._accepting:
@@ -151,7 +154,7 @@ class AsyncLLM:
                 raise InvalidRequestError("messages: pass either a prompt or messages", field="messages")
             prompt = ChatOptions(messages=messages)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        async for output in self._request(prompt, params, request_id, priority):
+        async for output in self._request(prompt, params, request_id, priority, lora_request):
             assert isinstance(output, RequestOutput)
             yield output
 
@@ -173,7 +176,8 @@ class AsyncLLM:
             yield output
 
     async def _request(self, prompt: PromptInput | ChatOptions | None, params: SamplingParams | PoolingParams,
-                       request_id: str | None, priority: int) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
+                       request_id: str | None, priority: int, lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         check_runner(self.runner, params)  # before the prompt is read
         if prompt is None:
             raise InvalidRequestError("prompt: is required", field="prompt")
@@ -185,7 +189,8 @@ class AsyncLLM:
         chat, text = (prompt, None) if isinstance(prompt, ChatOptions) else (None, prompt)
         self.intake.submit(AddRequest(  # QueueFull: nothing was queued, nothing to undo
             request_id=request_id, prompt=text, chat=chat,
-            params=params, priority=priority, arrival_time=trio.current_time(), stream=stream,
+            params=params, lora_request=lora_request, priority=priority, arrival_time=trio.current_time(),
+            stream=stream,
         ))
         self._open[request_id] = stream
         self._idle = trio.Event() if len(self._open) == 1 else self._idle

@@ -153,6 +153,13 @@ class EngineArgs:
     # vLLM's KV-cache events (a JSON object with vLLM's KVEventsConfig fields): the prefix
     # cache's changes published on ZMQ for cache-aware routers (triode.engine.kv_events).
     kv_events_config: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
+    # LoRA adapters chosen per request (vLLM's --enable-lora and its limits): up to max_loras
+    # adapters in one step (each a slot of weights in every worker), of rank up to
+    # max_lora_rank; max_cpu_loras adapters kept read in host memory (default max_loras).
+    enable_lora: bool = False
+    max_loras: int = attrs.field(default=1, validator=_positive)
+    max_lora_rank: int = attrs.field(default=16, validator=_positive)
+    max_cpu_loras: int | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):
@@ -160,6 +167,12 @@ class EngineArgs:
                 f"quantization {self.quantization} keeps the weights quantized for the CPU kernels: "
                 f"it needs dtype auto and a CPU device (got dtype "
                 f"{self.dtype}, device {self.device})", field="quantization")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                                      f"({self.max_loras})", field="max_cpu_loras")
+
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineArgs:

@@ -16,6 +16,8 @@ import attrs
 from transformers import PreTrainedTokenizerFast
 
 from triode.engine.errors import InvalidRequestError, ModelLoadError
+from triode.engine.lora.adapters import LoRAAdapters
+from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.structured.compiler import GrammarCompiler
@@ -178,15 +180,19 @@ class ProcessedPrompt:
     prompt_token_ids: tuple[int, ...]
     # with max_tokens bounded by the room left in max_model_len; or a pooling request's
     params: SamplingParams | PoolingParams
+    lora_request: LoRARequest | None = None  # checked against the model
 
 
 class InputProcessor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerFast, *, max_model_len: int, vocab_size: int,
-        grammars: GrammarCompiler | None = None, hidden_size: int = 0,
+        grammars: GrammarCompiler | None = None, hidden_size: int = 0, loras: LoRAAdapters | None = None,
     ) -> None:
-        """``hidden_size``: a pooling model's embedding size (what ``dimensions`` may cut)."""
+        """``hidden_size``: a pooling model's embedding size (what ``dimensions`` may cut);
+        ``loras``: the adapter checks of an engine with LoRA enabled (None: requests may name
+        no adapter)."""
         self.tokenizer = tokenizer
+        self.loras = loras
         self.hidden_size = hidden_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -226,10 +232,16 @@ class InputProcessor:
             raise InvalidRequestError(f"{field}: the chat template did not render: "
                                       f"{type(e).__name__}: {e}", field=field) from e
 
-    def process(self, prompt: PromptInput | ChatOptions, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+    def process(self, prompt: PromptInput | ChatOptions, params: SamplingParams | PoolingParams,
+                lora_request: LoRARequest | None = None) -> ProcessedPrompt:
         """Renders (chat), tokenizes (text) or checks (token ids) the prompt and validates it
-        with the parameters against the model. A chat's text already holds its special
-        tokens, so tokenizing it adds none."""
+        with the parameters (and the adapter's files) against the model. A chat's text
+        already holds its special tokens, so tokenizing it adds none."""
+        if lora_request is not None:
+            if self.loras is None:
+                raise InvalidRequestError("lora_request: this engine serves no LoRA adapters (start it with "
+                                          "enable_lora=True, --enable-lora)", field="lora_request")
+            self.loras.check(lora_request)
         if isinstance(params, PoolingParams):
             return self._pooling(prompt, params)
         text, token_ids = self._tokens(prompt)
@@ -253,7 +265,7 @@ class InputProcessor:
                     field="min_tokens",
                 )
             params = attrs.evolve(params, max_tokens=room)
-        return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
+        return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, lora_request=lora_request)
 
     def _tokens(self, prompt: PromptInput | ChatOptions) -> tuple[str | None, tuple[int, ...]]:
         if isinstance(prompt, ChatOptions):

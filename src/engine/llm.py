@@ -19,6 +19,7 @@ from tqdm import tqdm
 from triode.engine.config import EngineArgs
 from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
 from triode.engine.llm_engine import LLMEngine
+from triode.engine.lora.request import LoRARequest
 from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
@@ -47,14 +48,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. ``prompts``: one prompt or a list; a prompt is text, token
-        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. ``lora_request``: the
+        adapter of every prompt, or one per prompt (None: the base model's)."""
         batch = _as_batch(prompts)
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"priority: {len(priority)} values for {len(batch)} prompts")
-        return self._run(batch, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self._run(batch, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                         loras=_loras_per_prompt(lora_request, len(batch)))
 
     def chat(
         self,
@@ -67,6 +71,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the model's chat template (or
         ``chat_template``; ``chat_template_kwargs`` are the template's extra variables)."""
@@ -78,7 +83,8 @@ class LLM:
                         continue_final_message=continue_final_message, tools=tools)
             for conversation in conversations
         ]
-        return self._run(chats, sampling_params, use_tqdm=use_tqdm, priority=None)
+        return self._run(chats, sampling_params, use_tqdm=use_tqdm, priority=None,
+                         loras=_loras_per_prompt(lora_request, len(chats)))
 
     def embed(
         self,
@@ -104,16 +110,19 @@ class LLM:
         *,
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None],
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.llm_engine.get_default_sampling_params()
         # Only final outputs are collected, so the engine need not build the others.
         params_list = [attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY)
                        for p in _per_prompt(sampling_params, len(prompts), SamplingParams)]
-        return self._collect(prompts, params_list, use_tqdm=use_tqdm, priority=priority, kind="Generating")
+        return self._collect(prompts, params_list, use_tqdm=use_tqdm, priority=priority, kind="Generating",
+                             loras=loras)
 
     def _collect(self, prompts: Sequence[PromptInput | ChatOptions], params_list: Sequence[Any], *,
-                 use_tqdm: bool, priority: Sequence[int] | None, kind: str) -> list[Any]:
+                 use_tqdm: bool, priority: Sequence[int] | None, kind: str,
+                 loras: Sequence[LoRARequest | None] = ()) -> list[Any]:
         """Runs one request per prompt to its final output; returns them in input order."""
         engine = self.llm_engine
         ids: list[str] = []
@@ -125,7 +134,8 @@ class LLM:
                 request_id = str(self._next_id)
                 self._next_id += 1
                 ids.append(request_id)  # first: an abort of an id that was not added is a no-op
-                engine.add_request(request_id, prompt, params, priority=priority[index] if priority else 0)
+                engine.add_request(request_id, prompt, params, priority=priority[index] if priority else 0,
+                                   lora_request=loras[index] if loras else None)
             with tqdm(total=len(ids), desc=kind, unit="req", disable=not use_tqdm) as bar:
                 generated = 0
                 while engine.has_unfinished_requests():
@@ -148,6 +158,16 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _loras_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"lora_request: {len(loras)} adapters for {count} prompts")
+    return loras
 
 
 def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

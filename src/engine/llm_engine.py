@@ -30,6 +30,7 @@ from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, WorkerFailure
 from triode.engine.inputs import ChatOptions, PromptInput
 from triode.engine.kv_events.publisher import ZmqEventPublisher, start_kv_event_publisher
+from triode.engine.lora.request import LoRARequest
 from triode.engine.model.setup import open_engine_model, open_input_processor
 from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from triode.engine.pooling_params import PoolingParams
@@ -87,19 +88,20 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues a request (all its ``n`` samples, or nothing): raises
         ``InvalidRequestError`` naming the field. PoolingParams: an embedding, from a pooling
-        model."""
+        model. ``lora_request``: the adapter it runs with (an engine with ``enable_lora``)."""
         self._check_alive()
         params = params if params is not None else self.get_default_sampling_params()
         check_runner(self.core.runner, params)  # before the prompt is read
-        processed = self.inputs.process(prompt, params)
+        processed = self.inputs.process(prompt, params, lora_request)
         now = time.monotonic()
         with deferred_keyboard_interrupt():  # the core and the output side learn of it together
             seq_ids = self.core.add_request(
                 request_id, processed.prompt_token_ids, processed.params, arrival_time=now,
-                priority=priority,
+                priority=priority, lora_request=processed.lora_request,
             )
             self.outputs.add_request(
                 request_id, prompt=processed.prompt, prompt_token_ids=processed.prompt_token_ids,

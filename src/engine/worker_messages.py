@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import attrs
 
+from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class NewSequence:
     eos_token_ids: tuple[int, ...] = ()
     # A pooling sequence: its last chunk returns its embedding, and it samples nothing.
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (the worker reads its files once)
 
 
 class ScheduledChunk(NamedTuple):

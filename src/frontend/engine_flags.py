@@ -52,6 +52,11 @@ _HELP = {
     "kv_events_config": "publish the prefix cache's events for cache-aware routers, as vLLM: a JSON object "
                         "such as '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
                         "\"replay_endpoint\": \"tcp://*:5558\"}'",
+    "enable_lora": "serve LoRA adapters chosen per request (--lora-modules, /v1/load_lora_adapter, "
+                   "LoRARequest), batched with the base model's requests",
+    "max_loras": "most LoRA adapters in one step (each a slot of weights in every worker)",
+    "max_lora_rank": "highest rank of a LoRA adapter (its weights' slots are this wide)",
+    "max_cpu_loras": "LoRA adapters kept read in each worker's host memory (default: --max-loras)",
 }
 
 

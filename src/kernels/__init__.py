@@ -15,7 +15,8 @@ and benchmarks: ``torch`` runs only the references; forcing triton on CPU needs
 One module per op, each with its torch reference, its Triton kernel and the launcher that checks
 the arguments: :mod:`triode.kernels.kv_write`, :mod:`triode.kernels.decode_attention`,
 :mod:`triode.kernels.prefill_attention` (composed by :mod:`triode.kernels.paged_attention`),
-:mod:`triode.kernels.rms_norm`, :mod:`triode.kernels.rotary`, :mod:`triode.kernels.silu_mul`. This package imports
+:mod:`triode.kernels.rms_norm`, :mod:`triode.kernels.rotary`, :mod:`triode.kernels.silu_mul`,
+:mod:`triode.kernels.lora` (batched adapters). This package imports
 only torch; triton is imported, and the kernels jitted, on the first Triton launch
 (:mod:`triode.kernels._jit`), so it runs where triton is missing and on a bare GPU machine.
 
@@ -52,6 +53,7 @@ from triode.kernels.invariance import (
 )
 from triode.kernels.invariant_matmul import invariant_linear_triton
 from triode.kernels.kv_write import write_kv_reference, write_kv_triton
+from triode.kernels.lora import LoRASegments, add_lora_cpu, add_lora_reference, add_lora_triton
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.moe import fused_experts_reference, fused_experts_triton, route
 from triode.kernels.native import native_library, use_cache_dir
@@ -79,7 +81,9 @@ __all__ = [
     "BACKENDS",
     "AttentionMetadata",
     "DecodeStack",
+    "LoRASegments",
     "QuantizedWeight",
+    "add_lora",
     "argmax",
     "backend_for",
     "batch_invariant",
@@ -244,6 +248,18 @@ def silu_and_mul(x):
     if _backend == "auto" and (out := silu_and_mul_cpu(x)) is not None:
         return out
     return silu_and_mul_reference(x)
+
+
+def add_lora(out, x, a, b, slices, segments: LoRASegments) -> None:
+    """Adds each segment's adapter to ``out`` in place: ``out[rows, slice i] += (x[rows] @
+    a[slot, i].T) @ b[slot, slice i].T`` (``triode.kernels.lora``), each row independent of the
+    others on every path."""
+    if _use_triton(x):
+        add_lora_triton(out, x, a, b, slices, segments)
+    elif _backend == "auto":
+        add_lora_cpu(out, x, a, b, slices, segments)
+    else:
+        add_lora_reference(out, x, a, b, slices, segments)
 
 
 def argmax(x):

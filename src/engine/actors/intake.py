@@ -55,6 +55,7 @@ class IntakeActor:
                     continue  # the client left while the request queued
                 try:
                     if (request.chat is not None or isinstance(request.prompt, str | Mapping)
+                            or request.lora_request is not None  # its files are read on first use
                             or (isinstance(request.params, SamplingParams)
                                 and request.params.structured_outputs is not None)):
                         # Templates, tokenizers and grammar compilation take real time (and
@@ -74,10 +75,10 @@ class IntakeActor:
 
     def _process(self, request: AddRequest) -> ProcessedPrompt:
         if request.chat is not None:
-            return self.processor.process(request.chat, request.params)
+            return self.processor.process(request.chat, request.params, request.lora_request)
         if request.prompt is None:
             raise InvalidRequestError("a request needs a prompt or a chat", field="prompt")
-        return self.processor.process(request.prompt, request.params)
+        return self.processor.process(request.prompt, request.params, request.lora_request)
 
     def statistics(self) -> IntakeStatistics:
         return IntakeStatistics(

@@ -11,6 +11,7 @@ import attrs
 from triode.engine.actors.streams import RequestStream
 from triode.engine.core.scheduler_output import SequenceUpdate
 from triode.engine.inputs import ChatOptions, ProcessedPrompt, PromptInput
+from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class AddRequest:
     prompt: PromptInput | None = None
     chat: ChatOptions | None = None  # a chat: its messages, rendered with the template
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding
+    lora_request: LoRARequest | None = None
     priority: int = 0
     arrival_time: float
     stream: RequestStream = attrs.field(eq=False)

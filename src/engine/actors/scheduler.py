@@ -87,6 +87,7 @@ class SchedulerActor:
             seq_ids = self.core.add_request(
                 request.request_id, processed.prompt_token_ids, processed.params,
                 arrival_time=request.arrival_time, priority=request.priority,
+                lora_request=processed.lora_request,
             )
         except InvalidRequestError as error:
             stream.fail(error)

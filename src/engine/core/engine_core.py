@@ -36,6 +36,7 @@ from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
+from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
@@ -108,6 +109,7 @@ class EngineCore:
         *,
         arrival_time: float,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str, ...]:
         """Admits a request's sequences (their ids are returned), or none of them: a request id
         in use, a sequence id of its ``n > 1`` samples that another request's sequence holds,
@@ -120,6 +122,7 @@ class EngineCore:
         sequences = make_sequences(
             request_id, prompt_token_ids, params, arrival_time=arrival_time,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, priority=priority,
+            lora=lora_request,
         )
         for sequence in sequences:
             if sequence.seq_id in scheduler.sequences:

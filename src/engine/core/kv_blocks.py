@@ -96,7 +96,7 @@ class BlockManager:
         """Extends seq.block_hashes over its full blocks (tokens never change, only grow)."""
         hashes, tokens, size = seq.block_hashes, seq.all_token_ids, self.block_size
         for i in range(len(hashes), len(tokens) // size):
-            hashes.append(hash_block(hashes[-1] if i else b"", tokens[i * size : (i + 1) * size]))
+            hashes.append(hash_block(hashes[-1] if i else seq.cache_salt, tokens[i * size : (i + 1) * size]))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
@@ -190,6 +190,7 @@ class BlockManager:
                 runs.append(BlockStored(
                     tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
                     tuple(tokens[first * size:(last + 1) * size]), size,
+                    None if seq.lora is None else seq.lora.lora_int_id, None if seq.lora is None else seq.lora.lora_name,
                 ))
                 start = k
         return runs

@@ -20,6 +20,8 @@ class BlockStored(NamedTuple):
     parent_block_hash: bytes | None
     token_ids: tuple[int, ...]  # the blocks' tokens, block_size per hash
     block_size: int
+    lora_id: int | None = None  # the adapter whose KV they hold (None: the base model's)
+    lora_name: str | None = None
 
 
 class BlockRemoved(NamedTuple):

@@ -62,9 +62,12 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         max_steps_in_flight: int = 1,
         whole_prompts: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         """``whole_prompts``: a prompt is never cut into chunks (an encoder's, whose every token
-        attends to every other); ``max_num_batched_tokens`` must then hold the longest one."""
+        attends to every other); ``max_num_batched_tokens`` must then hold the longest one.
+        ``max_loras``: the most LoRA adapters the running sequences may use at once (the
+        workers' slots); a waiting sequence of another adapter waits, and others pass it."""
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
         if max_steps_in_flight not in (1, 2):
@@ -76,6 +79,7 @@ class Scheduler:
         self.long_prefill_token_threshold = None if whole_prompts else long_prefill_token_threshold
         self.scheduling_policy = scheduling_policy
         self.whole_prompts = whole_prompts
+        self.max_loras = max_loras
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by seq id
         self.families: dict[str, list[Sequence]] = {}  # user request id -> unfinished sequences
         self.waiting: list[Sequence] = []  # sorted by _key
@@ -109,6 +113,7 @@ class Scheduler:
             scheduling_policy=args.scheduling_policy,
             max_steps_in_flight=2 if args.async_scheduling_on(worker_device) else 1,
             whole_prompts=whole_prompts_of is not None,
+            max_loras=args.max_loras if args.enable_lora else None,
         )
 
     def _key(self, seq: Sequence) -> tuple[float, ...]:
@@ -253,11 +258,16 @@ class Scheduler:
 
         # Then waiting ones, unless this step had to preempt (they would only thrash).
         if not preempted:
+            adapters = {s.lora.lora_int_id for s in self.running if s.lora is not None}
             for seq in list(self.waiting):
                 if len(self.running) >= self.max_num_seqs or budget == 0:
                     break
                 if self._sibling_is_prefilling(seq):
                     continue  # share its prompt blocks once they are cached
+                if (seq.lora is not None and self.max_loras is not None and seq.lora.lora_int_id not in adapters
+                        and len(adapters) >= self.max_loras):
+                    continue  # its adapter waits for a slot
+
                 hits, num_hit_tokens = bm.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, threshold, budget)
                 if self.whole_prompts and num_new < seq.num_tokens - num_hit_tokens:
@@ -268,6 +278,8 @@ class Scheduler:
                     seq.num_cached_tokens = num_hit_tokens
                 self.waiting.remove(seq)
                 self.running.append(seq)
+                if seq.lora is not None:
+                    adapters.add(seq.lora.lora_int_id)
                 seq.status = SequenceStatus.RUNNING
                 seq.known_to_worker = True
                 new_sequences.append(
@@ -278,6 +290,7 @@ class Scheduler:
                         params=seq.params,
                         eos_token_ids=seq.eos_token_ids,
                         pooling=seq.pooling,
+                        lora=seq.lora,
                     )
                 )
                 chunks[seq.seq_id] = self._chunk(seq, num_new)
@@ -429,4 +442,10 @@ class Scheduler:
             prefix_cache_hits=bm.prefix_cache_hits,
             iteration_tokens=tuple(self._iteration_tokens),
             iteration_tokens_sum=self._iteration_tokens_sum,
+            running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting),
         )
+
+
+def _adapter_names(sequences: list[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({seq.lora.lora_name for seq in sequences if seq.lora is not None}))

@@ -42,3 +42,6 @@ class SchedulerStats:
     # last count is above every bound), and the tokens of them all.
     iteration_tokens: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
     iteration_tokens_sum: int = 0
+    # The adapters of the running and the waiting sequences, by name (vllm:lora_requests_info).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()

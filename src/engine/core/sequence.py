@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class Sequence:
         request_id: str | None = None,
         index: int = 0,
         pooling: PoolingParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
@@ -83,6 +85,9 @@ class Sequence:
         self.index = index  # which of the parent's n outputs this is
         self.params = params
         self.pooling = pooling  # a pooling sequence: its one "sample" is its embedding
+        self.lora = lora  # the adapter it runs with, or None for the base model
+        # The prefix cache's first parent hash: KV computed with an adapter is that adapter's.
+        self.cache_salt = b"" if lora is None else b"lora:%d" % lora.lora_int_id
         self.arrival_time = arrival_time  # given by the caller: the core never reads a clock
         self.priority = priority  # lower value = more important (vLLM's convention)
         # The model's end-of-sequence ids, its own first (see check_stop).
@@ -224,6 +229,7 @@ def make_sequences(
     max_model_len: int,
     eos_token_ids: collections.abc.Sequence[int] = (),
     priority: int = 0,
+    lora: LoRARequest | None = None,
 ) -> list[Sequence]:
     """The sequences of one user request: itself when ``n == 1`` (or it pools), else ``n``
     children with ids ``"{request_id}-{i}"``, ``n=1`` params, and ``seed + i`` (wrapped to
@@ -235,7 +241,7 @@ def make_sequences(
         return [
             Sequence(
                 request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                max_model_len=max_model_len, eos_token_ids=eos_token_ids, priority=priority,
+                max_model_len=max_model_len, eos_token_ids=eos_token_ids, priority=priority, lora=lora,
             )
         ]
     children = []
@@ -247,7 +253,7 @@ def make_sequences(
             Sequence(
                 f"{request_id}-{i}", prompt_token_ids, attrs.evolve(params, n=1, seed=seed),
                 arrival_time=arrival_time, max_model_len=max_model_len,
-                eos_token_ids=eos_token_ids, priority=priority, request_id=request_id, index=i,
+                eos_token_ids=eos_token_ids, priority=priority, request_id=request_id, index=i, lora=lora,
             )
         )
     return children

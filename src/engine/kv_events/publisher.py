@@ -69,7 +69,7 @@ def encode_event(event: KVCacheEvent) -> dict[str, object]:
                     "parent_block_hash": None if event.parent_block_hash is None
                     else external_hash(event.parent_block_hash),
                     "token_ids": list(event.token_ids), "block_size": event.block_size,
-                    "lora_id": None, "medium": MEDIUM, "lora_name": None}
+                    "lora_id": event.lora_id, "medium": MEDIUM, "lora_name": event.lora_name}
         case BlockRemoved():
             return {"type": "BlockRemoved", "block_hashes": [external_hash(h) for h in event.block_hashes],
                     "medium": MEDIUM}

@@ -16,7 +16,10 @@ from triode.engine.inputs import (
     load_tokenizer,
     template_reads_tools,
 )
+from triode.engine.lora.adapters import LoRAAdapters
+from triode.engine.model.config import ModelConfig
 from triode.engine.model.generation_config import GenerationDefaults, read_generation_defaults
+from triode.engine.model_files.layout import load_hf_config
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.structured.compiler import GrammarCompiler
 from triode.engine.worker_messages import WorkerInfo
@@ -53,5 +56,9 @@ def open_input_processor(model: EngineModel, args: EngineArgs, info: WorkerInfo)
     if model.tokenizer.chat_template and not template_reads_tools(model.tokenizer.chat_template):
         log.info("chat template: the model's own ignores tools; chats with tools use triode's %s",
                  TOOL_TEMPLATE_NAME)
+    loras = None
+    if args.enable_lora:
+        config = ModelConfig.from_hf(load_hf_config(model.path), source=str(model.path / "config.json"))
+        loras = LoRAAdapters(config, max_rank=args.max_lora_rank)
     return InputProcessor(model.tokenizer, max_model_len=info.max_model_len,
-                          vocab_size=info.vocab_size, grammars=grammars, hidden_size=info.hidden_size)
+                          vocab_size=info.vocab_size, grammars=grammars, hidden_size=info.hidden_size, loras=loras)

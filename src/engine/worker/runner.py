@@ -19,7 +19,8 @@ import torch
 from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import blocks_in_use_at_most
-from triode.engine.errors import KVCacheTooSmallError
+from triode.engine.errors import KVCacheTooSmallError, ModelLoadError
+from triode.engine.lora.request import LoRARequest
 from triode.engine.model.config import ModelConfig
 from triode.engine.model.pooling import read_pooler_config, resolve_runner
 from triode.engine.model_files.layout import load_hf_config
@@ -36,6 +37,7 @@ from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture
 from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from triode.engine.worker.input_staging import InputStaging
+from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.models.registry import build_model
 from triode.engine.worker.placement import (
@@ -72,6 +74,7 @@ class _Sequence:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None
 
 
 class ModelRunner:
@@ -138,6 +141,14 @@ class ModelRunner:
             device=self.device, max_positions=self.max_model_len, source=str(path),
             parallel=self.parallel, quantized=self.quantized, head=self.pooler is None,
         )
+        self.loras: WorkerLoRAs | None = None
+        if args.enable_lora:
+            if self.pooler is not None:
+                raise ModelLoadError("LoRA adapters apply to generation models; this one is a pooling model "
+                                     "(drop --enable-lora)", path=str(path))
+            self.loras = WorkerLoRAs(self.model, self.config, max_loras=args.max_loras, max_rank=args.max_lora_rank,
+                                     max_cpu_loras=args.resolved_max_cpu_loras(),
+                                     partition=self.parallel.partition if self.parallel is not None else None)
         if args.batch_invariant:
             check_batch_invariant(quantized=bool(self.quantized))
         kernels.set_batch_invariant(args.batch_invariant)
@@ -210,7 +221,8 @@ class ModelRunner:
         self._grammar_seconds = 0.0
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = _Sequence(
-                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids, new.pooling
+                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids, new.pooling,
+                new.lora,
             )
             self.block_tables.add(new.seq_id)
             if self.grammars is not None and new.params.structured_outputs is not None:
@@ -219,10 +231,15 @@ class ModelRunner:
                                     new.output_token_ids)
                 self._grammar_seconds += time.perf_counter() - grammar_started
         chunks, chunk_tokens = plan.chunks, self._chunk_tokens(plan.chunks)
-        if any(len(tokens) != 1 for tokens in chunk_tokens):
-            # Decodes (one query token) go first: the attention ops batch them together.
-            order = sorted(range(len(chunks)), key=lambda i: len(chunk_tokens[i]) != 1)
+        adapters = self._adapters(chunks)
+        if adapters is not None or any(len(tokens) != 1 for tokens in chunk_tokens):
+            # Decodes (one query token) go first: the attention ops batch them together; then
+            # each adapter's rows together, the segments of the LoRA op.
+            ids = [0 if adapter is None else adapter.lora_int_id for adapter in adapters or ()] or [0] * len(chunks)
+            order = sorted(range(len(chunks)), key=lambda i: (len(chunk_tokens[i]) != 1, ids[i]))
             chunks, chunk_tokens = [chunks[i] for i in order], [chunk_tokens[i] for i in order]
+            if adapters is not None:
+                adapters = [adapters[i] for i in order]
         for chunk in chunks:
             if chunk.new_block_ids:
                 self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
@@ -233,19 +250,14 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.collective_seconds = 0.0
         self._prepare_seconds = time.perf_counter() - started
-        pooled: tuple[PooledOutput, ...] = ()
-        if self.pooler is not None:
-            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            params = {c.seq_id: self.sequences[c.seq_id].pooling or PoolingParams() for c in chunks}
-            pooled = self.pooler.pool(chunks, inputs, hidden, params)
-            sampled, prompt_logprobs = (), ()
-        elif self._replays(chunks, inputs):
-            logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
-            sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits), ()
-        else:
-            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            sampled = self._sample(chunks, inputs, hidden=hidden)
-            prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
+        if adapters is not None:
+            self.loras.begin_step([adapter for adapter, tokens in zip(adapters, chunk_tokens, strict=True)
+                                   for _ in tokens])
+        try:
+            sampled, prompt_logprobs, pooled = self._run(chunks, inputs, lora=adapters is not None)
+        finally:
+            if adapters is not None:
+                self.loras.end_step()
         return StepResult(
             step_id=plan.step_id,
             sampled=sampled,
@@ -256,6 +268,32 @@ class ModelRunner:
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
             prepare_seconds=self._prepare_seconds,
         )
+
+    def _adapters(self, chunks) -> list[LoRARequest | None] | None:
+        """Each chunk's adapter, or None when no chunk of the step has one."""
+        if self.loras is None:
+            return None
+        adapters = [self.sequences[chunk.seq_id].lora for chunk in chunks]
+        return adapters if any(adapters) else None
+
+    def _run(self, chunks, inputs: StepInputs, *, lora: bool):
+        """(sampled, prompt logprobs, pooled) of the step; ``lora``: some rows have an adapter
+        (the fused decode paths, a C stack and captured graphs, have none)."""
+        pooled: tuple[PooledOutput, ...] = ()
+        if self.pooler is not None:
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            params = {c.seq_id: self.sequences[c.seq_id].pooling or PoolingParams() for c in chunks}
+            pooled = self.pooler.pool(chunks, inputs, hidden, params)
+            sampled, prompt_logprobs = (), ()
+        elif not lora and self._replays(chunks, inputs):
+            logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
+            sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits), ()
+        else:
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                                fused_decode=not lora)
+            sampled = self._sample(chunks, inputs, hidden=hidden)
+            prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
+        return sampled, prompt_logprobs, pooled
 
     def _chunk_tokens(self, chunks) -> list[tuple[int, ...]]:
         """Every chunk's input tokens. A plan made ahead (async scheduling) feeds a sequence the

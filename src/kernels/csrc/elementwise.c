@@ -61,13 +61,16 @@ int NAME(const ELEM *x, int64_t x_stride, const ELEM *residual, int64_t residual
     return 0;                                                                                   \
 }
 
-/* out [rows, d] = round(silu(gate)) * up, x [rows, 2d] holding gate then up. */
+/* out [rows, d] = round(silu(gate)) * up, x [rows, 2d] holding gate then up. The exponent is
+ * capped below float32's overflow: under -ffast-math (no infinities) expf(x) past 88.7 is
+ * undefined, and came out NaN for gates below -88 (a LoRA adapter's activations reach them);
+ * with the cap such a gate's silu is -g / 1.65e38, a tiny negative where torch gives -0. */
 #define DEFINE_SILU_MUL(NAME, ELEM, LOAD, STORE)                                                 \
 static inline void NAME##_span(const ELEM *gate, const ELEM *up, ELEM *product, int n)          \
 {                                                                                               \
     for (int i = 0; i < n; i++) {                                                               \
         const float g = LOAD(gate[i]);                                                          \
-        product[i] = STORE(LOAD(STORE(g / (1.0f + expf(-g)))) * LOAD(up[i]));                   \
+        product[i] = STORE(LOAD(STORE(g / (1.0f + expf(fminf(-g, 88.0f))))) * LOAD(up[i]));    \
     }                                                                                           \
 }                                                                                               \
 int NAME(const ELEM *x, int64_t x_stride, ELEM *out, int64_t rows, int d)                       \

@@ -10,12 +10,17 @@ tensor (q, k and v may have different block types), each writing its columns of 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from triode import kernels
 from triode.engine.worker.host_memory import weight_tensor
 from triode.kernels.packed_linear import PACK_MIN_WEIGHTS
+
+if TYPE_CHECKING:
+    from triode.engine.worker.lora import LoRAStack
 
 __all__ = ["Embedding", "Linear", "QuantizedParts", "RMSNorm", "interleaved_parts", "joined_parts"]
 
@@ -55,9 +60,11 @@ class Linear(QuantizedParts, nn.Linear):
     """nn.Linear through ``kernels.linear``; on a CPU, :meth:`pack` (once the weight is loaded)
     gives it oneDNN's packed copy of the weight. With quantized parts, each part computes its
     columns of the output with the quantized kernels; :meth:`pack` joins parts of one block
-    type into one weight (rows are independent blocks), so a fused layer is one kernel call."""
+    type into one weight (rows are independent blocks), so a fused layer is one kernel call.
+    With LoRA enabled, the step's adapters are added to the output (``lora``)."""
 
     packed_weight: torch.Tensor | None = None
+    lora: LoRAStack | None = None  # the adapters' weights, with --enable-lora (triode.engine.worker.lora)
 
     def pack(self) -> None:
         if self.parts is None:
@@ -66,6 +73,12 @@ class Linear(QuantizedParts, nn.Linear):
             self.parts = interleaved_parts(joined_parts(self.parts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base(x)
+        if self.lora is not None:
+            self.lora.add_(out, x)
+        return out
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is None:
             return kernels.linear(x, self.weight, self.bias, self.packed_weight)
         if len(self.parts) == 1:

@@ -201,10 +201,14 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         metadata: kernels.AttentionMetadata,
+        *,
+        fused_decode: bool = True,
     ) -> torch.Tensor:
-        """Final hidden states [tokens, hidden] of a flattened step batch."""
+        """Final hidden states [tokens, hidden] of a flattened step batch. ``fused_decode``:
+        False runs the modules even where the C decode stack would take the step (a step with
+        LoRA adapters, which only the modules apply)."""
         hidden = self.embed(input_ids)
-        stack = self._decode_stack_for(kv_caches)
+        stack = self._decode_stack_for(kv_caches) if fused_decode else None
         if stack is not None and stack.takes(hidden.shape[0], metadata, kv_caches):
             hidden, residual = stack.run(hidden, positions, metadata)
         else:

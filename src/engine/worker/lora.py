@@ -1,0 +1,208 @@
+"""LoRA adapters in a worker: their weights in stacked slots on the model's linear layers, an
+LRU of resident adapters (``max_loras`` slots) over an LRU of adapters read into host memory
+(``max_cpu_loras``), and each step's rows mapped to their adapter's slot.
+
+Each adapted layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) gets a
+:class:`LoRAStack`: ``a`` [max_loras, P * max_rank, in], ``b`` [max_loras, out, max_rank],
+with P the PEFT modules fused in the layer (q, k, v: 3; gate, up: 2), an adapter's smaller
+rank zero-padded, its scaling folded into B, and a module it does not target left zero. The
+layer's forward adds ``kernels.add_lora`` over the step's :class:`~triode.kernels.LoRASegments`
+(the runner orders rows so that each adapter's are contiguous).
+
+Under tensor parallelism a rank keeps its shard as vLLM does: column-parallel layers (q, k, v,
+gate, up) the rows of B for its output features and all of A; row-parallel ones (o, down) the
+columns of A for its input features and all of B, whose partial products the layer's
+all-reduce sums with the base output's.
+
+The engine has checked every adapter it sends (``triode.engine.lora.peft_files``), and never
+schedules more adapters in one step than there are slots.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+import torch
+from safetensors import safe_open
+
+from triode import kernels
+from triode.engine.lora.peft_files import AdapterFacts, module_shape, read_adapter
+from triode.engine.lora.request import LoRARequest
+from triode.engine.model.config import ModelConfig
+from triode.engine.worker.distributed import Partition
+
+__all__ = ["LoRAStack", "WorkerLoRAs"]
+
+# A model's adapted layer (attribute of a decoder layer's self_attn or mlp) -> the PEFT modules
+# whose outputs are its output's slices, in order.
+ADAPTED_LAYERS = {
+    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+    ("self_attn", "o_proj"): ("o_proj",),
+    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+    ("mlp", "down_proj"): ("down_proj",),
+}
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+SlotWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, layer name) -> (a, b)
+
+
+class LoRAStack:
+    """One linear layer's adapters, slot by slot, and the step's segments (shared by every
+    stack of the model through ``step``)."""
+
+    def __init__(self, step: _StepSegments, modules: tuple[str, ...], slots: int, rank: int, in_features: int,
+                 slices: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.step = step
+        self.modules = modules  # the PEFT modules of the output's slices
+        self.slices = slices
+        self.a = torch.zeros((slots, len(slices) * rank, in_features), dtype=dtype, device=device)
+        self.b = torch.zeros((slots, sum(slices), rank), dtype=dtype, device=device)
+
+    def add_(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        segments = self.step.segments
+        if segments is not None:
+            kernels.add_lora(out, x.to(self.a.dtype), self.a, self.b, self.slices, segments)
+
+
+class _StepSegments:
+    segments: kernels.LoRASegments | None = None
+
+
+class WorkerLoRAs:
+    """The adapters of one rank's model (``model.layers``' attention and MLP layers get a
+    ``lora`` stack each)."""
+
+    def __init__(self, model, config: ModelConfig, *, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 partition: Partition | None = None) -> None:
+        self.config = config
+        self.max_rank = max_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.partition = partition
+        self._step = _StepSegments()
+        self.stacks: dict[tuple[int, str], LoRAStack] = {}
+        for layer_index, layer in enumerate(model.layers):
+            for (block, name), modules in ADAPTED_LAYERS.items():
+                linear = getattr(getattr(layer, block), name, None)
+                if linear is None:  # a mixture-of-experts layer has no dense MLP
+                    continue
+                slices = tuple(self._local_shape(module)[1] for module in modules)
+                linear.lora = LoRAStack(self._step, modules, max_loras, max_rank, linear.in_features, slices,
+                                        model.norm.weight.dtype, model.norm.weight.device)
+                self.stacks[layer_index, name] = linear.lora
+        self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
+        self._host: collections.OrderedDict[int, SlotWeights] = collections.OrderedDict()  # adapter id -> weights
+        self.loads = 0  # adapters read from their files (a restart or an eviction from host reads again)
+
+    def _local_shape(self, module: str) -> tuple[int, int]:
+        """(in, out) features of ``module`` on this rank."""
+        start, stop = self._local_range(module)
+        in_features, out_features = module_shape(self.config, module)
+        if module in _ROW_PARALLEL:
+            return stop - start, out_features
+        return in_features, stop - start
+
+    def _local_range(self, module: str) -> tuple[int, int]:
+        """The range of ``module``'s sharded dimension (B's rows, or A's columns for a
+        row-parallel module) this rank holds."""
+        partition, dim = self.partition, self.config.head_dim
+        if partition is None:
+            in_features, out_features = module_shape(self.config, module)
+            return (0, in_features) if module in _ROW_PARALLEL else (0, out_features)
+        if module in ("q_proj", "o_proj"):
+            return partition.q_heads[0] * dim, partition.q_heads[1] * dim
+        if module in ("k_proj", "v_proj"):
+            return partition.kv_heads[0] * dim, partition.kv_heads[1] * dim
+        return partition.intermediate
+
+    # ---- a step ---------------------------------------------------------------------------
+
+    def begin_step(self, row_adapters: list[LoRARequest | None]) -> None:
+        """Makes every adapter of the step resident and maps each row to its slot."""
+        wanted = {request.lora_int_id: request for request in row_adapters if request is not None}
+        slots = self._make_resident(wanted.values())
+        segments = kernels.LoRASegments.of_rows(
+            [-1 if request is None else slots[request.lora_int_id] for request in row_adapters])
+        self._step.segments = segments if len(segments) else None
+
+    def end_step(self) -> None:
+        self._step.segments = None
+
+    def _make_resident(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
+        requests = list(requests)
+        if len(requests) > self.num_slots:
+            raise RuntimeError(f"a step with {len(requests)} adapters, over the {self.num_slots} slots "
+                               f"(the scheduler keeps within --max-loras)")
+        wanted = {request.lora_int_id for request in requests}
+        for request in requests:
+            adapter_id = request.lora_int_id
+            if adapter_id in self.resident:
+                self.resident.move_to_end(adapter_id)
+                continue
+            taken = set(self.resident.values())
+            free = [slot for slot in range(self.num_slots) if slot not in taken]
+            if free:
+                slot = free[0]
+            else:
+                victim = next(i for i in self.resident if i not in wanted)  # the least recently used
+                slot = self.resident.pop(victim)
+            self._place(slot, self._weights(request))
+            self.resident[adapter_id] = slot
+        return {adapter_id: self.resident[adapter_id] for adapter_id in wanted}
+
+    @property
+    def num_slots(self) -> int:
+        return next(iter(self.stacks.values())).a.shape[0]
+
+    def _place(self, slot: int, weights: SlotWeights) -> None:
+        for key, stack in self.stacks.items():
+            a, b = weights.get(key, (None, None))
+            if a is None:
+                stack.a[slot].zero_()
+                stack.b[slot].zero_()
+            else:
+                stack.a[slot].copy_(a)
+                stack.b[slot].copy_(b)
+
+    # ---- host copies ----------------------------------------------------------------------
+
+    def _weights(self, request: LoRARequest) -> SlotWeights:
+        adapter_id = request.lora_int_id
+        if adapter_id in self._host:
+            self._host.move_to_end(adapter_id)
+            return self._host[adapter_id]
+        facts = read_adapter(request.lora_path, request.lora_name, self.config, max_rank=self.max_rank)
+        weights = self._read(facts)
+        self.loads += 1
+        self._host[adapter_id] = weights
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+        return weights
+
+    def _read(self, facts: AdapterFacts) -> SlotWeights:
+        """Each adapted layer's slot contents (this rank's shard, scaled, zero-padded)."""
+        weights: SlotWeights = {}
+        some_stack = next(iter(self.stacks.values()))
+        dtype = some_stack.a.dtype
+        with safe_open(str(facts.weights_file), framework="pt") as file:
+            for (layer, name), stack in self.stacks.items():
+                if not any((layer, module) in facts.targets for module in stack.modules):
+                    continue
+                a = torch.zeros(stack.a.shape[1:], dtype=dtype)
+                b = torch.zeros(stack.b.shape[1:], dtype=dtype)
+                column = 0
+                for index, module in enumerate(stack.modules):
+                    width = stack.slices[index]
+                    if (layer, module) in facts.targets:
+                        a_name, b_name = facts.targets[layer, module]
+                        a_full, b_full = file.get_tensor(a_name).float(), file.get_tensor(b_name).float()
+                        start, stop = self._local_range(module)
+                        if module in _ROW_PARALLEL:
+                            a_full = a_full[:, start:stop]
+                        else:
+                            b_full = b_full[start:stop]
+                        a[index * self.max_rank:index * self.max_rank + facts.rank] = a_full.to(dtype)
+                        b[column:column + width, :facts.rank] = (b_full * facts.scaling).to(dtype)
+                    column += width
+                weights[layer, name] = (a, b)
+        return weights
