@@ -211,6 +211,12 @@ class AsyncLLM:
                 if not self._open:
                     self._idle.set()
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks an adapter's files against the model (in a thread), so that a bad
+        adapter fails here, not in a request; raises ``LoRAAdapterError`` naming it and the
+        reason, or ``InvalidRequestError`` on an engine without ``enable_lora``."""
+        await trio.to_thread.run_sync(self.intake.processor.check_lora, lora_request)
+
     def add_observer(self, observer: RequestObserver) -> None:
         """``observer`` hears of every request this engine opens, each of its outputs (from
         the output actor: it must not block) and its close (the consumer left; an aborted

@@ -38,6 +38,9 @@ class EngineStatistics:
     # steps by tokens fed, per bucket of ITERATION_TOKEN_BUCKETS (the last: above them all)
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # the LoRA adapters of the running and the waiting sequences, by name
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -73,4 +76,6 @@ def collect_statistics(
         engine_seconds_total=engine_seconds,
         iteration_tokens=core.iteration_tokens,
         iteration_tokens_sum=core.iteration_tokens_sum,
+        running_lora_adapters=core.running_lora_adapters,
+        waiting_lora_adapters=core.waiting_lora_adapters,
     )

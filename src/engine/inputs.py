@@ -232,16 +232,21 @@ class InputProcessor:
             raise InvalidRequestError(f"{field}: the chat template did not render: "
                                       f"{type(e).__name__}: {e}", field=field) from e
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raises ``LoRAAdapterError`` for an adapter the model cannot run (its files are read
+        once per id), ``InvalidRequestError`` where the engine serves no adapters."""
+        if self.loras is None:
+            raise InvalidRequestError("lora_request: this engine serves no LoRA adapters (start it with "
+                                      "enable_lora=True, --enable-lora)", field="lora_request")
+        self.loras.check(lora_request)
+
     def process(self, prompt: PromptInput | ChatOptions, params: SamplingParams | PoolingParams,
                 lora_request: LoRARequest | None = None) -> ProcessedPrompt:
         """Renders (chat), tokenizes (text) or checks (token ids) the prompt and validates it
         with the parameters (and the adapter's files) against the model. A chat's text
         already holds its special tokens, so tokenizing it adds none."""
         if lora_request is not None:
-            if self.loras is None:
-                raise InvalidRequestError("lora_request: this engine serves no LoRA adapters (start it with "
-                                          "enable_lora=True, --enable-lora)", field="lora_request")
-            self.loras.check(lora_request)
+            self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
             return self._pooling(prompt, params)
         text, token_ids = self._tokens(prompt)

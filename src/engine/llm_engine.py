@@ -108,6 +108,11 @@ class LLMEngine:
                 params=processed.params, seq_ids=seq_ids, arrival_time=now,
             )
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks an adapter's files against the model before any request uses it
+        (``LoRAAdapterError`` naming it and the reason)."""
+        self.inputs.check_lora(lora_request)
+
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Runs one engine step and returns the outputs it produced."""
         self._check_alive()

@@ -30,6 +30,8 @@ def _serve(namespace: argparse.Namespace) -> int:
         enable_auto_tool_choice=namespace.enable_auto_tool_choice,
         responses_store_size=namespace.responses_store_size,
         responses_store_max_age=namespace.responses_store_max_age,
+        lora_modules=namespace.lora_modules,
+        allow_runtime_lora_updating=namespace.allow_runtime_lora_updating,
     )
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
@@ -66,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--responses-store-max-age", type=float, default=None, metavar="SECONDS",
                        help="how long a stored response is kept (default: $TRIODE_RESPONSES_STORE_MAX_AGE "
                             "or 3600)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served under these names (a request's model selects one), "
+                            "name=path or a JSON object with name, path and base_model_name; needs "
+                            "--enable-lora (default: $TRIODE_LORA_MODULES)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                            "$TRIODE_ALLOW_RUNTIME_LORA_UPDATING or $VLLM_ALLOW_RUNTIME_LORA_UPDATING, else no)")
     add_engine_flags(serve)
     # once a flag; now refused with where it belongs rather than as an unknown argument
     serve.add_argument("--fault-plan", help=argparse.SUPPRESS, default=None)

@@ -10,6 +10,7 @@ import attrs
 from quart import Quart, current_app, g, request
 
 from triode.engine.inputs import ChatOptions
+from triode.engine.lora.request import LoRARequest
 from triode.frontend.openai.errors import APIError
 from triode.frontend.openai.requests import ChatServing
 from triode.frontend.server.lifecycle import EngineHost
@@ -29,12 +30,22 @@ def chat_serving() -> ChatServing:
                        reasoning_parser=host().args.reasoning_parser)
 
 
-def check_model(model: str | None) -> None:
-    """``model`` may be omitted (the served model); any other name is a 404."""
-    served = host().model_name
-    if model is not None and model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
-                       param="model", code="model_not_found")
+def check_model(model: str | None) -> LoRARequest | None:
+    """The LoRA adapter ``model`` names, or None for the base model (``model`` may be omitted);
+    any other name is a 404 that lists what the server serves."""
+    engine_host = host()
+    adapters = engine_host.adapters
+    if adapters is None:  # not ready yet: only the base model's name is known
+        if model is not None and model != engine_host.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{engine_host.model_name!r}", param="model", code="model_not_found")
+        return None
+    return adapters.resolve(model)
+
+
+def response_model_name(lora: LoRARequest | None) -> str:
+    """The ``model`` a response names: the adapter's, or the served model's."""
+    return host().model_name if lora is None else lora.lora_name
 
 
 def check_chat_template(chat: ChatOptions | None) -> None:
@@ -80,6 +91,10 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(messages)
     app.register_blueprint(responses)
     app.register_blueprint(tokens)
+    if app.extensions["triode.settings"].allow_runtime_lora_updating:
+        from triode.frontend.routes.lora import blueprint as lora
+
+        app.register_blueprint(lora)
 
     @app.after_request
     async def _echo_request_id(response):

@@ -27,6 +27,7 @@ from triode.frontend.routes import (
     generation,
     host,
     request_id,
+    response_model_name,
     with_server_chat_template,
 )
 
@@ -46,16 +47,16 @@ async def chat_completions() -> Response:
 
 
 async def _serve(parsed: GenerationRequest, *, prefix: str) -> Response:
-    check_model(parsed.model)
+    lora = check_model(parsed.model)
     check_chat_template(parsed.chat)
     parsed = attrs.evolve(parsed, chat=with_server_chat_template(parsed.chat))
     engine_host = host()
     llm = engine_host.require_ready()
     base_id = request_id()
     assert engine_host.token_text is not None
-    builder = ResponseBuilder(parsed, response_id=f"{prefix}-{base_id}", model=engine_host.model_name,
+    builder = ResponseBuilder(parsed, response_id=f"{prefix}-{base_id}", model=response_model_name(lora),
                               tokenizer=llm.tokenizer, token_text=engine_host.token_text)
-    jobs = await generation.start(engine_host, parsed, base_id)
+    jobs = await generation.start(engine_host, parsed, base_id, lora=lora)
     if not parsed.stream.stream:
         return jsonify(builder.full(await generation.finals(jobs)))
     return Response(sse.event_stream(_chunks(builder, jobs)), content_type=sse.CONTENT_TYPE,

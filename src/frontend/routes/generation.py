@@ -16,6 +16,7 @@ import attrs
 import trio
 
 from triode.engine.errors import TriodeError
+from triode.engine.lora.request import LoRARequest
 from triode.engine.outputs import RequestOutput
 from triode.frontend.openai.errors import APIError, from_engine_error
 from triode.frontend.openai.requests import GenerationRequest
@@ -34,14 +35,17 @@ def engine_request_ids(base: str, count: int) -> list[str]:
     return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 
-async def start(host: EngineHost, request: GenerationRequest, base_id: str) -> list[Job]:
-    """Submits the engine requests and waits for the first output of each."""
+async def start(host: EngineHost, request: GenerationRequest, base_id: str, *,
+                lora: LoRARequest | None = None) -> list[Job]:
+    """Submits the engine requests (with the LoRA adapter ``lora``, if any) and waits for the
+    first output of each."""
     llm = host.require_ready()
     ids = engine_request_ids(base_id, request.num_requests)
     if request.chat is not None:
-        jobs = [Job(0, llm.generate(request.chat, request.params, ids[0], priority=request.priority))]
+        jobs = [Job(0, llm.generate(request.chat, request.params, ids[0], priority=request.priority,
+                                    lora_request=lora))]
     else:
-        jobs = [Job(i, llm.generate(prompt, request.params, ids[i], priority=request.priority))
+        jobs = [Job(i, llm.generate(prompt, request.params, ids[i], priority=request.priority, lora_request=lora))
                 for i, prompt in enumerate(request.prompts)]
     try:
         if len(jobs) == 1:

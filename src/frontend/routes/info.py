@@ -7,6 +7,7 @@ from importlib import metadata
 
 from quart import Blueprint, Response, jsonify
 
+from triode.engine.lora.request import LoRARequest
 from triode.frontend.routes import check_model, host
 from triode.frontend.server.metrics import CONTENT_TYPE
 
@@ -33,30 +34,36 @@ async def version() -> Response:
     return jsonify({"version": number})
 
 
-def _model_card() -> dict:
+def _model_card(lora: LoRARequest | None = None) -> dict:
+    """The base model's card, or an adapter's (``parent``: the base model, ``root``: its files)."""
     engine_host = host()
     llm = engine_host.llm
+    if lora is not None:
+        root, parent = lora.lora_path, engine_host.model_name
+    else:
+        root, parent = (llm.model_path if llm is not None else engine_host.args.model), None
     return {
-        "id": engine_host.model_name,
+        "id": engine_host.model_name if lora is None else lora.lora_name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "triode",
-        "root": llm.model_path if llm is not None else engine_host.args.model,
-        "parent": None,
-        "max_model_len": llm.max_model_len if llm is not None else None,
+        "root": root,
+        "parent": parent,
+        "max_model_len": llm.max_model_len if llm is not None and lora is None else None,
         "permission": [],
     }
 
 
 @blueprint.get("/v1/models")
 async def models() -> Response:
-    return jsonify({"object": "list", "data": [_model_card()]})
+    adapters = host().adapters
+    loras = adapters.adapters if adapters is not None else []
+    return jsonify({"object": "list", "data": [_model_card(), *map(_model_card, loras)]})
 
 
 @blueprint.get("/v1/models/<path:model>")
 async def model(model: str) -> Response:
-    check_model(model)
-    return jsonify(_model_card())
+    return jsonify(_model_card(check_model(model)))
 
 
 @blueprint.get("/metrics")

@@ -23,6 +23,7 @@ from triode.frontend.routes import (
     generation,
     host,
     request_id,
+    response_model_name,
     with_server_chat_template,
 )
 
@@ -33,11 +34,11 @@ blueprint = Blueprint("messages", __name__)
 @blueprint.post(PREFIX)
 async def messages() -> Response:
     parsed = parse_messages_request(await read_json_object(request), host().generation, chat_serving())
-    check_model(parsed.model)
+    lora = check_model(parsed.model)
     parsed = attrs.evolve(parsed, chat=with_server_chat_template(parsed.chat))
     engine_host = host()
-    builder = MessageBuilder(parsed, message_id=f"msg_{request_id()}", model=engine_host.model_name)
-    jobs = await generation.start(engine_host, parsed, request_id())
+    builder = MessageBuilder(parsed, message_id=f"msg_{request_id()}", model=response_model_name(lora))
+    jobs = await generation.start(engine_host, parsed, request_id(), lora=lora)
     if not parsed.stream.stream:
         [(_, final)] = await generation.finals(jobs)
         return jsonify(builder.full(final))

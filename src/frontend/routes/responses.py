@@ -29,6 +29,7 @@ from triode.frontend.routes import (
     generation,
     host,
     request_id,
+    response_model_name,
     with_server_chat_template,
 )
 
@@ -55,7 +56,7 @@ def _stored(response_id: str, param: str | None = None):
 async def create() -> Response:
     serving = chat_serving()
     parsed = parse_responses_request(await read_json_object(request), host().generation, serving)
-    check_model(parsed.model)
+    lora = check_model(parsed.model)
     if parsed.background and store().max_size == 0:
         raise bad_request("background: the server keeps no responses (--responses-store-size 0), so a "
                           "background response could never be read", param="background")
@@ -71,9 +72,9 @@ async def create() -> Response:
     engine_host = host()
     llm = engine_host.require_ready()
     builder = ResponseBuilder(engine_request, parsed.echo, response_id=f"resp_{uuid.uuid4().hex}",
-                              model=engine_host.model_name,
+                              model=response_model_name(lora),
                               count_tokens=lambda text: len(llm.tokenizer.encode(text, add_special_tokens=False)))
-    jobs = await generation.start(engine_host, engine_request, request_id())
+    jobs = await generation.start(engine_host, engine_request, request_id(), lora=lora)
     items = (*history, *parsed.input_items)
     if parsed.background:
         assert engine_host.nursery is not None

@@ -97,7 +97,7 @@ def create_app(engine_args: EngineArgs | None = None, settings: ServerSettings |
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
     )
     app.json.sort_keys = False
-    engine_host = EngineHost(engine_args)
+    engine_host = EngineHost(engine_args, settings.lora_modules)
     app.extensions["triode"] = engine_host
     app.extensions["triode.settings"] = settings
     app.extensions["triode.responses"] = ResponseStore(max_size=settings.responses_store_size,

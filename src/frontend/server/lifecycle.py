@@ -19,8 +19,9 @@ from triode.engine.errors import EngineDeadError
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.frontend.openai.errors import APIError, shutting_down
 from triode.frontend.openai.logprobs import TokenText
+from triode.frontend.server.adapters import ServedAdapters
 from triode.frontend.server.metrics import CacheConfig, ServerMetrics
-from triode.frontend.server.settings import served_model_name
+from triode.frontend.server.settings import LoRAModule, served_model_name
 
 log = logging.getLogger("triode.frontend")
 
@@ -29,8 +30,10 @@ ABORT_GRACE_SECONDS = 5.0
 
 
 class EngineHost:
-    def __init__(self, args: EngineArgs | None = None) -> None:
+    def __init__(self, args: EngineArgs | None = None, lora_modules: tuple[LoRAModule, ...] = ()) -> None:
         self._args = args
+        self._lora_modules = lora_modules
+        self.adapters: ServedAdapters | None = None  # once ready
         self.llm: AsyncLLM | None = None
         self.nursery: trio.Nursery | None = None  # set by the lifespan
         self.state = "stopped"
@@ -95,9 +98,13 @@ class EngineHost:
                     cache = CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                         kv_cache_memory_bytes=args.kv_cache_memory)
                     self._metrics = ServerMetrics(self.model_name, self.statistics, cache=cache,
-                                                  max_model_len=llm.max_model_len)
+                                                  max_model_len=llm.max_model_len,
+                                                  max_loras=args.max_loras if args.enable_lora else None)
                 llm.add_observer(self._metrics)
                 self.generation = llm.generation
+                adapters = ServedAdapters(self.model_name, self._lora_modules)
+                await adapters.start(llm)
+                self.adapters = adapters
                 # Reads the whole vocabulary once (megabytes for a real tokenizer): off the loop.
                 self.token_text = await trio.to_thread.run_sync(TokenText, llm.tokenizer)
                 self.llm, self.state = llm, "ready"

@@ -93,9 +93,10 @@ class _Request:
 
 class _EngineCollector:
     def __init__(self, model_name: str, cache: CacheConfig,
-                 statistics: Callable[[], EngineStatistics | None]) -> None:
+                 statistics: Callable[[], EngineStatistics | None], max_loras: int | None) -> None:
         self._labels = [model_name, ENGINE]
         self._cache = cache
+        self._max_loras = max_loras
         self._statistics = statistics
 
     def collect(self) -> Iterator[Metric]:
@@ -124,6 +125,8 @@ class _EngineCollector:
             family.add_metric(values, value)
             yield family
         yield self._cache_config_info(stats)
+        if self._max_loras is not None:
+            yield self._lora_requests_info(stats)
         yield self._iteration_tokens(stats)
         pids = GaugeMetricFamily("triode:worker_pid", "Process id of each rank's worker process.",
                                  labels=["model_name", "engine", "rank"])
@@ -154,6 +157,15 @@ class _EngineCollector:
         family.add_metric(list(labels.values()), 1.0)
         return family
 
+    def _lora_requests_info(self, stats: EngineStatistics) -> GaugeMetricFamily:
+        """vLLM's adapter-affinity gauge: which adapters have running and waiting requests
+        (names joined by commas), its value the time of the reading, as vLLM sets it."""
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([str(self._max_loras), ",".join(stats.waiting_lora_adapters),
+                           ",".join(stats.running_lora_adapters)], time.time())
+        return family
+
     def _iteration_tokens(self, stats: EngineStatistics) -> HistogramMetricFamily:
         counts = stats.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
         cumulative, total = [], 0
@@ -168,8 +180,9 @@ class _EngineCollector:
 
 class ServerMetrics:
     def __init__(self, model_name: str, statistics: Callable[[], EngineStatistics | None], *,
-                 cache: CacheConfig, max_model_len: int) -> None:
-        """``max_model_len`` bounds the token-count histograms' buckets (as in vLLM)."""
+                 cache: CacheConfig, max_model_len: int, max_loras: int | None = None) -> None:
+        """``max_model_len`` bounds the token-count histograms' buckets (as in vLLM);
+        ``max_loras``: the engine's, where it serves LoRA adapters (vllm:lora_requests_info)."""
         self.model_name = model_name
         # Two registries: what routers read (gauges, counters: a few samples) is rendered at
         # every scrape; the histograms (hundreds of bucket samples, most of a render's cost) at
@@ -215,7 +228,7 @@ class ServerMetrics:
                        self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
                        self.request_n):
             metric.labels(*self._labels)
-        live.register(_EngineCollector(model_name, cache, statistics))
+        live.register(_EngineCollector(model_name, cache, statistics, max_loras))
         ProcessCollector(registry=live)  # process_resident_memory_bytes, CPU seconds, open fds
         self._requests: dict[str, _Request] = {}
         self._closed: deque[str] = deque()

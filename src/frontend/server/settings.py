@@ -1,7 +1,9 @@
 """Server settings that are not engine arguments: API keys, the request body limit, whether
 requests may bring their own chat template, the server's chat template, the tool-call
 parser (vLLM's ``--chat-template``, ``--tool-call-parser``, ``--enable-auto-tool-choice``),
-and the bounds of the Responses API's store.
+the bounds of the Responses API's store, and the LoRA adapters served by name
+(``--lora-modules``) and whether clients may load more (vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, also read here).
 ``--reasoning-parser`` is an engine argument, as in vLLM: the engine lets a constrained
 output think first.
 
@@ -17,7 +19,9 @@ taken."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -70,6 +74,48 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 @attrs.frozen(kw_only=True)
+class LoRAModule:
+    """An adapter served under ``name`` from ``path`` (vLLM's ``LoRAModulePath``)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(value: str | Mapping[str, object] | LoRAModule) -> LoRAModule:
+    """``name=path``, or a JSON object with ``name``, ``path`` and ``base_model_name``, as
+    vLLM's ``--lora-modules`` takes them."""
+    if isinstance(value, LoRAModule):
+        return value
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"lora_modules: {value!r} is not a JSON object ({e})", field="lora_modules") from None
+    if isinstance(value, Mapping):
+        name, path, base = value.get("name"), value.get("path"), value.get("base_model_name")
+        unknown = set(value) - {"name", "path", "base_model_name"}
+        if unknown or not isinstance(name, str) or not isinstance(path, str) or not (base is None or isinstance(base, str)):
+            raise InvalidRequestError(f"lora_modules: {dict(value)!r} needs string 'name' and 'path' (and may have "
+                                      f"'base_model_name')", field="lora_modules")
+        return LoRAModule(name=name, path=path, base_model_name=base)
+    name, equals, path = str(value).partition("=")
+    if not equals or not name or not path:
+        raise InvalidRequestError(f"lora_modules: {value!r} is neither name=path nor a JSON object",
+                                  field="lora_modules")
+    return LoRAModule(name=name, path=path)
+
+
+def _lora_modules(values: Sequence[str | Mapping[str, object] | LoRAModule] | None) -> tuple[LoRAModule, ...]:
+    modules = tuple(parse_lora_module(value) for value in values or ())
+    names = [module.name for module in modules]
+    for name in names:
+        if names.count(name) > 1:
+            raise InvalidRequestError(f"lora_modules: the name {name!r} is given twice", field="lora_modules")
+    return modules
+
+
+@attrs.frozen(kw_only=True)
 class ServerSettings:
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -80,6 +126,11 @@ class ServerSettings:
     # /v1/responses with store: how many responses are kept, and for how long (0: none kept)
     responses_store_size: int = attrs.field(default=DEFAULT_RESPONSES_STORE_SIZE, validator=_at_least(0))
     responses_store_max_age: float = attrs.field(default=DEFAULT_RESPONSES_STORE_MAX_AGE, validator=_at_least(1e-3))
+    # LoRA adapters served from start-up, selected by a request's "model" (needs --enable-lora)
+    lora_modules: tuple[LoRAModule, ...] = attrs.field(default=(), converter=_lora_modules)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's switch is an
+    # environment variable, VLLM_ALLOW_RUNTIME_LORA_UPDATING, read here too)
+    allow_runtime_lora_updating: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -96,6 +147,9 @@ class ServerSettings:
             value = given.get(field.name)
             env = _ENV_NAMES.get(field.name, f"TRIODE_{field.name.upper()}")
             raw = environ.get(env)
+            if raw is None and field.name in _VLLM_ENV_NAMES:
+                env = _VLLM_ENV_NAMES[field.name]
+                raw = environ.get(env)
             if value is None and raw is not None:
                 value = _from_text(field, env, raw)
             if value is not None:
@@ -104,11 +158,14 @@ class ServerSettings:
 
 
 _ENV_NAMES = {"api_keys": "TRIODE_API_KEY", "max_body_bytes": "TRIODE_MAX_BODY_SIZE"}
+_VLLM_ENV_NAMES = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
 
 
 def _from_text(field: attrs.Attribute, env: str, raw: str) -> object:
     if field.name == "api_keys":
         return [key.strip() for key in raw.split(",")]
+    if field.name == "lora_modules":
+        return shlex.split(raw)  # name=path entries, or JSON objects in quotes
     if field.name == "max_body_bytes":
         try:
             return parse_size(raw) if raw else DEFAULT_MAX_BODY_BYTES
