@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from triode.engine.lora.request import LoRARequest
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker.runner import ModelRunner
 from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, TokenLogprobs
@@ -42,12 +43,15 @@ class Driver:
         chunk_size: int | None = None,
         prefix_of: dict[str, tuple[str, int]] | None = None,
         name: str = "seq",
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
         """Prefills every prompt (in chunks of ``chunk_size`` tokens when given), then decodes
-        ``params.max_tokens`` tokens for all of them together. ``prefix_of`` maps a seq id to
+        ``params.max_tokens`` tokens for all of them together (``loras``: each prompt's
+        adapter). ``prefix_of`` maps a seq id to
         (donor seq id, number of cached tokens) whose blocks it reuses instead of computing."""
         ids = [f"{name}-{i}" for i in range(len(prompts))]
-        new = [NewSequence(seq_id=i, prompt_token_ids=tuple(p), params=params) for i, p in zip(ids, prompts, strict=True)]
+        new = [NewSequence(seq_id=i, prompt_token_ids=tuple(p), params=params, lora=loras[index] if loras else None)
+               for index, (i, p) in enumerate(zip(ids, prompts, strict=True))]
         outputs: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list] = {i: [] for i in ids}
         computed = dict.fromkeys(ids, 0)

@@ -21,7 +21,9 @@ from tests.driver import Driver
 from tests.gguf_models import tiny_quantizable_llama, write_tiny_gguf
 from tests.hf_compare import TINY_MODEL_TEXTS, greedy_params
 from triode import kernels
+from triode.bench.lora import write_random_adapter
 from triode.engine.config import EngineArgs
+from triode.engine.lora.request import LoRARequest
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.worker.models.cpu_decode import decode_stack_supported
 from triode.engine.worker.runner import ModelRunner
@@ -126,6 +128,29 @@ def test_any_team_size_gives_the_same_results(gguf_entry, tiny_tokenizer, stack_
     finally:
         torch.set_num_threads(default)
     assert stack_calls
+
+
+def test_lora_adapters_give_the_modules_results_bit_for_bit(gguf_entry, tiny_tokenizer, stack_calls, tmp_path):
+    """A batch mixing two adapters and the base model (the adapters' stacks in bfloat16 over
+    the quantized weights), through the stack and through the modules."""
+    args = EngineArgs(model=str(gguf_entry), kv_cache_memory=64 << 20, max_model_len=512, enable_lora=True,
+                      max_loras=2, quantized_activations="float32")
+    runner = ModelRunner(args, gguf_entry)
+    assert decode_stack_supported(runner.model)
+    adapters = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(tmp_path / f"a{i}", runner.config, rank=8,
+                                                                      seed=i, scale=8.0)))
+                for i in range(2)]
+    prompts = [tiny_tokenizer.encode(text) for text in TINY_MODEL_TEXTS[:4]]
+    loras = [adapters[0], None, adapters[1], adapters[0]]
+    runner.model.decode_stack_enabled = True
+    with_stack = Driver(runner).generate(prompts, attrs.evolve(greedy_params(MAX_TOKENS), logprobs=5), loras=loras)
+    assert stack_calls == [4] * (MAX_TOKENS - 1)
+    runner.model.decode_stack_enabled = False
+    assert Driver(runner).generate(prompts, attrs.evolve(greedy_params(MAX_TOKENS), logprobs=5),
+                                   loras=loras, name="modules") == with_stack
+    base = Driver(runner).generate(prompts, attrs.evolve(greedy_params(MAX_TOKENS), logprobs=5), name="base")
+    assert base[1] == with_stack[1]  # the base model's row is untouched by its neighbours' adapters
+    assert base[0][0] != with_stack[0][0] and base[2][0] != with_stack[2][0]
 
 
 def test_attention_biases_ride_along(qwen2_int8_entry, tiny_tokenizer, stack_calls):

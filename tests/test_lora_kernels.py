@@ -22,8 +22,8 @@ TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.float16: {"atol"
 def _problem(dtype, *, rows=37, features=40, slices=(24, 8, 8), rank=8, slots=3, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, features, generator=generator).to(dtype)
-    a = (torch.randn(slots, len(slices) * rank, features, generator=generator) / 4).to(dtype)
-    b = (torch.randn(slots, sum(slices), rank, generator=generator) / 4).to(dtype)
+    a = (torch.randn(slots, features, len(slices) * rank, generator=generator) / 4).to(dtype)
+    b = (torch.randn(slots, rank, sum(slices), generator=generator) / 4).to(dtype)
     out = torch.randn(rows, sum(slices), generator=generator).to(dtype)
     return out, x, a, b
 
@@ -46,8 +46,8 @@ def test_reference_is_the_definition():
     row_slots = [1, -1, 0, 1]
     for row, slot in enumerate(row_slots):
         if slot >= 0:
-            delta_q = x[row] @ a[slot, :3].T @ b[slot, :6].T
-            delta_v = x[row] @ a[slot, 3:].T @ b[slot, 6:].T
+            delta_q = x[row] @ a[slot, :, :3] @ b[slot, :, :6]
+            delta_v = x[row] @ a[slot, :, 3:] @ b[slot, :, 6:]
             expected[row] += torch.cat([delta_q, delta_v])
     add_lora_reference(out, x, a, b, (6, 4), LoRASegments.of_rows(row_slots))
     torch.testing.assert_close(out, expected)
@@ -62,6 +62,24 @@ def test_cpu_matches_reference(slices):
     add_lora_cpu(out, x, a, b, slices, SEGMENTS)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
     assert torch.equal(out[:5], untouched)  # the base model's rows
+
+
+def test_cpu_with_bfloat16_weights_matches_reference():
+    out, x, a, b = _problem(torch.float32)
+    a, b = a.bfloat16(), b.bfloat16()
+    expected = out.clone()
+    add_lora_reference(expected, x, a, b, (24, 8, 8), SEGMENTS)
+    add_lora_cpu(out, x, a, b, (24, 8, 8), SEGMENTS)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_cpu_without_the_c_loop_matches_reference():
+    """bfloat16 rows are not the C loop's: one-row matmuls a segment at a time."""
+    out, x, a, b = _problem(torch.bfloat16)
+    expected = out.clone()
+    add_lora_reference(expected, x, a, b, (24, 8, 8), SEGMENTS)
+    add_lora_cpu(out, x, a, b, (24, 8, 8), SEGMENTS)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_cpu_rows_are_batch_invariant():
@@ -104,10 +122,10 @@ def test_dispatch_on_cpu_runs_the_cpu_path():
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda out, x, a, b: (out, x, a, b[:, :-1].contiguous()), "b: expected"),
+    (lambda out, x, a, b: (out, x, a, b[:, :, :-1].contiguous()), "b: expected"),
     (lambda out, x, a, b: (out, x[:, :-1].contiguous(), a, b), "a: expected"),
     (lambda out, x, a, b: (out[:-1], x, a, b), "out: 36 rows"),
-    (lambda out, x, a, b: (out, x, a.double(), b), "a: expected dtype"),
+    (lambda out, x, a, b: (out, x, a.double(), b.double()), "a: expected dtype"),
 ])
 def test_argument_checks_name_the_argument(change, message):
     args = change(*_problem(torch.float32))

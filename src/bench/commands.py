@@ -25,6 +25,13 @@ def _step(namespace: argparse.Namespace) -> int:
                      steps=namespace.steps or 64, model_steps=namespace.model_steps,
                      repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
         return 0
+    if namespace.lora:
+        from triode.bench import lora
+
+        lora.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64)),
+                 context=namespace.context, steps=namespace.steps or 16, rank=namespace.lora_rank,
+                 adapters=namespace.lora_adapters, repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
+        return 0
     from triode.bench import step
 
     step.run(
@@ -125,9 +132,15 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--overhead", action="store_true",
                       help="the host cost of a step: LLMEngine on a 2-layer hidden-64 model and on --model, "
                            "engine / round trip / worker time per step, async scheduling off and on")
+    step.add_argument("--lora", action="store_true",
+                      help="what LoRA adapters cost the step: the base model, one adapter for every sequence, "
+                           "and --lora-adapters mixed, in the same run")
+    step.add_argument("--lora-rank", type=int, default=16, help="with --lora: the adapters' rank")
+    step.add_argument("--lora-adapters", type=int, default=3, help="with --lora: adapters in the mixed batch")
     step.add_argument("--model-steps", type=int, default=16,
                       help="with --overhead: decode steps timed on --model (0: the tiny model only)")
-    step.add_argument("--repeats", type=int, default=3, help="with --overhead: best of this many runs")
+    step.add_argument("--repeats", type=int, default=3,
+                      help="with --overhead: best of this many runs; with --lora: median of this many")
     step.add_argument("--dtypes", nargs="+", default=["auto"],
                       help="one runner per dtype (auto keeps quantized weights on a CPU)")
     step.add_argument("--quantized-activations", nargs="+", default=["auto"], choices=QUANTIZED_ACTIVATIONS,

@@ -12,6 +12,7 @@ import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -28,6 +29,7 @@ from triode.bench.report import (
     write_json,
 )
 from triode.engine.config import EngineArgs
+from triode.engine.lora.request import LoRARequest
 from triode.engine.model.config import ModelConfig
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.model_files.resolve import resolve_model
@@ -42,8 +44,10 @@ def _context(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(100, vocab - 100, (batch, length), generator=generator)
 
 
-def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
-    """Median seconds of one decode step for the whole batch, after a prefill of ``prompts``."""
+def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int,
+              loras: Sequence[LoRARequest | None] = ()) -> float:
+    """Median seconds of one decode step for the whole batch, after a prefill of ``prompts``;
+    ``loras``: each sequence's adapter (none by default)."""
     batch, length = prompts.shape
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     blocks_per_seq = -(-(length + steps + 1) // runner.block_size)
@@ -54,7 +58,7 @@ def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
     for i in range(batch):
         seq_id = f"bench-{batch}-{i}"
         ids = tuple(prompts[i].tolist())
-        new.append(NewSequence(seq_id=seq_id, prompt_token_ids=ids, params=params))
+        new.append(NewSequence(seq_id=seq_id, prompt_token_ids=ids, params=params, lora=loras[i] if loras else None))
         blocks = tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
         chunks.append(ScheduledChunk(seq_id=seq_id, token_ids=ids, start_position=0, new_block_ids=blocks))
     result = runner.execute(StepPlan(step_id=0, new_sequences=tuple(new), chunks=tuple(chunks)))

@@ -21,6 +21,7 @@ import torch
 
 from triode.kernels import quant_linear
 from triode.kernels.invariance import batch_invariant
+from triode.kernels.lora import LoRAMatrix, lora_matrix
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.native import bind
 from triode.kernels.paged_attention import check_decode_metadata
@@ -47,7 +48,8 @@ class _Matrix(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
                 ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32),
+                ("lora", ctypes.POINTER(LoRAMatrix) * 4)]
 
 
 class _Model(ctypes.Structure):
@@ -61,7 +63,7 @@ class _Model(ctypes.Structure):
 def _entry():
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     return bind("triode_decode_stack", pointer, pointer, pointer, pointer, i64, pointer, pointer,
-                pointer, i64, pointer, ctypes.POINTER(ctypes.c_int))
+                pointer, i64, pointer, pointer, ctypes.POINTER(ctypes.c_int))
 
 
 def decode_stack_available() -> bool:
@@ -73,7 +75,9 @@ def decode_stack_available() -> bool:
 class DecodeLayerWeights:
     """One layer's weights: its norms (float32 [hidden]) and its four matrices as quantized
     parts stacked along the output features, each with its share of the bias (or None); the
-    layer's sliding window (None: it attends to the whole context)."""
+    layer's sliding window (None: it attends to the whole context); and each matrix's LoRA
+    stacks (``kernels.lora``'s a, b and slices; None: no adapters), in the order qkv, o,
+    gate_up, down."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -82,6 +86,7 @@ class DecodeLayerWeights:
     gate_up: Sequence[tuple[QuantizedWeight, torch.Tensor | None]]
     down: Sequence[tuple[QuantizedWeight, torch.Tensor | None]]
     window: int | None = None
+    lora: Sequence[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None] = (None, None, None, None)
 
 
 def _matrix(parts: Sequence[tuple[QuantizedWeight, torch.Tensor | None]], in_features: int, keep: list) -> _Matrix:
@@ -120,6 +125,7 @@ class DecodeStack:
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         hidden = layers[0].input_norm.shape[0]
         self._keep: list[torch.Tensor] = [rope_cache]
+        self._lora: list[LoRAMatrix] = []
         self._layers = (_Layer * len(layers))()
         for slot, weights, (k, v) in zip(self._layers, layers, kv_caches, strict=True):
             for tensor in (weights.input_norm, weights.post_attention_norm, k, v):
@@ -134,6 +140,15 @@ class DecodeStack:
             slot.down = _matrix(weights.down, intermediate_size, self._keep)
             slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
             slot.window = weights.window or 0
+            for index, stacks in enumerate(weights.lora):
+                if stacks is None:
+                    continue
+                matrix = lora_matrix(*stacks)
+                if matrix is None:
+                    raise ValueError("the decode stack takes LoRA stacks of float32 or bfloat16 on a CPU")
+                self._lora.append(matrix)
+                self._keep += [stacks[0], stacks[1]]
+                slot.lora[index] = ctypes.pointer(matrix)
         self._model = _Model(
             layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
             intermediate=intermediate_size, block_size=block_size, eps=eps, scale=scale,
@@ -158,10 +173,12 @@ class DecodeStack:
         )
 
     def run(
-        self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [tokens, hidden] float32 (the embedded tokens) -> (hidden, residual) after the
-        last layer; their sum is the final norm's input."""
+        last layer; their sum is the final norm's input. ``lora_slots``: int32 [tokens], each
+        row's adapter slot in the layers' LoRA stacks (-1: none), or None for no adapters."""
         tokens = hidden.shape[0]
         if hidden.shape != (tokens, self.hidden_size) or hidden.dtype != torch.float32:
             raise ValueError(f"hidden: expected float32 [tokens, {self.hidden_size}], got "
@@ -174,13 +191,20 @@ class DecodeStack:
         tables, seq_lens = metadata.block_tables, metadata.seq_lens
         if positions.shape != (tokens,) or slots.shape != (tokens,) or slots.dtype != torch.int64:
             raise ValueError("positions and slot_mapping: one int64 entry per token")
+        if lora_slots is not None:
+            lora_slots = lora_slots.contiguous()
+            if lora_slots.shape != (tokens,) or lora_slots.dtype != torch.int32 or not self._lora:
+                raise ValueError("lora_slots: one int32 entry per token, for a stack built with LoRA stacks")
+            highest = min(matrix.slots for matrix in self._lora)
+            if int(lora_slots.max()) >= highest or int(lora_slots.min()) < -1:
+                raise ValueError(f"lora_slots: slots must be -1 or below {highest}")
         self._model.activations = _ACTIVATIONS[quant_linear.quantized_activations()]
         self._model.invariant = batch_invariant()
         failed = ctypes.c_int(0)
         status = self._entry(
             ctypes.byref(self._model), self._layers, hidden.data_ptr(), residual.data_ptr(), tokens,
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-            seq_lens.data_ptr(), ctypes.byref(failed),
+            seq_lens.data_ptr(), None if lora_slots is None else lora_slots.data_ptr(), ctypes.byref(failed),
         )
         if status:
             if status == _OUT_OF_MEMORY and not failed.value:

@@ -3,9 +3,12 @@ LRU of resident adapters (``max_loras`` slots) over an LRU of adapters read into
 (``max_cpu_loras``), and each step's rows mapped to their adapter's slot.
 
 Each adapted layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) gets a
-:class:`LoRAStack`: ``a`` [max_loras, P * max_rank, in], ``b`` [max_loras, out, max_rank],
-with P the PEFT modules fused in the layer (q, k, v: 3; gate, up: 2), an adapter's smaller
-rank zero-padded, its scaling folded into B, and a module it does not target left zero. The
+:class:`LoRAStack`: ``a`` [max_loras, in, P * max_rank] and ``b`` [max_loras, max_rank, out]
+(A and B transposed, as ``kernels.add_lora`` takes them), with P the PEFT modules fused in the
+layer (q, k, v: 3; gate, up: 2), an adapter's smaller rank zero-padded, its scaling folded
+into B, and a module it does not target left zero. The stacks are in the model's dtype; over
+a quantized model's float32 activations, in bfloat16 (the weights a step reads are then half
+as many bytes: an adapter of rank 16 on every module is a fifth of the default model's). The
 layer's forward adds ``kernels.add_lora`` over the step's :class:`~triode.kernels.LoRASegments`
 (the runner orders rows so that each adapter's are contiguous).
 
@@ -51,22 +54,26 @@ class LoRAStack:
     """One linear layer's adapters, slot by slot, and the step's segments (shared by every
     stack of the model through ``step``)."""
 
-    def __init__(self, step: _StepSegments, modules: tuple[str, ...], slots: int, rank: int, in_features: int,
+    def __init__(self, step: LoRAStep, modules: tuple[str, ...], slots: int, rank: int, in_features: int,
                  slices: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.step = step
         self.modules = modules  # the PEFT modules of the output's slices
         self.slices = slices
-        self.a = torch.zeros((slots, len(slices) * rank, in_features), dtype=dtype, device=device)
-        self.b = torch.zeros((slots, sum(slices), rank), dtype=dtype, device=device)
+        self.a = torch.zeros((slots, in_features, len(slices) * rank), dtype=dtype, device=device)
+        self.b = torch.zeros((slots, rank, sum(slices)), dtype=dtype, device=device)
 
     def add_(self, out: torch.Tensor, x: torch.Tensor) -> None:
         segments = self.step.segments
         if segments is not None:
-            kernels.add_lora(out, x.to(self.a.dtype), self.a, self.b, self.slices, segments)
+            kernels.add_lora(out, x, self.a, self.b, self.slices, segments)
 
 
-class _StepSegments:
+class LoRAStep:
+    """A step's rows' adapters: as segments (the modules' op) and as a slot per row, -1 for
+    none (the C decode stack's), or None for a step without adapters."""
+
     segments: kernels.LoRASegments | None = None
+    row_slots: torch.Tensor | None = None
 
 
 class WorkerLoRAs:
@@ -74,12 +81,13 @@ class WorkerLoRAs:
     ``lora`` stack each)."""
 
     def __init__(self, model, config: ModelConfig, *, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 partition: Partition | None = None) -> None:
+                 dtype: torch.dtype, partition: Partition | None = None) -> None:
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.partition = partition
-        self._step = _StepSegments()
+        self._step = LoRAStep()
+        model.lora_step = self._step
         self.stacks: dict[tuple[int, str], LoRAStack] = {}
         for layer_index, layer in enumerate(model.layers):
             for (block, name), modules in ADAPTED_LAYERS.items():
@@ -88,7 +96,7 @@ class WorkerLoRAs:
                     continue
                 slices = tuple(self._local_shape(module)[1] for module in modules)
                 linear.lora = LoRAStack(self._step, modules, max_loras, max_rank, linear.in_features, slices,
-                                        model.norm.weight.dtype, model.norm.weight.device)
+                                        dtype, model.norm.weight.device)
                 self.stacks[layer_index, name] = linear.lora
         self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
         self._host: collections.OrderedDict[int, SlotWeights] = collections.OrderedDict()  # adapter id -> weights
@@ -121,12 +129,14 @@ class WorkerLoRAs:
         """Makes every adapter of the step resident and maps each row to its slot."""
         wanted = {request.lora_int_id: request for request in row_adapters if request is not None}
         slots = self._make_resident(wanted.values())
-        segments = kernels.LoRASegments.of_rows(
-            [-1 if request is None else slots[request.lora_int_id] for request in row_adapters])
-        self._step.segments = segments if len(segments) else None
+        row_slots = [-1 if request is None else slots[request.lora_int_id] for request in row_adapters]
+        segments = kernels.LoRASegments.of_rows(row_slots)
+        if len(segments):
+            self._step.segments = segments
+            self._step.row_slots = torch.tensor(row_slots, dtype=torch.int32)
 
     def end_step(self) -> None:
-        self._step.segments = None
+        self._step.segments = self._step.row_slots = None
 
     def _make_resident(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
         requests = list(requests)
@@ -201,8 +211,8 @@ class WorkerLoRAs:
                             a_full = a_full[:, start:stop]
                         else:
                             b_full = b_full[start:stop]
-                        a[index * self.max_rank:index * self.max_rank + facts.rank] = a_full.to(dtype)
-                        b[column:column + width, :facts.rank] = (b_full * facts.scaling).to(dtype)
+                        a[:, index * self.max_rank:index * self.max_rank + facts.rank] = a_full.T.to(dtype)
+                        b[:facts.rank, column:column + width] = (b_full * facts.scaling).T.to(dtype)
                     column += width
                 weights[layer, name] = (a, b)
         return weights

@@ -148,6 +148,7 @@ class ModelRunner:
                                      "(drop --enable-lora)", path=str(path))
             self.loras = WorkerLoRAs(self.model, self.config, max_loras=args.max_loras, max_rank=args.max_lora_rank,
                                      max_cpu_loras=args.resolved_max_cpu_loras(),
+                                     dtype=torch.bfloat16 if self.quantized else self.dtype,
                                      partition=self.parallel.partition if self.parallel is not None else None)
         if args.batch_invariant:
             check_batch_invariant(quantized=bool(self.quantized))
@@ -278,7 +279,7 @@ class ModelRunner:
 
     def _run(self, chunks, inputs: StepInputs, *, lora: bool):
         """(sampled, prompt logprobs, pooled) of the step; ``lora``: some rows have an adapter
-        (the fused decode paths, a C stack and captured graphs, have none)."""
+        (captured decode graphs have none)."""
         pooled: tuple[PooledOutput, ...] = ()
         if self.pooler is not None:
             hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
@@ -289,8 +290,7 @@ class ModelRunner:
             logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
             sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits), ()
         else:
-            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata,
-                                fused_decode=not lora)
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
             sampled = self._sample(chunks, inputs, hidden=hidden)
             prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
         return sampled, prompt_logprobs, pooled

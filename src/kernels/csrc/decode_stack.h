@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 
+#include "lora.h"
+
 #define MAX_PARTS 3  /* q, k and v kept as three block types */
 
 /* One quantized part of a matrix: `out` consecutive output features. */
@@ -22,11 +24,15 @@ typedef struct {
     int32_t count;
 } quant_matrix;
 
+/* The layer's four matrices in this order, for their LoRA adapters. */
+enum { MATRIX_QKV = 0, MATRIX_O = 1, MATRIX_GATE_UP = 2, MATRIX_DOWN = 3 };
+
 typedef struct {
     const float *input_norm, *post_attention_norm;
     quant_matrix qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int32_t window; /* the keys a query sees, itself included; 0: all */
+    const lora_matrix *lora[4]; /* each matrix's adapters (MATRIX_*), or NULL */
 } decode_layer;
 
 /* What the quantized matrices multiply (decode_model.activations). */

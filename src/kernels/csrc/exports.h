@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "lora.h"
+
 int triode_quant_linear_serial(int type, const float *x, int64_t x_stride, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride,
                                int64_t rows, int in, int64_t out, int invariant);
@@ -44,5 +46,10 @@ int triode_paged_decode_f32_units(const float *query, int64_t q_stride, const fl
 static inline int attention_units_per_sequence(int num_seqs, int kv_heads, int threads) {
     return num_seqs < 2 * threads ? kv_heads : 1;
 }
+
+void triode_lora_shrink(const lora_matrix *w, const float *x, int64_t x_stride, const int32_t *slots,
+                        int64_t rows, float *h);
+void triode_lora_expand(const lora_matrix *w, const float *h, const int32_t *slots, int64_t rows, float *y,
+                        int64_t y_stride, int64_t first, int64_t last);
 
 #endif

@@ -2,7 +2,7 @@
 when the model is one that call computes exactly as the modules do: on a CPU, float32, one
 rank, Llama's layer (no per-head q/k norm, SiLU, no soft cap, one rope), and every layer's four matrices held as quantized blocks (a GGUF
 or ``--quantization`` model). Any other model, and any step the stack does not take, runs
-the modules."""
+the modules. With LoRA enabled the layers' adapter stacks go with them (``kernels.lora``)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,12 @@ def _layer_weights(layer) -> DecodeLayerWeights | None:
     if any(parts is None for parts in matrices):
         return None
     qkv, o, gate_up, down = matrices
+    lora = tuple(None if m.lora is None else (m.lora.a, m.lora.b, m.lora.slices)
+                 for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
     return DecodeLayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-        qkv=qkv, o=o, gate_up=gate_up, down=down, window=attention.window,
+        qkv=qkv, o=o, gate_up=gate_up, down=down, window=attention.window, lora=lora,
     )
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from triode import kernels
 from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.lora import LoRAStep
 from triode.engine.worker.models.cpu_decode import build_decode_stack, decode_stack_supported
 from triode.engine.worker.models.layers import Embedding, Linear, RMSNorm, interleaved_parts
 from triode.engine.worker.models.moe import SparseMoE
@@ -164,6 +165,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         )
         self.max_positions = max_positions
         self.tied_head_packed: torch.Tensor | None = None
+        # With LoRA enabled, the step's rows' adapter slots (triode.engine.worker.lora), which
+        # the C decode stack reads; the modules read them from their own stacks.
+        self.lora_step: LoRAStep | None = None
         # Pure-decode steps of a quantized CPU model run every layer in one C call
         # (models.cpu_decode); False runs the modules (the tests compare the two).
         self.decode_stack_enabled = True
@@ -201,16 +205,13 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         metadata: kernels.AttentionMetadata,
-        *,
-        fused_decode: bool = True,
     ) -> torch.Tensor:
-        """Final hidden states [tokens, hidden] of a flattened step batch. ``fused_decode``:
-        False runs the modules even where the C decode stack would take the step (a step with
-        LoRA adapters, which only the modules apply)."""
+        """Final hidden states [tokens, hidden] of a flattened step batch."""
         hidden = self.embed(input_ids)
-        stack = self._decode_stack_for(kv_caches) if fused_decode else None
+        stack = self._decode_stack_for(kv_caches)
         if stack is not None and stack.takes(hidden.shape[0], metadata, kv_caches):
-            hidden, residual = stack.run(hidden, positions, metadata)
+            lora_slots = self.lora_step.row_slots if self.lora_step is not None else None
+            hidden, residual = stack.run(hidden, positions, metadata, lora_slots)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
