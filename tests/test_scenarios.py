@@ -25,7 +25,7 @@ SCENARIOS = Path(__file__).parent.parent / "scenarios"
 # (about half the time of all fourteen). The rest are marked slow: make test-all and make
 # test-scenarios play every file.
 QUICK = ("worker-hang-watchdog", "worker-exception", "slow-readers", "malformed-burst", "restart-storm",
-         "crash-with-disconnects", "preemption-during-crash", "sigterm-during-restart")
+         "crash-with-disconnects", "preemption-during-crash", "sigterm-during-restart", "lora-sigkill")
 _ASYNC_GENERATOR_WARNING = r"ignore:Async generator '(httpx2|httpcore2)\.[\w.]+' was garbage collected"
 
 

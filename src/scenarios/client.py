@@ -60,6 +60,11 @@ class Progress:
         await event.wait()
 
 
+def adapter_name(index: int) -> str:
+    """The served name of a workload's ``index``-th LoRA adapter."""
+    return f"lora-{index}"
+
+
 def build_requests(workload: Workload) -> list[RequestSpec]:
     rng = random.Random(workload.seed)
     specs = []
@@ -71,6 +76,8 @@ def build_requests(workload: Workload) -> list[RequestSpec]:
             prompt = [rng.randrange(1000, 30000) for _ in range(rng.randint(*workload.prompt_tokens))]
         body: dict = {"max_tokens": max_tokens, "temperature": workload.temperature,
                       "stream": workload.stream, "ignore_eos": True}
+        if workload.lora_adapters and index % (workload.lora_adapters + 1) < workload.lora_adapters:
+            body["model"] = adapter_name(index % (workload.lora_adapters + 1))
         if workload.api == "chat":
             text = prompt if isinstance(prompt, str) else " ".join(f"w{t}" for t in prompt)
             body["messages"] = [{"role": "user", "content": text}]

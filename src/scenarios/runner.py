@@ -29,11 +29,13 @@ from triode.scenarios.judge import (
     judge_requests,
     service_recovery,
 )
+from triode.scenarios.lora_files import LoRAAdapterFiles
 from triode.scenarios.server import ServerProcess
 from triode.scenarios.spec import Scenario, Workload
 
 # Fields of a workload that decide the greedy outputs; how the requests arrive does not.
-_OUTPUT_FIELDS = ("api", "requests", "prompt_tokens", "prompts", "max_tokens", "temperature", "seed")
+_OUTPUT_FIELDS = ("api", "requests", "prompt_tokens", "prompts", "max_tokens", "temperature", "seed",
+                  "lora_adapters", "lora_rank")
 
 
 def reference_key(scenario: Scenario, args: list[str]) -> tuple:
@@ -68,10 +70,12 @@ class ScenarioRunner:
         self.scenario_timeout = scenario_timeout  # a hang fails the scenario instead of the run
         self._references: dict[tuple, list[RequestResult]] = {}
         self._shared_servers: dict[tuple[str, ...], ServerProcess] = {}
+        self._adapters = LoRAAdapterFiles(model)
 
     def _args(self, scenario: Scenario, *, reference: bool = False) -> list[str]:
         args = scenario.reference_args if reference else scenario.server_args
-        return ([self.model] if self.model else []) + (["--batch-invariant"] if self.batch_invariant else []) + list(args)
+        return ([self.model] if self.model else []) + (["--batch-invariant"] if self.batch_invariant else []) + list(
+            args) + self._adapters.server_args(scenario.workload)
 
     async def _shared_server(self, args: list[str]) -> ServerProcess:
         server = self._shared_servers.get(tuple(args))
@@ -105,6 +109,7 @@ class ScenarioRunner:
     async def close(self) -> None:
         for args in list(self._shared_servers):
             await self._discard_shared_server(list(args))
+        self._adapters.close()
 
     async def run(self, scenario: Scenario) -> Verdict:
         started = trio.current_time()

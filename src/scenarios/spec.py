@@ -30,6 +30,10 @@ class Workload:
     max_tokens: tuple[int, int] = (16, 16)
     temperature: float = 0.0
     seed: int = 0
+    # > 0: the servers serve this many random LoRA adapters of rank lora_rank (written for the
+    # model's shape) and requests take turns: adapter 0, 1, ..., then the base model
+    lora_adapters: int = 0
+    lora_rank: int = 8
 
 
 @attrs.frozen(kw_only=True)
