@@ -155,3 +155,22 @@ def test_engine_args_limits():
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(InvalidRequestError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
+
+
+def test_tensor_parallel_shards_the_adapters(adapters_of, tiny_tokenizer):
+    """Two ranks, each with its shard of every adapter (B's rows of q/k/v/gate/up, A's columns
+    of o/down), give the one-rank tokens, and logprobs within 1e-3."""
+    base, adapters = adapters_of("llama")
+    prompts = [{"prompt_token_ids": tiny_tokenizer.encode(text)} for text in TINY_MODEL_TEXTS]
+    loras = [adapters["r8"], adapters["r16"], None, adapters["rs"], adapters["r8"]]
+    results = {}
+    for size in (1, 2):
+        with LLM(model=str(base), tensor_parallel_size=size, enable_lora=True, max_loras=3, kv_cache_memory="16MiB",
+                 max_model_len=256) as llm:
+            outputs = llm.generate(prompts, greedy_params(MAX_TOKENS), lora_request=loras, use_tqdm=False)
+        assert len(outputs) == len(prompts)
+        results[size] = [_as_token_logprobs(output) for output in outputs]
+    for (tokens, logprobs), (one_tokens, one_logprobs) in zip(results[2], results[1], strict=True):
+        assert tokens == one_tokens
+        for ours, theirs in zip(logprobs, one_logprobs, strict=True):
+            assert abs(ours.logprob - theirs.logprob) < 1e-3
