@@ -71,15 +71,22 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...] = ()
     chunks: tuple[ScheduledChunk, ...] = ()
     finished_seq_ids: tuple[str, ...] = ()  # forget these before running the step
+    # LoRA adapters to read into host memory in the background (sequences of theirs wait
+    # until a result lists them in ``loaded_loras``)
+    load_loras: tuple[LoRARequest, ...] = ()
+    # A plan without chunks, sent while adapters are being read: it returns once one is read
+    # (or after a short wait), so that an engine with nothing else to run learns of it.
+    wait_for_loads: bool = False
 
     def __reduce__(self):
         return _plan_from_columns, (self.step_id, self.new_sequences, self.finished_seq_ids,
-                                    tuple(zip(*self.chunks, strict=True)))
+                                    tuple(zip(*self.chunks, strict=True)), self.load_loras, self.wait_for_loads)
 
 
-def _plan_from_columns(step_id, new_sequences, finished_seq_ids, columns) -> StepPlan:
+def _plan_from_columns(step_id, new_sequences, finished_seq_ids, columns, load_loras, wait_for_loads) -> StepPlan:
     chunks = tuple(map(ScheduledChunk._make, zip(*columns, strict=True)))
-    return StepPlan(step_id=step_id, new_sequences=new_sequences, chunks=chunks, finished_seq_ids=finished_seq_ids)
+    return StepPlan(step_id=step_id, new_sequences=new_sequences, chunks=chunks, finished_seq_ids=finished_seq_ids,
+                    load_loras=load_loras, wait_for_loads=wait_for_loads)
 
 
 @attrs.frozen(kw_only=True)
@@ -112,6 +119,11 @@ class StepResult:
     # seq_id -> logprobs of prompt tokens 1.. computed in this step's chunk
     prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
     pooled: tuple[PooledOutput, ...] = ()  # the pooling sequences whose prompt this step ended
+    # LoRA adapters (by id) the worker has read into host memory since its last result, and
+    # those it dropped from there (its --max-cpu-loras), or could not read (id, reason)
+    loaded_loras: tuple[int, ...] = ()
+    evicted_loras: tuple[int, ...] = ()
+    failed_loras: tuple[tuple[int, str], ...] = ()
     execute_seconds: float = 0.0
     collective_seconds: float = 0.0  # of execute_seconds, in tensor-parallel collectives
     grammar_seconds: float = 0.0  # of execute_seconds, following grammars and masking logits

@@ -174,7 +174,9 @@ class EngineCore:
         ahead = self.scheduler.steps_in_flight > 0
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            if ahead:
+            if plan.wait_for_loads:
+                return plan  # nothing to run until an adapter is read: ask the workers when it is
+            if ahead or self.scheduler.waits_for_loads:
                 return None  # e.g. the step in flight ends every running sequence by length
             # The scheduler's invariant (the most important sequence always progresses) rules
             # this out; a driver that waited here would hang its requests, one that looped

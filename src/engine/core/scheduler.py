@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -40,7 +41,10 @@ from triode.engine.core.scheduler_output import (
 )
 from triode.engine.core.sequence import Sequence, SequenceStatus
 from triode.engine.errors import InvalidRequestError
+from triode.engine.lora.request import LoRARequest
 from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
 
 
 class _InFlight(NamedTuple):  # a sequence's share of a step out: a tuple is the cheapest record
@@ -67,7 +71,9 @@ class Scheduler:
         """``whole_prompts``: a prompt is never cut into chunks (an encoder's, whose every token
         attends to every other); ``max_num_batched_tokens`` must then hold the longest one.
         ``max_loras``: the most LoRA adapters the running sequences may use at once (the
-        workers' slots); a waiting sequence of another adapter waits, and others pass it."""
+        workers' slots); a waiting sequence of another adapter waits, and others pass it. An
+        adapter's sequences also wait until the workers have read it (``StepPlan.load_loras``,
+        ``StepResult.loaded_loras``), so that reading one stalls no step."""
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
         if max_steps_in_flight not in (1, 2):
@@ -80,6 +86,10 @@ class Scheduler:
         self.scheduling_policy = scheduling_policy
         self.whole_prompts = whole_prompts
         self.max_loras = max_loras
+        self.loras_ready: set[int] = set()  # adapter ids the workers hold in host memory
+        self.loras_loading: set[int] = set()  # asked for, not read yet
+        self._loads: list[LoRARequest] = []  # to ask for in the next plan sent
+        self._load_poll: int | None = None  # the step id of a plan out that only waits for reads
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by seq id
         self.families: dict[str, list[Sequence]] = {}  # user request id -> unfinished sequences
         self.waiting: list[Sequence] = []  # sorted by _key
@@ -214,6 +224,11 @@ class Scheduler:
         self._in_flight.clear()
         self._finished_seq_ids = []
         self.block_manager.reset_prefix_cache()
+        # the new workers hold no adapter: each is asked for again before its sequences run
+        self.loras_ready.clear()
+        self.loras_loading.clear()
+        self._loads = []
+        self._load_poll = None
         return requeued
 
     # ---- one step ------------------------------------------------------------------------
@@ -264,9 +279,8 @@ class Scheduler:
                     break
                 if self._sibling_is_prefilling(seq):
                     continue  # share its prompt blocks once they are cached
-                if (seq.lora is not None and self.max_loras is not None and seq.lora.lora_int_id not in adapters
-                        and len(adapters) >= self.max_loras):
-                    continue  # its adapter waits for a slot
+                if seq.lora is not None and self.max_loras is not None and not self._adapter_admits(seq.lora, adapters):
+                    continue
 
                 hits, num_hit_tokens = bm.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, threshold, budget)
@@ -298,6 +312,12 @@ class Scheduler:
 
         self._step_id += 1
         finished = tuple(self._finished_seq_ids)
+        wait_for_loads = not chunks and bool(self.loras_loading) and self._load_poll is None
+        loads: tuple[LoRARequest, ...] = ()
+        if chunks or wait_for_loads:
+            loads, self._loads = tuple(self._loads), []
+        if wait_for_loads:
+            self._load_poll = self._step_id
         if chunks:
             self._finished_seq_ids = []
             fed = self.max_num_batched_tokens - budget
@@ -315,7 +335,37 @@ class Scheduler:
             new_sequences=tuple(new_sequences),
             chunks=tuple(chunks.values()),
             finished_seq_ids=finished,
+            load_loras=loads,
+            wait_for_loads=wait_for_loads,
         )
+
+    def _adapter_admits(self, lora: LoRARequest, adapters: set[int]) -> bool:
+        """Whether a waiting sequence of adapter ``lora`` may start now, the running ones using
+        ``adapters``: the workers have read it, and it has a slot. One not read yet is asked for."""
+        assert self.max_loras is not None, "only an engine with LoRA enabled runs adapters"
+        adapter = lora.lora_int_id
+        if adapter not in self.loras_ready:
+            if adapter not in self.loras_loading:
+                self.loras_loading.add(adapter)
+                self._loads.append(lora)
+            return False
+        return adapter in adapters or len(adapters) < self.max_loras
+
+    @property
+    def waits_for_loads(self) -> bool:
+        """Whether some sequence waits for an adapter the workers are reading."""
+        return bool(self.loras_loading)
+
+    def _apply_lora_news(self, result: StepResult) -> None:
+        self.loras_ready.update(result.loaded_loras)
+        self.loras_loading.difference_update(result.loaded_loras)
+        self.loras_ready.difference_update(result.evicted_loras)
+        for adapter, reason in result.failed_loras:
+            self.loras_loading.discard(adapter)
+            waiting = [seq.seq_id for seq in self.waiting if seq.lora is not None and seq.lora.lora_int_id == adapter]
+            logger.error("LoRA adapter %d could not be read by the workers (%s): aborting its %d waiting "
+                         "sequence(s)", adapter, reason, len(waiting))
+            self.abort(waiting)
 
     @staticmethod
     def _num_to_schedule(seq: Sequence, limit: int) -> int:
@@ -366,6 +416,10 @@ class Scheduler:
         sampled tokens and runs the token-id stop checks. Finished sequences are freed and
         listed in the next plan's ``finished_seq_ids``. Sequences aborted while the step ran are
         skipped, as are those preempted (their recompute is another incarnation)."""
+        self._apply_lora_news(result)
+        if result.step_id == self._load_poll:
+            self._load_poll = None
+            return []
         expected = self._in_flight[0][0] if self._in_flight else None
         if expected != result.step_id:
             if result.step_id == self._step_id and not result.sampled and not result.pooled:

@@ -18,12 +18,19 @@ columns of A for its input features and all of B, whose partial products the lay
 all-reduce sums with the base output's.
 
 The engine has checked every adapter it sends (``triode.engine.lora.peft_files``), and never
-schedules more adapters in one step than there are slots.
+schedules more adapters in one step than there are slots. It asks for an adapter's files to be
+read ahead (:meth:`WorkerLoRAs.prefetch`): a thread of the worker reads them while steps run,
+and the engine schedules the adapter's sequences once a result says the read is done
+(:meth:`WorkerLoRAs.take_news`), so a new adapter never stalls the others' steps. A step that
+names an adapter not in host memory (a worker restarted, an adapter dropped by the host LRU)
+reads it there and then.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -35,7 +42,9 @@ from triode.engine.lora.request import LoRARequest
 from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import Partition
 
-__all__ = ["LoRAStack", "WorkerLoRAs"]
+__all__ = ["LoRAStack", "LoRAStep", "WorkerLoRAs"]
+
+logger = logging.getLogger(__name__)
 
 # A model's adapted layer (attribute of a decoder layer's self_attn or mlp) -> the PEFT modules
 # whose outputs are its output's slices, in order.
@@ -101,6 +110,9 @@ class WorkerLoRAs:
         self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
         self._host: collections.OrderedDict[int, SlotWeights] = collections.OrderedDict()  # adapter id -> weights
         self.loads = 0  # adapters read from their files (a restart or an eviction from host reads again)
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
+        self._reading: dict[int, concurrent.futures.Future[SlotWeights]] = {}
+        self._news: tuple[list[int], list[int], list[tuple[int, str]]] = ([], [], [])  # loaded, evicted, failed
 
     def _local_shape(self, module: str) -> tuple[int, int]:
         """(in, out) features of ``module`` on this rank."""
@@ -176,18 +188,54 @@ class WorkerLoRAs:
 
     # ---- host copies ----------------------------------------------------------------------
 
-    def _weights(self, request: LoRARequest) -> SlotWeights:
-        adapter_id = request.lora_int_id
-        if adapter_id in self._host:
-            self._host.move_to_end(adapter_id)
-            return self._host[adapter_id]
+    def prefetch(self, requests: Iterable[LoRARequest]) -> None:
+        """Starts reading the adapters not in host memory, in the background."""
+        for request in requests:
+            if request.lora_int_id not in self._host and request.lora_int_id not in self._reading:
+                self._reading[request.lora_int_id] = self._reader.submit(self._read_files, request)
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Returns once a background read is done, or after ``timeout`` seconds."""
+        if self._reading:
+            concurrent.futures.wait(self._reading.values(), timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def take_news(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...]]:
+        """(adapters read into host memory, dropped from it, whose read failed) since the last call."""
+        for adapter_id, future in list(self._reading.items()):
+            if future.done():
+                del self._reading[adapter_id]
+                try:
+                    self._keep(adapter_id, future.result())
+                except Exception as error:  # the files changed since the engine checked them
+                    logger.warning("LoRA adapter %d could not be read: %s", adapter_id, error)
+                    self._news[2].append((adapter_id, str(error)))
+        loaded, evicted, failed = (tuple(news) for news in self._news)
+        self._news = ([], [], [])
+        return loaded, evicted, failed
+
+    def _keep(self, adapter_id: int, weights: SlotWeights) -> None:
+        self._host[adapter_id] = weights
+        self._news[0].append(adapter_id)
+        while len(self._host) > self.max_cpu_loras:
+            evicted, _ = self._host.popitem(last=False)
+            self._news[1].append(evicted)
+
+    def _read_files(self, request: LoRARequest) -> SlotWeights:
         facts = read_adapter(request.lora_path, request.lora_name, self.config, max_rank=self.max_rank)
         weights = self._read(facts)
         self.loads += 1
-        self._host[adapter_id] = weights
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
         return weights
+
+    def _weights(self, request: LoRARequest) -> SlotWeights:
+        adapter_id = request.lora_int_id
+        if adapter_id not in self._host:
+            future = self._reading.pop(adapter_id, None)
+            self._keep(adapter_id, future.result() if future is not None else self._read_files(request))
+        self._host.move_to_end(adapter_id)
+        return self._host[adapter_id]
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def _read(self, facts: AdapterFacts) -> SlotWeights:
         """Each adapted layer's slot contents (this rank's shard, scaled, zero-padded)."""

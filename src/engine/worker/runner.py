@@ -67,6 +67,10 @@ from triode.engine.worker_messages import (
 
 logger = logging.getLogger(__name__)
 
+# How long a plan that only waits for LoRA reads (StepPlan.wait_for_loads) may hold the worker:
+# a step planned behind it waits that long at most.
+LORA_POLL_SECONDS = 0.02
+
 @attrs.define
 class _Sequence:
     prompt_token_ids: list[int]
@@ -244,8 +248,12 @@ class ModelRunner:
         for chunk in chunks:
             if chunk.new_block_ids:
                 self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
+        if self.loras is not None and plan.load_loras:
+            self.loras.prefetch(plan.load_loras)
         if not chunks:
-            return StepResult(step_id=plan.step_id)
+            if self.loras is not None and plan.wait_for_loads:
+                self.loras.wait_for_reads(LORA_POLL_SECONDS)
+            return StepResult(step_id=plan.step_id, **self._lora_news())
         inputs = StepInputs.build(chunks, chunk_tokens, self.block_tables, block_size=self.block_size,
                                   device=self.device, staging=self._staging)
         if self.parallel is not None:
@@ -268,7 +276,14 @@ class ModelRunner:
             grammar_seconds=self._grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
             prepare_seconds=self._prepare_seconds,
+            **self._lora_news(),
         )
+
+    def _lora_news(self) -> dict:
+        if self.loras is None:
+            return {}
+        loaded, evicted, failed = self.loras.take_news()
+        return {"loaded_loras": loaded, "evicted_loras": evicted, "failed_loras": failed}
 
     def _adapters(self, chunks) -> list[LoRARequest | None] | None:
         """Each chunk's adapter, or None when no chunk of the step has one."""
@@ -405,6 +420,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Leaves the process group (if any)."""
+        if self.loras is not None:
+            self.loras.close()
         if self.parallel is not None:
             self.parallel.leave()
             self.parallel = None
