@@ -352,6 +352,35 @@ def check_silu(ctx: Context, bench, tokens: int, intermediate: int, *, dtype=Non
     return row
 
 
+def check_lora(ctx: Context, bench, tokens: int, hidden: int, kv: int, *, rank=16, slots=4, dtype=None) -> Row:
+    """Batched LoRA on a fused qkv projection's output: four adapters' segments of rows, rows of
+    the base model between them, and an empty segment, against the row-at-a-time definition."""
+    torch = ctx.torch
+    from triode.kernels.lora import LoRASegments, add_lora_reference, add_lora_triton
+
+    dtype = dtype or ctx.dtype
+    row = Row("lora", f"{tokens} rows, qkv {hidden}+2*{kv}, rank {rank}, {slots} adapters {str(dtype)[6:]}")
+    gen = torch.Generator(device=ctx.device).manual_seed(tokens)
+    slices = (hidden, kv, kv)
+    x = torch.randn(tokens, hidden, device=ctx.device, generator=gen).to(dtype)
+    a = (torch.randn(slots, hidden, 3 * rank, device=ctx.device, generator=gen) / hidden**0.5).to(dtype)
+    b = (torch.randn(slots, rank, sum(slices), device=ctx.device, generator=gen) * 0.1).to(dtype)
+    out = torch.randn(tokens, sum(slices), device=ctx.device, generator=gen).to(dtype)
+    quarter = tokens // 4
+    segments = LoRASegments((0, quarter, quarter, 2 * quarter + 1), (quarter - 1, quarter, 2 * quarter, tokens),
+                            (3, 0, 1, 2))
+    gold = out.float()
+    add_lora_reference(gold, x.float(), a.float(), b.float(), slices, segments)
+    reference = out.clone()
+    add_lora_reference(reference, x, a, b, slices, segments)
+    actual = out.clone()
+    add_lora_triton(actual, x, a, b, slices, segments)
+    judge(ctx, row, actual, gold, reference)
+    row.flops = 2.0 * tokens * rank * (3 * hidden + sum(slices))
+    row.triton_us = bench(lambda: add_lora_triton(out.clone(), x, a, b, slices, segments))
+    return row
+
+
 def check_invariant_linear(ctx: Context, bench, features: int, out_features: int, *, dtype=None) -> Row:
     """--batch-invariant's linear layer: a row's bits alone and at a random place among 2, 7,
     64, 300 (and 2048) rows; accuracy and time against torch's matmul (cuBLAS) at the largest."""
@@ -482,6 +511,7 @@ def plan(ctx: Context, bench) -> list[tuple[str, Callable[[], Row]]]:
         heads=4, kv_heads=2, max_positions=64)))))
     cases.append(("silu_and_mul", lambda: check_silu(c, bench, tokens, intermediate)))
     cases.append(("invariant linear", lambda: check_invariant_linear(c, bench, hidden, intermediate)))
+    cases.append(("lora", lambda: check_lora(c, bench, *((256, 4096, 1024) if ctx.gpu else (9, 64, 16)))))
     cases.append(("invariant attention", lambda: check_invariant_attention(
         c, "mixed", variant_mixed, mixed_decodes, head_dim=64, block_size=16,
         **(dict(kv_heads=8, group=4) if ctx.gpu else dict(kv_heads=2, group=2)))))

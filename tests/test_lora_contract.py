@@ -10,6 +10,8 @@ import json
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from tests.hf_compare import TINY_MODEL_TEXTS, assert_matches_hf, greedy_params, hf_greedy
 from tests.lora_adapters import build_adapter
@@ -119,6 +121,15 @@ def _copy_adapter(source: str, target, change=None):
     return str(target)
 
 
+def _with_lm_head(directory: str) -> str:
+    """The adapter with an LM-head LoRA too (a target module triode does not adapt)."""
+    weights = f"{directory}/adapter_model.safetensors"
+    tensors = load_file(weights)
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+    save_file(tensors, weights)
+    return directory
+
+
 def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_factory, tmp_path, tiny_tokenizer):
     base, adapters = adapters_of("llama")
     source = adapters["r8"].lora_path
@@ -132,6 +143,7 @@ def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_fac
         "truncated": (truncated, "is truncated"),
         "dora": (_copy_adapter(source, tmp_path / "dora", lambda c: c.update(use_dora=True)), "use_dora=True"),
         "other-base": (str(build_adapter(other_base, tmp_path / "other-base", rank=4, seed=5)), "another base model"),
+        "lm-head": (_with_lm_head(_copy_adapter(source, tmp_path / "lm-head")), "adapts a layer triode does not"),
     }
     prompt = {"prompt_token_ids": tiny_tokenizer.encode("Paris")}
     params = SamplingParams(max_tokens=2)

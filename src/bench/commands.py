@@ -30,7 +30,8 @@ def _step(namespace: argparse.Namespace) -> int:
 
         lora.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64)),
                  context=namespace.context, steps=namespace.steps or 16, rank=namespace.lora_rank,
-                 adapters=namespace.lora_adapters, repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
+                 adapters=namespace.lora_adapters, repeats=namespace.repeats, dtype=namespace.dtypes[0],
+                 output_dir=Path(namespace.output_dir))
         return 0
     from triode.bench import step
 

@@ -7,8 +7,11 @@ up, down), written for the model's shape."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,14 +26,18 @@ from triode.engine.config import EngineArgs
 from triode.engine.lora.peft_files import TARGET_MODULES, module_shape
 from triode.engine.lora.request import LoRARequest
 from triode.engine.model.config import ModelConfig
+from triode.engine.model_files.layout import load_hf_config
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.worker.runner import ModelRunner
 
 
-def write_random_adapter(directory: Path, config: ModelConfig, *, rank: int, seed: int, scale: float = 0.01) -> Path:
-    """A PEFT adapter of ``config``'s shape: every decoder layer's target modules, random A and
-    B (``scale`` times a standard normal: small enough by default to leave the model's
-    activations in range)."""
+def write_random_adapter(directory: str | Path, model: ModelConfig | str | Path, *, rank: int, seed: int,
+                         scale: float = 0.01) -> Path:
+    """A PEFT adapter of ``model``'s shape (its config, or a model directory): every decoder
+    layer's target modules, random A and B (``scale`` times a standard normal: small enough by
+    default to leave the model's activations in range)."""
+    directory = Path(directory)
+    config = model if isinstance(model, ModelConfig) else ModelConfig.from_hf(load_hf_config(Path(model)))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_layers):
@@ -49,9 +56,10 @@ def write_random_adapter(directory: Path, config: ModelConfig, *, rank: int, see
 
 
 def run(*, model: str | None, batch_sizes: tuple[int, ...] = (1, 64), context: int = 128, steps: int = 16,
-        rank: int = 16, adapters: int = 3, repeats: int = 3, output_dir: Path = Path("bench-results")) -> list[dict]:
+        rank: int = 16, adapters: int = 3, repeats: int = 3, dtype: str = "auto",
+        output_dir: Path = Path("bench-results")) -> list[dict]:
     args = EngineArgs.from_env(model=model, max_num_seqs=max(256, *batch_sizes), enable_lora=True,
-                               max_loras=adapters, max_lora_rank=rank)
+                               max_loras=adapters, max_lora_rank=rank, dtype=dtype)
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
     args = attrs.evolve(args, kv_cache_memory=_kv_budget(resolved.path, max(batch_sizes), context + steps + 1,
                                                          args.block_size))
@@ -66,23 +74,57 @@ def run(*, model: str | None, batch_sizes: tuple[int, ...] = (1, 64), context: i
         rows = []
         for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
             prompts = _context(batch, context, runner.config.vocab_size, seed=batch)
-            cases = {"base_ms": [], "one_ms": [loras[0]] * batch,
-                     "mixed_ms": [loras[i % adapters] for i in range(batch)]}
+            cases = {"base_ms": [], "one_ms": [loras[0]] * batch}
+            if batch >= adapters:  # the batch split among the adapters
+                cases["mixed_ms"] = [loras[i % adapters] for i in range(batch)]
             times: dict[str, list[float]] = {key: [] for key in cases}
             for _ in range(repeats):  # interleaved, so that a slow spell of the machine hits all three
                 for key, row_loras in cases.items():
                     times[key].append(time_ours(runner, prompts, steps, row_loras) * 1e3)
             rows.append({"batch": batch, **{key: statistics.median(values) for key, values in times.items()}})
+    def cost(row: dict, key: str) -> str:
+        return f"{row[key] / row['base_ms'] - 1:+.1%}" if key in row else "-"
+
     print_table(["batch", "base ms/step", "1 adapter ms", "cost", f"{adapters} adapters ms", "cost"],
-                [[r["batch"], r["base_ms"], r["one_ms"], f"{r['one_ms'] / r['base_ms'] - 1:+.1%}", r["mixed_ms"],
-                  f"{r['mixed_ms'] / r['base_ms'] - 1:+.1%}"] for r in rows])
+                [[r["batch"], r["base_ms"], r["one_ms"], cost(r, "one_ms"), r.get("mixed_ms"), cost(r, "mixed_ms")]
+                 for r in rows])
     write_json(output_dir / "step-lora.json", {"context": context, "steps": steps, "rank": rank,
                                                "adapters": adapters, "model": str(resolved.source), "rows": rows})
     plot_lines(output_dir / "step-lora.png", title=f"Decode step with LoRA adapters (rank {rank}), context {context}",
                x_label="batch size", y_label="ms per step", x=[r["batch"] for r in rows],
                series={"base model": [r["base_ms"] for r in rows],
                        "every sequence one adapter": [r["one_ms"] for r in rows],
-                       f"{adapters} adapters mixed": [r["mixed_ms"] for r in rows]},
+                       f"{adapters} adapters mixed": [r.get("mixed_ms", math.nan) for r in rows]},
                log_x=True)
     print(f"wrote {output_dir / 'step-lora.json'} and {output_dir / 'step-lora.png'}")
     return rows
+
+
+def write_random_adapters(directory: Path, *, model: str | None, count: int, rank: int, scale: float) -> list[Path]:
+    """``count`` random adapters of ``model``'s shape (None: the default model) in
+    ``directory``/adapter-0, adapter-1, ..."""
+    args = EngineArgs(model=model)
+    path = resolve_model(args.model, cache_dir=args.resolved_cache_dir()).path
+    return [write_random_adapter(directory / f"adapter-{i}", path, rank=rank, seed=i, scale=scale)
+            for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m triode.bench.lora DIRECTORY``: random adapters for a model (the scenario
+    runner writes its adapters so, in a process of its own)."""
+    parser = argparse.ArgumentParser(prog="python -m triode.bench.lora",
+                                     description="write random PEFT LoRA adapters of a model's shape")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--model", default=None, help="the model (default: the default model)")
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--scale", type=float, default=0.01, help="B's values: this times a standard normal")
+    namespace = parser.parse_args(argv)
+    for path in write_random_adapters(namespace.directory, model=namespace.model, count=namespace.count,
+                                      rank=namespace.rank, scale=namespace.scale):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

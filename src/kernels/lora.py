@@ -42,13 +42,14 @@ class LoRASegments:
     """Which rows of a step use which adapter slot: rows ``starts[i]:ends[i]`` use
     ``slots[i]``. Segments do not overlap; rows outside every segment use no adapter."""
 
-    __slots__ = ("_tensors", "ends", "slots", "starts")
+    __slots__ = ("_row_slots", "_tensors", "ends", "slots", "starts")
 
     def __init__(self, starts: Sequence[int], ends: Sequence[int], slots: Sequence[int]) -> None:
         if not len(starts) == len(ends) == len(slots):
             raise ValueError(f"segments: {len(starts)} starts, {len(ends)} ends and {len(slots)} slots")
         self.starts, self.ends, self.slots = tuple(starts), tuple(ends), tuple(slots)
         self._tensors: dict[torch.device, torch.Tensor] = {}
+        self._row_slots: dict[int, torch.Tensor] = {}
 
     @classmethod
     def of_rows(cls, row_slots: Sequence[int]) -> LoRASegments:
@@ -77,6 +78,13 @@ class LoRASegments:
         for start, end, slot in zip(self.starts, self.ends, self.slots, strict=True):
             slots[start:end] = [slot] * (end - start)
         return slots
+
+    def row_slot_tensor(self, rows: int) -> torch.Tensor:
+        """:meth:`row_slots` as an int32 CPU tensor, made once (every adapted layer of a step
+        reads it)."""
+        if rows not in self._row_slots:
+            self._row_slots[rows] = torch.tensor(self.row_slots(rows), dtype=torch.int32)
+        return self._row_slots[rows]
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         """int32 [3, segments] (starts, ends, slots) on ``device``, made once."""
@@ -167,7 +175,7 @@ def add_lora_cpu(out, x, a, b, slices: Sequence[int], segments: LoRASegments) ->
     rank = check_lora_args(out, x, a, b, slices, segments)
     matrix = lora_matrix(a, b, slices) if x.dtype == torch.float32 and x.stride(1) == 1 else None
     if matrix is not None and out.stride(1) == 1 and (entry := _entry()) is not None:
-        row_slots = torch.tensor(segments.row_slots(x.shape[0]), dtype=torch.int32)
+        row_slots = segments.row_slot_tensor(x.shape[0])
         shrunk = torch.empty((x.shape[0], a.shape[2]), dtype=torch.float32)
         if entry(ctypes.byref(matrix), x.data_ptr(), x.stride(0), row_slots.data_ptr(), x.shape[0],
                  shrunk.data_ptr(), out.data_ptr(), out.stride(0)):

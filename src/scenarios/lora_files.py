@@ -1,18 +1,17 @@
 """Random LoRA adapters for scenarios that serve them (``lora_adapters`` in a workload): PEFT
 files written once per run for the served model's shape, and the ``triode serve`` flags that
-serve them under the names the clients send (``client.adapter_name``)."""
+serve them under the names the clients send (``client.adapter_name``). The files are written by
+``python -m triode.bench.lora`` in a process of its own: the runner imports nothing of the
+runtime (it drives servers as a user would)."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from triode.bench.lora import write_random_adapter
-from triode.engine.config import EngineArgs
-from triode.engine.model.config import ModelConfig
-from triode.engine.model_files.layout import load_hf_config
-from triode.engine.model_files.resolve import resolve_model
 from triode.scenarios.client import adapter_name
 from triode.scenarios.spec import Workload
 
@@ -24,27 +23,28 @@ class LoRAAdapterFiles:
     def __init__(self, model: str | None) -> None:
         self.model = model
         self._directory: Path | None = None
-        self._config: ModelConfig | None = None
 
     def server_args(self, workload: Workload) -> list[str]:
         """The flags that serve the workload's adapters (none for a workload without)."""
         if not workload.lora_adapters:
             return []
-        modules = [f"{adapter_name(i)}={self._adapter(i, workload.lora_rank)}" for i in range(workload.lora_adapters)]
+        directories = self._adapters(workload.lora_adapters, workload.lora_rank)
+        modules = [f"{adapter_name(i)}={directory}" for i, directory in enumerate(directories)]
         return ["--enable-lora", "--max-loras", str(workload.lora_adapters), "--max-lora-rank",
                 str(workload.lora_rank), "--lora-modules", *modules]
 
-    def _adapter(self, index: int, rank: int) -> Path:
+    def _adapters(self, count: int, rank: int) -> list[Path]:
         if self._directory is None:
             self._directory = Path(tempfile.mkdtemp(prefix="triode-scenario-lora-"))
-        if self._config is None:
-            args = EngineArgs(model=self.model)
-            path = resolve_model(args.model, cache_dir=args.resolved_cache_dir()).path
-            self._config = ModelConfig.from_hf(load_hf_config(path))
-        directory = self._directory / f"rank{rank}-{index}"
-        if not directory.exists():
-            write_random_adapter(directory, self._config, rank=rank, seed=index, scale=ADAPTER_SCALE)
-        return directory
+        directory = self._directory / f"rank{rank}"
+        paths = [directory / f"adapter-{i}" for i in range(count)]
+        if not all(path.exists() for path in paths):
+            command = [sys.executable, "-m", "triode.bench.lora", str(directory), "--count", str(count),
+                       "--rank", str(rank), "--scale", str(ADAPTER_SCALE)]
+            if self.model:
+                command += ["--model", self.model]
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        return paths
 
     def close(self) -> None:
         if self._directory is not None:
