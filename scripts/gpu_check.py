@@ -369,7 +369,7 @@ def check_lora(ctx: Context, bench, tokens: int, hidden: int, kv: int, *, rank=1
     quarter = tokens // 4
     segments = LoRASegments((0, quarter, quarter, 2 * quarter + 1), (quarter - 1, quarter, 2 * quarter, tokens),
                             (3, 0, 1, 2))
-    gold = out.float()
+    gold = out.clone().float()
     add_lora_reference(gold, x.float(), a.float(), b.float(), slices, segments)
     reference = out.clone()
     add_lora_reference(reference, x, a, b, slices, segments)

@@ -31,7 +31,7 @@ def test_gpu_check_dry_run_passes_every_case():
     result = run_script("gpu_check.py", "--dry-run-cpu")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FAIL" not in result.stdout
-    assert "18/18 cases ok" in result.stdout
+    assert "19/19 cases ok" in result.stdout
     assert "invariant linear" in result.stdout and "0 of 19 rows differ from their decode alone" in result.stdout
 
 
