@@ -1,8 +1,10 @@
 """Unit tests: LoRA adapters in the sans-IO scheduler and block manager. An adapter's sequences
 wait until the workers report it read (asked for in a plan, a plan that only waits for the read
-when nothing else runs) while others run on; at most ``max_loras`` adapters run at once; a
-worker restart asks for every adapter again; an adapter the workers could not read aborts its
-waiting sequences; and KV computed under one adapter is never a prefix hit for another."""
+when nothing else runs) while others run on; at most ``max_loras`` adapters run at once, and a
+sequence waiting for a slot is passed by the base model's sequences only; a worker restart or
+an eviction asks for an adapter again; an adapter the workers could not read ends its
+sequences with "abort" updates; and KV computed under one adapter is never a prefix hit for
+another."""
 
 from __future__ import annotations
 
@@ -65,20 +67,21 @@ def test_with_nothing_else_to_run_a_plan_waits_for_the_read():
     assert _scheduled(plan) == {"lora"} and not plan.wait_for_loads
 
 
-def test_max_loras_adapters_run_at_once_and_others_pass_the_one_that_waits():
+def test_max_loras_adapters_run_at_once_and_only_the_base_model_passes_one_that_waits():
     scheduler = _scheduler(max_loras=1)
-    scheduler.loras_ready.update({1, 2})
+    scheduler.lora_loads.ready.update({1, 2})
     _add(scheduler, "a", A)
     _add(scheduler, "b", B)
+    _add(scheduler, "a-later", A)  # would take no slot, but must not pass "b"
     _add(scheduler, "base", None)
     plan = scheduler.schedule()
     assert _scheduled(plan) == {"a", "base"}
-    assert scheduler.statistics().waiting_lora_adapters == ("b",)
+    assert scheduler.statistics().waiting_lora_adapters == ("a", "b")  # "a-later" waits too
     assert scheduler.statistics().running_lora_adapters == ("a",)
     while "a" in scheduler.sequences:
         scheduler.update_from_output(_result(plan))
         plan = scheduler.schedule()
-    assert "b" in _scheduled(plan)
+    assert "b" in _scheduled(plan) and "a-later" not in _scheduled(plan)
 
 
 def test_a_worker_restart_asks_for_every_adapter_again():
@@ -95,21 +98,35 @@ def test_a_worker_restart_asks_for_every_adapter_again():
 
 def test_an_adapter_dropped_from_host_memory_is_asked_for_again():
     scheduler = _scheduler()
-    scheduler.loras_ready.add(1)
+    scheduler.lora_loads.ready.add(1)
     _add(scheduler, "base", None)
     plan = scheduler.schedule()
     scheduler.update_from_output(_result(plan, evicted_loras=(1,)))
     _add(scheduler, "lora", A)
+    plan = scheduler.schedule()
+    assert plan.load_loras == (A,) and "lora" not in _scheduled(plan)
+    # read, and dropped again (the workers read another) before its sequence ran
+    scheduler.update_from_output(_result(plan, loaded_loras=(1,), evicted_loras=(1,)))
     assert scheduler.schedule().load_loras == (A,)
 
 
-def test_an_adapter_the_workers_could_not_read_aborts_its_waiting_sequences():
-    scheduler = _scheduler()
-    seq = _add(scheduler, "lora", A)
+def test_an_adapter_the_workers_could_not_read_ends_its_sequences_with_abort():
+    scheduler = _scheduler(max_loras=2)
+    waiting = _add(scheduler, "waiting", A)
     poll = scheduler.schedule()
-    scheduler.update_from_output(_result(poll, failed_loras=((1, "gone"),)))
-    assert seq.status == SequenceStatus.FINISHED_ABORTED
-    assert not scheduler.has_unfinished_requests()
+    updates = scheduler.update_from_output(_result(poll, failed_loras=((1, "gone"),)))
+    assert [(u.seq_id, u.finish_reason) for u in updates] == [("waiting", "abort")]
+    assert waiting.status == SequenceStatus.FINISHED_ABORTED
+    # one already running (its host copy dropped, then read again in a step, and that failed)
+    scheduler.lora_loads.ready.update({1, 2})
+    running = _add(scheduler, "running", A)
+    other = _add(scheduler, "other", B)
+    plan = scheduler.schedule()
+    assert _scheduled(plan) == {"running", "other"}
+    updates = scheduler.update_from_output(_result(plan, failed_loras=((1, "gone"),)))
+    assert [(u.seq_id, u.finish_reason) for u in updates if u.finish_reason == "abort"] == [("running", "abort")]
+    assert running.status == SequenceStatus.FINISHED_ABORTED
+    assert other.status == SequenceStatus.RUNNING and [u.seq_id for u in updates].count("other") == 1
 
 
 def test_kv_of_one_adapter_is_no_prefix_hit_for_another():

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from triode.bench.report import machine_description, plot_lines, print_table, write_json
-from triode.bench.step import _context, _kv_budget, time_ours
+from triode.bench.step import kv_budget, random_prompts, time_ours
 from triode.engine.config import EngineArgs
 from triode.engine.lora.peft_files import TARGET_MODULES, module_shape
 from triode.engine.lora.request import LoRARequest
@@ -61,7 +61,7 @@ def run(*, model: str | None, batch_sizes: tuple[int, ...] = (1, 64), context: i
     args = EngineArgs.from_env(model=model, max_num_seqs=max(256, *batch_sizes), enable_lora=True,
                                max_loras=adapters, max_lora_rank=rank, dtype=dtype)
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-    args = attrs.evolve(args, kv_cache_memory=_kv_budget(resolved.path, max(batch_sizes), context + steps + 1,
+    args = attrs.evolve(args, kv_cache_memory=kv_budget(resolved.path, max(batch_sizes), context + steps + 1,
                                                          args.block_size))
     runner = ModelRunner(args, resolved.path)
     with tempfile.TemporaryDirectory(prefix="triode-bench-lora-") as scratch:
@@ -73,7 +73,7 @@ def run(*, model: str | None, batch_sizes: tuple[int, ...] = (1, 64), context: i
               f"steps, rank {rank} on q/k/v/o/gate/up/down, 1 and {adapters} adapters; {machine_description()}")
         rows = []
         for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
-            prompts = _context(batch, context, runner.config.vocab_size, seed=batch)
+            prompts = random_prompts(batch, context, runner.config.vocab_size, seed=batch)
             cases = {"base_ms": [], "one_ms": [loras[0]] * batch}
             if batch >= adapters:  # the batch split among the adapters
                 cases["mixed_ms"] = [loras[i % adapters] for i in range(batch)]

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from triode.bench.report import machine_description, plot_lines, print_table, write_json
-from triode.bench.step import _context, time_ours
+from triode.bench.step import random_prompts, time_ours
 from triode.engine.config import EngineArgs
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.worker.runner import ModelRunner
@@ -86,7 +86,7 @@ def run(*, batch_sizes: tuple[int, ...] = (1, 8, 32, 64), context: int = 128, st
               f"{steps} decode steps, {runners['moe'].dtype}; {machine_description()}")
         rows = []
         for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
-            prompts = _context(batch, context, shape.vocab, seed=batch)
+            prompts = random_prompts(batch, context, shape.vocab, seed=batch)
             row = {"batch": batch}
             for kind, runner in runners.items():
                 row[f"{kind}_ms"] = time_ours(runner, prompts, steps) * 1e3

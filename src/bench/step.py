@@ -39,7 +39,7 @@ from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan
 from triode.kernels.quant_linear import QuantizedWeight
 
 
-def _context(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (batch, length), generator=generator)
 
@@ -97,7 +97,7 @@ def time_hf(model, prompts: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
-def _kv_budget(path: Path, batch: int, tokens: int, block_size: int) -> int:
+def kv_budget(path: Path, batch: int, tokens: int, block_size: int) -> int:
     """Bytes of KV cache that hold ``batch`` sequences of ``tokens`` in float32 (the widest
     dtype a runner here may use), and at least 2 GiB."""
     config = ModelConfig.from_hf(load_hf_config(path))
@@ -144,7 +144,7 @@ def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eag
          output_dir) -> list[dict]:
     args = EngineArgs.from_env(model=model, max_num_seqs=max(256, *batch_sizes))
     resolved = resolve_model(args.model, cache_dir=args.resolved_cache_dir())
-    args = attrs.evolve(args, kv_cache_memory=_kv_budget(resolved.path, max(batch_sizes), context + steps + 1,
+    args = attrs.evolve(args, kv_cache_memory=kv_budget(resolved.path, max(batch_sizes), context + steps + 1,
                                                          args.block_size))
     # One runner per dtype; one that keeps quantized weights, one per activation type (loaded
     # with it: integer activations may interleave the weights). The activation type is a
@@ -183,7 +183,7 @@ def _run(*, model, batch_sizes, context, steps, dtypes, activations, compare_eag
           f"triode {' / '.join(labels.values())}, HF {first.dtype} on {first.device}; {machine_description()}")
     rows = []
     for batch in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
-        prompts = _context(batch, context, vocab, seed=batch)
+        prompts = random_prompts(batch, context, vocab, seed=batch)
         row = {"batch": batch}
         for key, runner in runners.items():
             kernels.set_quantized_activations(settings[key])

@@ -43,7 +43,10 @@ class LoRAAdapterFiles:
                        "--rank", str(rank), "--scale", str(ADAPTER_SCALE)]
             if self.model:
                 command += ["--model", self.model]
-            subprocess.run(command, check=True, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"writing the scenario's LoRA adapters failed ({' '.join(command)}):\n"
+                                   f"{done.stderr[-2000:]}")
         return paths
 
     def close(self) -> None:

@@ -11,7 +11,10 @@ arrival) is preempted by recompute: its blocks are freed and it returns to the w
 The most important sequence is never the victim while another runs, and each one fits alone
 (checked by ``add_sequence``), so it always progresses: no deadlock, no livelock, and under FCFS
 the oldest seq is never starved. Under the priority policy a stream of more important
-requests may delay a less important one indefinitely, as priorities intend.
+requests may delay a less important one indefinitely, as priorities intend. With LoRA
+adapters, a sequence whose adapter is being read is passed by the others; one that waits for a
+free adapter slot is passed only by the base model's sequences, so the adapters running finish
+and one frees.
 
 Up to ``max_steps_in_flight`` plans are out at once: one, or two with async scheduling, where
 step N+1 is planned while step N runs. A plan made ahead counts the tokens of the step in
@@ -34,6 +37,7 @@ from typing import NamedTuple
 
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import BlockManager
+from triode.engine.core.lora_loads import LoRALoads
 from triode.engine.core.scheduler_output import (
     ITERATION_TOKEN_BUCKETS,
     SchedulerStats,
@@ -41,7 +45,6 @@ from triode.engine.core.scheduler_output import (
 )
 from triode.engine.core.sequence import Sequence, SequenceStatus
 from triode.engine.errors import InvalidRequestError
-from triode.engine.lora.request import LoRARequest
 from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -71,9 +74,9 @@ class Scheduler:
         """``whole_prompts``: a prompt is never cut into chunks (an encoder's, whose every token
         attends to every other); ``max_num_batched_tokens`` must then hold the longest one.
         ``max_loras``: the most LoRA adapters the running sequences may use at once (the
-        workers' slots); a waiting sequence of another adapter waits, and others pass it. An
-        adapter's sequences also wait until the workers have read it (``StepPlan.load_loras``,
-        ``StepResult.loaded_loras``), so that reading one stalls no step."""
+        workers' slots). An adapter's sequences wait until the workers have read it
+        (``core.lora_loads``) while others pass them; one that waits for a slot is passed by
+        the base model's sequences only, so the running adapters' sequences end and free one."""
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
         if max_steps_in_flight not in (1, 2):
@@ -86,10 +89,7 @@ class Scheduler:
         self.scheduling_policy = scheduling_policy
         self.whole_prompts = whole_prompts
         self.max_loras = max_loras
-        self.loras_ready: set[int] = set()  # adapter ids the workers hold in host memory
-        self.loras_loading: set[int] = set()  # asked for, not read yet
-        self._loads: list[LoRARequest] = []  # to ask for in the next plan sent
-        self._load_poll: int | None = None  # the step id of a plan out that only waits for reads
+        self.lora_loads = LoRALoads()
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by seq id
         self.families: dict[str, list[Sequence]] = {}  # user request id -> unfinished sequences
         self.waiting: list[Sequence] = []  # sorted by _key
@@ -144,6 +144,8 @@ class Scheduler:
         self.sequences[seq.seq_id] = seq
         self.families.setdefault(seq.request_id, []).append(seq)
         self._enqueue(seq)
+        if seq.lora is not None:
+            self.lora_loads.request(seq.lora)
 
     def check_fits(self, seq: Sequence) -> None:
         """Raises ``InvalidRequestError`` for a sequence that could not fit in the whole KV
@@ -224,11 +226,10 @@ class Scheduler:
         self._in_flight.clear()
         self._finished_seq_ids = []
         self.block_manager.reset_prefix_cache()
-        # the new workers hold no adapter: each is asked for again before its sequences run
-        self.loras_ready.clear()
-        self.loras_loading.clear()
-        self._loads = []
-        self._load_poll = None
+        self.lora_loads.reset()
+        for seq in self.waiting:
+            if seq.lora is not None:
+                self.lora_loads.request(seq.lora)
         return requeued
 
     # ---- one step ------------------------------------------------------------------------
@@ -274,13 +275,21 @@ class Scheduler:
         # Then waiting ones, unless this step had to preempt (they would only thrash).
         if not preempted:
             adapters = {s.lora.lora_int_id for s in self.running if s.lora is not None}
+            slot_wanted = False  # a sequence waits for an adapter's slot: no adapter's sequence passes it
             for seq in list(self.waiting):
                 if len(self.running) >= self.max_num_seqs or budget == 0:
                     break
                 if self._sibling_is_prefilling(seq):
                     continue  # share its prompt blocks once they are cached
-                if seq.lora is not None and self.max_loras is not None and not self._adapter_admits(seq.lora, adapters):
-                    continue
+                if seq.lora is not None:
+                    if seq.lora.lora_int_id not in self.lora_loads.ready:
+                        self.lora_loads.request(seq.lora)  # again, if the workers dropped it
+                        continue  # while its adapter is read
+                    if slot_wanted:
+                        continue  # a sequence before it waits for a slot
+                    if seq.lora.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0):
+                        slot_wanted = True
+                        continue
 
                 hits, num_hit_tokens = bm.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, threshold, budget)
@@ -312,12 +321,10 @@ class Scheduler:
 
         self._step_id += 1
         finished = tuple(self._finished_seq_ids)
-        wait_for_loads = not chunks and bool(self.loras_loading) and self._load_poll is None
-        loads: tuple[LoRARequest, ...] = ()
-        if chunks or wait_for_loads:
-            loads, self._loads = tuple(self._loads), []
+        loads = self.lora_loads
+        wait_for_loads = not chunks and bool(loads.loading) and loads.poll is None
         if wait_for_loads:
-            self._load_poll = self._step_id
+            loads.poll = self._step_id
         if chunks:
             self._finished_seq_ids = []
             fed = self.max_num_batched_tokens - budget
@@ -335,37 +342,25 @@ class Scheduler:
             new_sequences=tuple(new_sequences),
             chunks=tuple(chunks.values()),
             finished_seq_ids=finished,
-            load_loras=loads,
+            load_loras=loads.take_pending() if chunks or wait_for_loads else (),
             wait_for_loads=wait_for_loads,
         )
-
-    def _adapter_admits(self, lora: LoRARequest, adapters: set[int]) -> bool:
-        """Whether a waiting sequence of adapter ``lora`` may start now, the running ones using
-        ``adapters``: the workers have read it, and it has a slot. One not read yet is asked for."""
-        assert self.max_loras is not None, "only an engine with LoRA enabled runs adapters"
-        adapter = lora.lora_int_id
-        if adapter not in self.loras_ready:
-            if adapter not in self.loras_loading:
-                self.loras_loading.add(adapter)
-                self._loads.append(lora)
-            return False
-        return adapter in adapters or len(adapters) < self.max_loras
 
     @property
     def waits_for_loads(self) -> bool:
         """Whether some sequence waits for an adapter the workers are reading."""
-        return bool(self.loras_loading)
+        return bool(self.lora_loads.loading)
 
-    def _apply_lora_news(self, result: StepResult) -> None:
-        self.loras_ready.update(result.loaded_loras)
-        self.loras_loading.difference_update(result.loaded_loras)
-        self.loras_ready.difference_update(result.evicted_loras)
-        for adapter, reason in result.failed_loras:
-            self.loras_loading.discard(adapter)
-            waiting = [seq.seq_id for seq in self.waiting if seq.lora is not None and seq.lora.lora_int_id == adapter]
-            logger.error("LoRA adapter %d could not be read by the workers (%s): aborting its %d waiting "
-                         "sequence(s)", adapter, reason, len(waiting))
-            self.abort(waiting)
+    def _abort_adapters(self, failed: dict[int, str]) -> list[SequenceUpdate]:
+        """Ends every sequence of adapters the workers could not read (their files changed
+        since the engine checked them), each with a final "abort" update."""
+        ended = [seq for seq in self.sequences.values() if seq.lora is not None and seq.lora.lora_int_id in failed]
+        for seq in ended:
+            logger.error("LoRA adapter %r could not be read by the workers (%s): request %r aborted",
+                         seq.lora.lora_name, failed[seq.lora.lora_int_id], seq.request_id)
+        self.finish([seq.seq_id for seq in ended], SequenceStatus.FINISHED_ABORTED)
+        return [SequenceUpdate(seq.seq_id, seq.request_id, seq.index, finish_reason="abort",
+                               num_cached_tokens=seq.num_cached_tokens) for seq in ended]
 
     @staticmethod
     def _num_to_schedule(seq: Sequence, limit: int) -> int:
@@ -416,10 +411,11 @@ class Scheduler:
         sampled tokens and runs the token-id stop checks. Finished sequences are freed and
         listed in the next plan's ``finished_seq_ids``. Sequences aborted while the step ran are
         skipped, as are those preempted (their recompute is another incarnation)."""
-        self._apply_lora_news(result)
-        if result.step_id == self._load_poll:
-            self._load_poll = None
-            return []
+        poll = result.step_id == self.lora_loads.poll
+        failed = self.lora_loads.apply(result)
+        aborted = self._abort_adapters(failed) if failed else []
+        if poll:
+            return aborted
         expected = self._in_flight[0][0] if self._in_flight else None
         if expected != result.step_id:
             if result.step_id == self._step_id and not result.sampled and not result.pooled:
@@ -435,7 +431,7 @@ class Scheduler:
         cache_blocks = bm.cache_computed_blocks if bm.enable_prefix_caching else None
         release_blocks = bm.release_outside_window if bm.sliding_window is not None else None
         sequences = self.sequences
-        updates = []
+        updates = aborted
         for seq_id, step in in_flight.items():
             seq = step.seq
             if sequences.get(seq_id) is not seq or seq.incarnation != step.incarnation:

@@ -55,11 +55,6 @@ class AdapterFacts:
     rank: int
     scaling: float
     targets: dict[tuple[int, str], tuple[str, str]]
-    weights_bytes: int
-
-    @property
-    def target_modules(self) -> tuple[str, ...]:
-        return tuple(sorted({module for _, module in self.targets}, key=TARGET_MODULES.index))
 
 
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
@@ -106,11 +101,29 @@ def _safetensors_header(path: Path, name: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise LoRAAdapterError(name, f"{path} is not a safetensors file")
     header.pop("__metadata__", None)
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + length + end > size:
-        raise LoRAAdapterError(name, f"{path} is truncated: its tensors need {8 + length + end} bytes, "
-                                     f"the file has {size}")
+    data = size - 8 - length
+    for key, info in header.items():
+        if not _tensor_entry(info):
+            raise LoRAAdapterError(name, f"{path}: tensor {key!r} is not described as safetensors describes "
+                                         f"one (dtype F32, F16 or BF16, shape, data_offsets)")
+        shape, (start, end) = info["shape"], info["data_offsets"]
+        if end - start != math.prod(shape) * _DTYPES[info["dtype"]]:
+            raise LoRAAdapterError(name, f"{path}: tensor {key!r} of shape {shape} does not fit its data_offsets "
+                                         f"{info['data_offsets']}")
+        if end > data:
+            raise LoRAAdapterError(name, f"{path} is truncated: tensor {key!r} ends at byte {8 + length + end}, "
+                                         f"the file has {size}")
     return header
+
+
+def _tensor_entry(info: object) -> bool:
+    """Whether a header entry describes a tensor: a dtype triode reads, a shape and two offsets."""
+    def naturals(value: object) -> bool:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                for v in value)
+
+    return (isinstance(info, dict) and info.get("dtype") in _DTYPES and naturals(info.get("shape"))
+            and naturals(info.get("data_offsets")) and len(info["data_offsets"]) == 2)
 
 
 def _check_config(config: dict[str, Any], name: str, max_rank: int) -> tuple[int, float]:
@@ -134,8 +147,8 @@ def _check_config(config: dict[str, Any], name: str, max_rank: int) -> tuple[int
         raise LoRAAdapterError(name, f"its rank {rank} exceeds --max-lora-rank {max_rank}")
     if alpha is None:
         alpha = 8  # PEFT's default
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise LoRAAdapterError(name, f"lora_alpha must be a number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoRAAdapterError(name, f"lora_alpha must be a finite number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, float(scaling)
 
@@ -169,11 +182,9 @@ def read_adapter(path: str | Path, name: str, model: ModelConfig, *, max_rank: i
         if module in ("gate_proj", "up_proj", "down_proj") and model.layer_is_moe(layer):
             raise LoRAAdapterError(name, f"it adapts {module} of layer {layer}, a mixture-of-experts layer "
                                          f"(adapters of experts are not supported)")
-        if info.get("dtype") not in _DTYPES:
-            raise LoRAAdapterError(name, f"tensor {key!r} has dtype {info.get('dtype')!r} (F32, F16 or BF16 only)")
         in_features, out_features = module_shape(model, module)
         expected = [rank, in_features] if side == "A" else [out_features, rank]
-        if list(info.get("shape", ())) != expected:
+        if info["shape"] != expected:
             raise LoRAAdapterError(name, f"tensor {key!r} has shape {info.get('shape')}, this model needs "
                                          f"{expected} (an adapter of another base model, or of another rank "
                                          f"than its r={rank}?)")
@@ -185,5 +196,4 @@ def read_adapter(path: str | Path, name: str, model: ModelConfig, *, max_rank: i
         if set(sides) != {"A", "B"}:
             raise LoRAAdapterError(name, f"{module} of layer {layer} has lora_{''.join(sides)} without its pair")
         targets[layer, module] = (sides["A"], sides["B"])
-    return AdapterFacts(name=name, weights_file=weights, rank=rank, scaling=scaling, targets=targets,
-                        weights_bytes=weights.stat().st_size)
+    return AdapterFacts(name=name, weights_file=weights, rank=rank, scaling=scaling, targets=targets)

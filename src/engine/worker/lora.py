@@ -93,7 +93,7 @@ class WorkerLoRAs:
                  dtype: torch.dtype, partition: Partition | None = None) -> None:
         self.config = config
         self.max_rank = max_rank
-        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.max_cpu_loras = max_cpu_loras
         self.partition = partition
         self._step = LoRAStep()
         model.lora_step = self._step
@@ -109,7 +109,6 @@ class WorkerLoRAs:
                 self.stacks[layer_index, name] = linear.lora
         self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
         self._host: collections.OrderedDict[int, SlotWeights] = collections.OrderedDict()  # adapter id -> weights
-        self.loads = 0  # adapters read from their files (a restart or an eviction from host reads again)
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
         self._reading: dict[int, concurrent.futures.Future[SlotWeights]] = {}
         self._news: tuple[list[int], list[int], list[tuple[int, str]]] = ([], [], [])  # loaded, evicted, failed
@@ -151,26 +150,34 @@ class WorkerLoRAs:
         self._step.segments = self._step.row_slots = None
 
     def _make_resident(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
+        """Each adapter's slot for this step, placing those not resident (in a free slot, else
+        the least recently used one of an adapter the step does not use)."""
         requests = list(requests)
         if len(requests) > self.num_slots:
             raise RuntimeError(f"a step with {len(requests)} adapters, over the {self.num_slots} slots "
                                f"(the scheduler keeps within --max-loras)")
         wanted = {request.lora_int_id for request in requests}
+        slots: dict[int, int] = {}
         for request in requests:
             adapter_id = request.lora_int_id
             if adapter_id in self.resident:
                 self.resident.move_to_end(adapter_id)
+                slots[adapter_id] = self.resident[adapter_id]
                 continue
-            taken = set(self.resident.values())
+            taken = {*self.resident.values(), *slots.values()}
             free = [slot for slot in range(self.num_slots) if slot not in taken]
-            if free:
-                slot = free[0]
-            else:
-                victim = next(i for i in self.resident if i not in wanted)  # the least recently used
-                slot = self.resident.pop(victim)
-            self._place(slot, self._weights(request))
+            slot = free[0] if free else self.resident.pop(next(i for i in self.resident if i not in wanted))
+            slots[adapter_id] = slot
+            try:
+                weights = self._weights(request)
+            except Exception as error:  # its files changed since the engine checked them
+                logger.warning("LoRA adapter %r could not be read: %s", request.lora_name, error)
+                self._news[2].append((adapter_id, str(error)))
+                self._place(slot, {})  # its rows run without an adapter; the engine aborts them
+                continue
+            self._place(slot, weights)
             self.resident[adapter_id] = slot
-        return {adapter_id: self.resident[adapter_id] for adapter_id in wanted}
+        return slots
 
     @property
     def num_slots(self) -> int:
@@ -191,7 +198,9 @@ class WorkerLoRAs:
     def prefetch(self, requests: Iterable[LoRARequest]) -> None:
         """Starts reading the adapters not in host memory, in the background."""
         for request in requests:
-            if request.lora_int_id not in self._host and request.lora_int_id not in self._reading:
+            if request.lora_int_id in self._host:
+                self._news[0].append(request.lora_int_id)  # the engine asks again after a restart of its own
+            elif request.lora_int_id not in self._reading:
                 self._reading[request.lora_int_id] = self._reader.submit(self._read_files, request)
 
     def wait_for_reads(self, timeout: float) -> None:
@@ -214,17 +223,18 @@ class WorkerLoRAs:
         return loaded, evicted, failed
 
     def _keep(self, adapter_id: int, weights: SlotWeights) -> None:
+        """Holds an adapter's weights, dropping the least recently used beyond max_cpu_loras
+        (but never one in a slot: a step may need to place it again no sooner than it left)."""
         self._host[adapter_id] = weights
         self._news[0].append(adapter_id)
-        while len(self._host) > self.max_cpu_loras:
-            evicted, _ = self._host.popitem(last=False)
+        droppable = [i for i in self._host if i not in self.resident and i != adapter_id]
+        while len(self._host) > self.max_cpu_loras and droppable:
+            evicted = droppable.pop(0)
+            del self._host[evicted]
             self._news[1].append(evicted)
 
     def _read_files(self, request: LoRARequest) -> SlotWeights:
-        facts = read_adapter(request.lora_path, request.lora_name, self.config, max_rank=self.max_rank)
-        weights = self._read(facts)
-        self.loads += 1
-        return weights
+        return self._read(read_adapter(request.lora_path, request.lora_name, self.config, max_rank=self.max_rank))
 
     def _weights(self, request: LoRARequest) -> SlotWeights:
         adapter_id = request.lora_int_id

@@ -39,7 +39,7 @@ def _model_card(lora: LoRARequest | None = None) -> dict:
     engine_host = host()
     llm = engine_host.llm
     if lora is not None:
-        root, parent = lora.lora_path, engine_host.model_name
+        root, parent = lora.lora_path, lora.base_model_name or engine_host.model_name
     else:
         root, parent = (llm.model_path if llm is not None else engine_host.args.model), None
     return {
