@@ -354,13 +354,14 @@ class Scheduler:
     def _abort_adapters(self, failed: dict[int, str]) -> list[SequenceUpdate]:
         """Ends every sequence of adapters the workers could not read (their files changed
         since the engine checked them), each with a final "abort" update."""
-        ended = [seq for seq in self.sequences.values() if seq.lora is not None and seq.lora.lora_int_id in failed]
-        for seq in ended:
+        ended = [(seq, seq.lora) for seq in self.sequences.values()
+                 if seq.lora is not None and seq.lora.lora_int_id in failed]
+        for seq, lora in ended:
             logger.error("LoRA adapter %r could not be read by the workers (%s): request %r aborted",
-                         seq.lora.lora_name, failed[seq.lora.lora_int_id], seq.request_id)
-        self.finish([seq.seq_id for seq in ended], SequenceStatus.FINISHED_ABORTED)
+                         lora.lora_name, failed[lora.lora_int_id], seq.request_id)
+        self.finish([seq.seq_id for seq, _ in ended], SequenceStatus.FINISHED_ABORTED)
         return [SequenceUpdate(seq.seq_id, seq.request_id, seq.index, finish_reason="abort",
-                               num_cached_tokens=seq.num_cached_tokens) for seq in ended]
+                               num_cached_tokens=seq.num_cached_tokens) for seq, _ in ended]
 
     @staticmethod
     def _num_to_schedule(seq: Sequence, limit: int) -> int:
