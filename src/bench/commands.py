@@ -29,7 +29,7 @@ def _step(namespace: argparse.Namespace) -> int:
         from triode.bench import lora
 
         lora.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64)),
-                 context=namespace.context, steps=namespace.steps or 16, rank=namespace.lora_rank,
+                 context=namespace.context, steps=namespace.steps or 32, rank=namespace.lora_rank,
                  adapters=namespace.lora_adapters, repeats=namespace.repeats, dtype=namespace.dtypes[0],
                  output_dir=Path(namespace.output_dir))
         return 0

@@ -55,7 +55,7 @@ def write_random_adapter(directory: str | Path, model: ModelConfig | str | Path,
     return directory
 
 
-def run(*, model: str | None, batch_sizes: tuple[int, ...] = (1, 64), context: int = 128, steps: int = 16,
+def run(*, model: str | None, batch_sizes: tuple[int, ...] = (1, 64), context: int = 128, steps: int = 32,
         rank: int = 16, adapters: int = 3, repeats: int = 3, dtype: str = "auto",
         output_dir: Path = Path("bench-results")) -> list[dict]:
     args = EngineArgs.from_env(model=model, max_num_seqs=max(256, *batch_sizes), enable_lora=True,
