@@ -15,6 +15,7 @@ from triode.engine.lora.peft_files import LoRAAdapterError
 from triode.frontend.openai.errors import bad_request
 from triode.frontend.openai.request_body import Reader, read_json_object
 from triode.frontend.routes import host
+from triode.frontend.server.adapters import ServedAdapters
 
 blueprint = Blueprint("lora", __name__)
 
@@ -30,7 +31,7 @@ def _name_and_path(reader: Reader, *, path: bool) -> tuple[str, str | None]:
     return name, lora_path
 
 
-def _adapters():
+def _adapters() -> ServedAdapters:
     engine_host = host()
     engine_host.require_ready()
     assert engine_host.adapters is not None  # set before the engine is ready
@@ -44,7 +45,7 @@ async def load() -> Response:
     in_place = reader.bool("load_inplace", False)
     adapters = _adapters()
     try:
-        await adapters.load(host().require_ready(), name, path, in_place=in_place)
+        await adapters.load(host().require_ready(), name, path or "", in_place=in_place)
     except LoRAAdapterError as error:
         raise bad_request(str(error), param="lora_path") from None
     return Response(f"Success: LoRA adapter '{name}' added successfully.", content_type="text/plain")
