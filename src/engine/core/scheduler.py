@@ -274,7 +274,8 @@ class Scheduler:
 
         # Then waiting ones, unless this step had to preempt (they would only thrash).
         if not preempted:
-            adapters = {s.lora.lora_int_id for s in self.running if s.lora is not None}
+            # the adapters of the running sequences (none to count on an engine without LoRA)
+            adapters = {s.lora.lora_int_id for s in self.running if s.lora is not None} if self.max_loras else set()
             slot_wanted = False  # a sequence waits for an adapter's slot: no adapter's sequence passes it
             for seq in list(self.waiting):
                 if len(self.running) >= self.max_num_seqs or budget == 0:

@@ -31,15 +31,14 @@ class LoRAAdapters:
                                       field="lora_request")
         with self._lock:
             known = self._checked.get(request.lora_int_id)
-        if known is not None:
-            first, facts = known
-            if (first.lora_name, first.lora_path) != (request.lora_name, request.lora_path):
-                raise InvalidRequestError(
-                    f"lora_request: lora_int_id {request.lora_int_id} names adapter {first.lora_name!r} at "
-                    f"{first.lora_path}; give {request.lora_name!r} at {request.lora_path} an id of its own",
-                    field="lora_request")
-            return facts
-        facts = read_adapter(request.lora_path, request.lora_name, self.model, max_rank=self.max_rank)
-        with self._lock:
-            self._checked.setdefault(request.lora_int_id, (request, facts))
-        return self.check(request)
+        if known is None:
+            facts = read_adapter(request.lora_path, request.lora_name, self.model, max_rank=self.max_rank)
+            with self._lock:  # another thread may have checked the id meanwhile: the first one stays
+                known = self._checked.setdefault(request.lora_int_id, (request, facts))
+        first, facts = known
+        if (first.lora_name, first.lora_path) != (request.lora_name, request.lora_path):
+            raise InvalidRequestError(
+                f"lora_request: lora_int_id {request.lora_int_id} names adapter {first.lora_name!r} at "
+                f"{first.lora_path}; give {request.lora_name!r} at {request.lora_path} an id of its own",
+                field="lora_request")
+        return facts

@@ -240,8 +240,8 @@ class ModelRunner:
         if adapters is not None or any(len(tokens) != 1 for tokens in chunk_tokens):
             # Decodes (one query token) go first: the attention ops batch them together; then
             # each adapter's rows together, the segments of the LoRA op.
-            ids = [0 if adapter is None else adapter.lora_int_id for adapter in adapters or ()] or [0] * len(chunks)
-            order = sorted(range(len(chunks)), key=lambda i: (len(chunk_tokens[i]) != 1, ids[i]))
+            ids = [0 if adapter is None else adapter.lora_int_id for adapter in adapters] if adapters else None
+            order = sorted(range(len(chunks)), key=lambda i: (len(chunk_tokens[i]) != 1, ids[i] if ids else 0))
             chunks, chunk_tokens = [chunks[i] for i in order], [chunk_tokens[i] for i in order]
             if adapters is not None:
                 adapters = [adapters[i] for i in order]
