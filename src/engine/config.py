@@ -11,6 +11,7 @@ import attrs
 from triode.engine.errors import InvalidRequestError
 from triode.engine.kv_events.config import KVEventsConfig, kv_events_config
 from triode.engine.model.pooling import CONVERTS, RUNNERS, PoolerConfig, pooler_config
+from triode.engine.spec_decode.config import SpeculativeConfig, speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -160,6 +161,10 @@ class EngineArgs:
     max_loras: int = attrs.field(default=1, validator=_positive)
     max_lora_rank: int = attrs.field(default=16, validator=_positive)
     max_cpu_loras: int | None = attrs.field(default=None, validator=_positive)
+    # Speculative decoding (vLLM's --speculative-config, a JSON object): tokens proposed by
+    # prompt lookup ("ngram") or a draft model, verified by the model in one step, the output
+    # exactly the model's (triode.engine.spec_decode).
+    speculative_config: SpeculativeConfig | None = attrs.field(default=None, converter=speculative_config)
 
     def __attrs_post_init__(self) -> None:
         if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):

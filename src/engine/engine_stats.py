@@ -6,6 +6,7 @@ import attrs
 
 from triode.engine.actors.supervisor import WorkerSupervisor
 from triode.engine.core.engine_core import EngineCore
+from triode.engine.spec_decode.policy import SpecDecodeStats
 
 
 @attrs.frozen(kw_only=True)
@@ -41,6 +42,8 @@ class EngineStatistics:
     # the LoRA adapters of the running and the waiting sequences, by name
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # speculative decoding's counters (vllm:spec_decode_*), with a speculative config
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -78,4 +81,5 @@ def collect_statistics(
         iteration_tokens_sum=core.iteration_tokens_sum,
         running_lora_adapters=core.running_lora_adapters,
         waiting_lora_adapters=core.waiting_lora_adapters,
+        spec_decode=core.spec_decode,
     )

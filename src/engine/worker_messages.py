@@ -59,6 +59,11 @@ class ScheduledChunk(NamedTuple):
     # samples for this sequence. The engine sends the plan before it knows that token; the
     # worker, which sampled it and runs steps in plan order, feeds it.
     sampled_input: bool = False
+    # Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are proposed tokens
+    # to verify (the chunk samples after each of them, and keeps what the target accepts);
+    # ``propose``: after sampling, propose up to this many tokens for the next step.
+    num_draft_tokens: int = 0
+    propose: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +110,22 @@ class SampledToken(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
+class AcceptedDrafts(NamedTuple):
+    """A verified chunk's proposed tokens that the target model accepted, in order; the token
+    it sampled after them is the chunk's ``SampledToken``. Only chunks that accepted some."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...]  # one per token where the request asked for logprobs, else ()
+
+
+class Proposal(NamedTuple):
+    """Tokens proposed to follow a sequence's sampled token (``ScheduledChunk.propose``)."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+
+
 class PooledOutput(NamedTuple):
     """A pooling sequence's embedding (as floats: results are pickled, never tensors)."""
 
@@ -119,6 +140,8 @@ class StepResult:
     # seq_id -> logprobs of prompt tokens 1.. computed in this step's chunk
     prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
     pooled: tuple[PooledOutput, ...] = ()  # the pooling sequences whose prompt this step ended
+    accepted: tuple[AcceptedDrafts, ...] = ()
+    proposals: tuple[Proposal, ...] = ()
     # LoRA adapters (by id) the worker has read into host memory since its last result, and
     # those it dropped from there (its --max-cpu-loras), or could not read (id, reason)
     loaded_loras: tuple[int, ...] = ()

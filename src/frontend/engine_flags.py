@@ -57,6 +57,9 @@ _HELP = {
     "max_loras": "most LoRA adapters in one step (each a slot of weights in every worker)",
     "max_lora_rank": "highest rank of a LoRA adapter (its weights' slots are this wide)",
     "max_cpu_loras": "LoRA adapters kept read in each worker's host memory (default: --max-loras)",
+    "speculative_config": "speculative decoding, as vLLM: a JSON object such as '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}', or with \"model\": a "
+                          "draft model; outputs stay exactly the model's",
 }
 
 

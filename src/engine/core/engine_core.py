@@ -159,8 +159,8 @@ class EngineCore:
 
     def can_schedule(self) -> bool:
         """Whether ``schedule`` may be called now: fewer steps are out than the engine runs at
-        once (one, or two with async scheduling)."""
-        return self.scheduler.steps_in_flight < self.scheduler.max_steps_in_flight
+        once (one, or two with async scheduling), and none of them speculates."""
+        return self.scheduler.can_schedule()
 
     @property
     def steps_in_flight(self) -> int:

@@ -206,18 +206,23 @@ class OutputProcessor:
         if state.timeline.first_token_time is None:
             state.timeline.first_token_time = now
         state.timeline.last_token_time = now
-        sample.token_ids.extend(update.new_token_ids)
-        if sample.logprobs is not None and sample.cumulative_logprob is not None:
-            for entry in update.logprobs:
-                if entry is not None:
-                    sample.logprobs.append(self.decode_token.logprobs(entry))
-                    sample.cumulative_logprob += entry.logprob
         stop_token = update.finish_reason == "stop"
-        sample.text += sample.detokenizer.update(
+        detokenizer = sample.detokenizer
+        before = len(detokenizer.output_token_ids)
+        sample.text += detokenizer.update(
             update.new_token_ids,
             finished=update.finish_reason is not None,
             stop_terminated=stop_token,
         )
+        # A stop string inside a step's tokens (speculative decoding emits several) ends the
+        # output at the token that completed it: the rest are dropped.
+        kept = len(detokenizer.output_token_ids) - before
+        sample.token_ids.extend(update.new_token_ids[:kept])
+        if sample.logprobs is not None and sample.cumulative_logprob is not None:
+            for entry in update.logprobs[:kept]:
+                if entry is not None:
+                    sample.logprobs.append(self.decode_token.logprobs(entry))
+                    sample.cumulative_logprob += entry.logprob
         if sample.detokenizer.stop_string is not None:
             sample.finish_reason, sample.stop_reason = "stop", sample.detokenizer.stop_string
         elif update.finish_reason is not None:

@@ -25,6 +25,13 @@ a result arrives, in plan order (``update_from_output``; ``requeue_all_running()
 worker died), so a lost step leaves nothing half-applied. A sequence that finishes, is
 aborted or is preempted while a later step for it is out has that step's work ignored (its
 ``incarnation`` tells a recomputed sequence from the one planned for).
+
+With speculative decoding (``speculation``) a sampling chunk may ask the workers to propose
+tokens to follow what it samples (``ScheduledChunk.propose``, as many as the policy finds worth
+it); the next step feeds them after the sequence's token (``num_draft_tokens``), and the
+result says which the target accepted (``StepResult.accepted``): the sequence grows by those
+and the token sampled after them, and only their KV counts as computed. The number of tokens
+a speculating step emits is unknown until its result, so no step is planned ahead of one.
 """
 
 from __future__ import annotations
@@ -45,7 +52,16 @@ from triode.engine.core.scheduler_output import (
 )
 from triode.engine.core.sequence import Sequence, SequenceStatus
 from triode.engine.errors import InvalidRequestError
-from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, StepResult
+from triode.engine.spec_decode.policy import SpeculationPolicy, SpeculationState, speculation_policy
+from triode.engine.worker_messages import (
+    AcceptedDrafts,
+    NewSequence,
+    SampledToken,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +72,7 @@ class _InFlight(NamedTuple):  # a sequence's share of a step out: a tuple is the
     start: int
     num_tokens: int
     sample: bool
+    num_drafts: int  # of num_tokens, proposed tokens to verify
 
 
 class Scheduler:
@@ -70,6 +87,7 @@ class Scheduler:
         max_steps_in_flight: int = 1,
         whole_prompts: bool = False,
         max_loras: int | None = None,
+        speculation: SpeculationPolicy | None = None,
     ) -> None:
         """``whole_prompts``: a prompt is never cut into chunks (an encoder's, whose every token
         attends to every other); ``max_num_batched_tokens`` must then hold the longest one.
@@ -90,6 +108,7 @@ class Scheduler:
         self.whole_prompts = whole_prompts
         self.max_loras = max_loras
         self.lora_loads = LoRALoads()
+        self.speculation = speculation
         self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by seq id
         self.families: dict[str, list[Sequence]] = {}  # user request id -> unfinished sequences
         self.waiting: list[Sequence] = []  # sorted by _key
@@ -97,8 +116,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_order = 0
         self._step_id = 0
-        # Each step out (plan order): its id and its sequences' shares.
-        self._in_flight: collections.deque[tuple[int, dict[str, _InFlight]]] = collections.deque()
+        # Each step out (plan order): its id, its sequences' shares, and whether it speculates
+        # (verifies or asks for proposed tokens: what it emits is known only from its result).
+        self._in_flight: collections.deque[tuple[int, dict[str, _InFlight], bool]] = collections.deque()
         self._finished_seq_ids: list[str] = []  # the worker must forget these
         self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
@@ -124,6 +144,7 @@ class Scheduler:
             max_steps_in_flight=2 if args.async_scheduling_on(worker_device) else 1,
             whole_prompts=whole_prompts_of is not None,
             max_loras=args.max_loras if args.enable_lora else None,
+            speculation=speculation_policy(args, worker_device) if not pooling else None,
         )
 
     def _key(self, seq: Sequence) -> tuple[float, ...]:
@@ -254,7 +275,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while bm.allocate_slots(seq, num_new) is None:
+            drafts = self._drafts_to_verify(seq, budget - num_new) if seq.draft_token_ids else ()
+            while bm.allocate_slots(seq, num_new + len(drafts)) is None:
                 victim = max(self.running, key=self._key)
                 position = self.running.index(victim)
                 del self.running[position]
@@ -268,8 +290,8 @@ class Scheduler:
                 if position < i:
                     i -= 1
             else:
-                chunks[seq.seq_id] = self._chunk(seq, num_new)
-                budget -= num_new
+                chunks[seq.seq_id] = self._chunk(seq, num_new, drafts)
+                budget -= num_new + len(drafts)
                 i += 1
 
         # Then waiting ones, unless this step had to preempt (they would only thrash).
@@ -320,6 +342,8 @@ class Scheduler:
                 chunks[seq.seq_id] = self._chunk(seq, num_new)
                 budget -= num_new
 
+        if self.speculation is not None and chunks:
+            self._ask_for_proposals(chunks)
         self._step_id += 1
         finished = tuple(self._finished_seq_ids)
         loads = self.lora_loads
@@ -333,11 +357,13 @@ class Scheduler:
             self._iteration_tokens_sum += fed
             planned = {}
             sequences = self.sequences
+            speculates = False
             for seq_id, chunk in chunks.items():
                 seq = sequences[seq_id]
                 planned[seq_id] = _InFlight(seq, seq.incarnation, chunk.start_position,
-                                            chunk.num_tokens, chunk.sample)
-            self._in_flight.append((self._step_id, planned))
+                                            chunk.num_tokens, chunk.sample, chunk.num_draft_tokens)
+                speculates = speculates or bool(chunk.num_draft_tokens or chunk.propose)
+            self._in_flight.append((self._step_id, planned, speculates))
         return StepPlan(
             step_id=self._step_id,
             new_sequences=tuple(new_sequences),
@@ -376,7 +402,39 @@ class Scheduler:
             return 0
         return min(num_tokens + pending - seq.num_computed_tokens - seq.num_in_flight_tokens, limit)
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+    def _drafts_to_verify(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The proposed tokens a decode feeds after its token: as many as the budget and the
+        tokens the sequence may still emit leave room for (one more always comes with them)."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, ()
+        if seq.num_in_flight_samples:  # cannot happen: no step is planned ahead of a proposal
+            return ()
+        return drafts[:max(0, min(budget, seq.max_num_tokens - len(seq.all_token_ids) - 1))]
+
+    def _ask_for_proposals(self, chunks: dict[str, ScheduledChunk]) -> None:
+        """Marks the sampling chunks whose sequences should propose tokens for their next step."""
+        policy = self.speculation
+        assert policy is not None
+        if not policy.batch_speculates(len(self.running)):
+            return
+        sequences = self.sequences
+        for seq_id, chunk in chunks.items():
+            if not chunk.sample:
+                continue
+            seq = sequences[seq_id]
+            # the step emits at least one token; the next one at least one more
+            room = seq.max_num_tokens - len(seq.all_token_ids) - seq.num_in_flight_samples - 1
+            if seq.speculation is None:
+                seq.speculation = SpeculationState()
+            if k := policy.tokens_to_propose(seq.speculation, room):
+                chunks[seq_id] = chunk._replace(propose=k)
+
+    def can_schedule(self) -> bool:
+        """Whether a step may be planned now: fewer are out than the engine runs at once, and
+        none of them speculates (what it emits is unknown until it returns)."""
+        in_flight = self._in_flight
+        return len(in_flight) < self.max_steps_in_flight and not any(entry[2] for entry in in_flight)
+
+    def _chunk(self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens + seq.num_in_flight_tokens
         end = start + num_new
         token_ids = seq.all_token_ids
@@ -387,10 +445,10 @@ class Scheduler:
             new_block_ids = tuple(block_ids[seq.num_blocks_sent:])
             seq.num_blocks_sent = len(block_ids)
         sample = end == len(token_ids) + seq.num_in_flight_samples
-        seq.num_in_flight_tokens += num_new
+        seq.num_in_flight_tokens += num_new + len(drafts)
         seq.num_in_flight_samples += sample
-        return ScheduledChunk(seq.seq_id, tuple(token_ids[start:end]), start, new_block_ids, sample,
-                              sampled_input)
+        return ScheduledChunk(seq.seq_id, (*token_ids[start:end], *drafts), start, new_block_ids, sample,
+                              sampled_input, len(drafts))
 
     def _sibling_is_prefilling(self, seq: Sequence) -> bool:
         """True while another sequence of the same n > 1 request still computes the prompt's
@@ -426,6 +484,8 @@ class Scheduler:
                                f"({expected})")
         in_flight = self._in_flight.popleft()[1]
         sampled = {token.seq_id: token for token in result.sampled}
+        accepted = {entry.seq_id: entry for entry in result.accepted}
+        proposals = dict(result.proposals)
         pooled = dict(result.pooled)
         prompt_logprobs = dict(result.prompt_logprobs)
         # This loop runs for every sequence of every step: what it can, it looks up once.
@@ -438,7 +498,7 @@ class Scheduler:
             seq = step.seq
             if sequences.get(seq_id) is not seq or seq.incarnation != step.incarnation:
                 continue  # finished, aborted or preempted after the plan was made
-            seq.num_computed_tokens += step.num_tokens
+            seq.num_computed_tokens += step.num_tokens - step.num_drafts
             seq.num_in_flight_tokens -= step.num_tokens
             if cache_blocks is not None:
                 cache_blocks(seq)
@@ -461,17 +521,47 @@ class Scheduler:
             token = sampled.get(seq_id)
             if token is None:
                 raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
-            seq.append_output_token(token.token_id)
-            status = seq.check_stop()
+            if step.num_drafts:
+                new_ids, logprobs, status = self._apply_verified(seq, step.num_drafts, accepted.get(seq_id), token)
+            else:
+                seq.append_output_token(token.token_id)
+                status = seq.check_stop()
+                new_ids, logprobs = (token.token_id,), (token.logprobs,)
             if status is not None:
                 self._finish(seq, status)
+            elif seq_id in proposals:
+                seq.draft_token_ids = proposals[seq_id]
             updates.append(SequenceUpdate(
-                seq_id, seq.request_id, seq.index, (token.token_id,),
-                (token.logprobs,) if seq.params.logprobs is not None else (), plp,
+                seq_id, seq.request_id, seq.index, new_ids,
+                logprobs if seq.params.logprobs is not None else (), plp,
                 None if status is None else status.finish_reason,
                 None if status is None else seq.stop_reason, seq.num_cached_tokens,
             ))
         return updates
+
+    def _apply_verified(
+        self, seq: Sequence, num_drafts: int, accepted: AcceptedDrafts | None, token: SampledToken,
+    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...], SequenceStatus | None]:
+        """Appends a verified chunk's accepted tokens and the one sampled after them, up to a
+        stop; their KV, but the last token's, is now computed. Returns (tokens, logprobs,
+        finished status or None)."""
+        ids = (*accepted.token_ids, token.token_id) if accepted else (token.token_id,)
+        logprobs = (*accepted.logprobs, token.logprobs) if accepted and accepted.logprobs else (token.logprobs,) * len(ids)
+        assert self.speculation is not None and seq.speculation is not None
+        self.speculation.record(seq.speculation, num_drafts, len(ids) - 1)
+        status = None
+        kept = 0
+        for token_id in ids:
+            seq.append_output_token(token_id)
+            kept += 1
+            if (status := seq.check_stop()) is not None:
+                break
+        seq.num_computed_tokens += kept - 1
+        if status is None and self.block_manager.enable_prefix_caching:
+            self.block_manager.cache_computed_blocks(seq)
+        if status is None and self.block_manager.sliding_window is not None:
+            self.block_manager.release_outside_window(seq)
+        return ids[:kept], logprobs[:kept], status
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -496,6 +586,7 @@ class Scheduler:
             iteration_tokens_sum=self._iteration_tokens_sum,
             running_lora_adapters=_adapter_names(self.running),
             waiting_lora_adapters=_adapter_names(self.waiting),
+            spec_decode=self.speculation.statistics() if self.speculation is not None else None,
         )
 
 

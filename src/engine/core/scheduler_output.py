@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import attrs
 
+from triode.engine.spec_decode.policy import SpecDecodeStats
 from triode.engine.worker_messages import TokenLogprobs
 
 
@@ -45,3 +46,4 @@ class SchedulerStats:
     # The adapters of the running and the waiting sequences, by name (vllm:lora_requests_info).
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    spec_decode: SpecDecodeStats | None = None  # with a speculative config

@@ -24,6 +24,7 @@ from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from triode.engine.spec_decode.policy import SpeculationState
     from triode.engine.worker_messages import TokenLogprobs
 
 _INT64_MIN = -(2**63)
@@ -125,6 +126,10 @@ class Sequence:
         self.known_to_worker = False
         self.num_blocks_sent = 0
         self.num_prompt_logprobs_sent = 0  # so a recompute does not repeat prompt logprobs
+        # Speculative decoding: the tokens the workers proposed to follow all_token_ids (the
+        # next step verifies them), and the record that decides how many to ask for.
+        self.draft_token_ids: tuple[int, ...] = ()
+        self.speculation: SpeculationState | None = None
         self.order = 0  # insertion counter, set by the scheduler: the last tie-breaker
 
     def __repr__(self) -> str:
@@ -214,6 +219,7 @@ class Sequence:
         self.num_released_blocks = 0
         self.known_to_worker = False
         self.num_blocks_sent = 0
+        self.draft_token_ids = ()
 
 
 # The sampling side of a pooling sequence: one step past its prompt, which is its embedding.

@@ -100,6 +100,33 @@ class SequenceGrammars:
     def accept(self, seq_id: str, token_id: int) -> None:
         self._matchers[seq_id].consume_token(token_id)
 
+    def allowed_tokens_along(self, seq_id: str, drafts: Sequence[int]) -> tuple[torch.Tensor, list[bool]]:
+        """The masks of a sequence verifying proposed tokens: row i for the token after the
+        first i proposals ([len(drafts) + 1, words]), and whether the grammar is complete there.
+        The matcher walks the proposals it allows and is rolled back; past the first it does
+        not allow (whose row's mask rejects it) the rows repeat that row's mask, unread."""
+        matcher = self._matchers[seq_id]
+        rows = len(drafts) + 1
+        bitmask = np.zeros((rows, self.words), dtype=np.int32)
+        complete = []
+        allowed = 0 if matcher.is_error() else matcher.validate_tokens(list(drafts))
+        for row in range(min(allowed + 1, rows)):
+            if matcher.is_error():
+                words = bitmask[row].view(np.uint32)
+                for token_id in self._eos[seq_id]:
+                    words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+            else:
+                llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+            complete.append(matcher.is_stopped())
+            if row < allowed:
+                matcher.consume_token(drafts[row])
+        if allowed:
+            matcher.rollback(allowed)
+        for row in range(allowed + 1, rows):
+            bitmask[row] = bitmask[allowed]
+            complete.append(complete[allowed])
+        return torch.from_numpy(bitmask), complete
+
 
 def apply_allowed_tokens_(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
     """Sets to -inf, in place, every logit of the given rows (all rows when None) whose bit in

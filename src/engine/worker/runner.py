@@ -56,9 +56,12 @@ from triode.engine.worker.sampling_batch import (
     SamplingRow,
     samples_as_before,
 )
+from triode.engine.worker.speculation import DraftVerifier, build_proposer, expand_drafts
 from triode.engine.worker.step_inputs import StepInputs
 from triode.engine.worker_messages import (
+    AcceptedDrafts,
     PooledOutput,
+    Proposal,
     SampledToken,
     ScheduledChunk,
     StepPlan,
@@ -180,6 +183,16 @@ class ModelRunner:
                                          reasoning_parser=args.reasoning_parser) \
             if rank == 0 and self.pooler is None else None
         self._grammar_seconds = 0.0
+        # Speculative decoding: every rank runs a verifying chunk's rows; rank 0 verifies
+        # them and proposes the next tokens.
+        self.speculative = args.speculative_config
+        if self.speculative is not None and self.pooler is not None:
+            raise ModelLoadError("speculative decoding applies to generation models; this one is a pooling "
+                                 "model (drop --speculative-config)", path=str(path))
+        self.proposer = build_proposer(self.speculative) if self.speculative is not None and rank == 0 else None
+        self._verifier = DraftVerifier(self.sampler, self.grammars, vocab_size=self.config.vocab_size,
+                                       banned=self._banned_at) if self.proposer is not None else None
+        self._step_speculates = False
         self.graphs: DecodeGraphs | None = None
         if wants_graphs:
             self.graphs = capture_decode_graphs(
@@ -223,8 +236,12 @@ class ModelRunner:
                 self.grammars.forget(seq_id)
             if self.pooler is not None:
                 self.pooler.forget(seq_id)
+            if self.proposer is not None:
+                self.proposer.forget(seq_id)
         self._grammar_seconds = 0.0
         for new in plan.new_sequences:
+            if self.proposer is not None:
+                self.proposer.forget(new.seq_id)
             self.sequences[new.seq_id] = _Sequence(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids, new.pooling,
                 new.lora,
@@ -236,6 +253,10 @@ class ModelRunner:
                                     new.output_token_ids)
                 self._grammar_seconds += time.perf_counter() - grammar_started
         chunks, chunk_tokens = plan.chunks, self._chunk_tokens(plan.chunks)
+        drafts = None
+        if self.speculative is not None:
+            chunks, chunk_tokens, drafts = expand_drafts(chunks, chunk_tokens)
+            self._step_speculates = drafts is not None or any(chunk.propose for chunk in plan.chunks)
         adapters = self._adapters(chunks)
         if adapters is not None or any(len(tokens) != 1 for tokens in chunk_tokens):
             # Decodes (one query token) go first: the attention ops batch them together; then
@@ -263,7 +284,8 @@ class ModelRunner:
             self.loras.begin_step([adapter for adapter, tokens in zip(adapters, chunk_tokens, strict=True)
                                    for _ in tokens])
         try:
-            sampled, prompt_logprobs, pooled = self._run(chunks, inputs, lora=adapters is not None)
+            (sampled, accepted), prompt_logprobs, pooled = self._run(chunks, inputs, lora=adapters is not None,
+                                                                      drafts=drafts)
         finally:
             if adapters is not None:
                 self.loras.end_step()
@@ -272,6 +294,8 @@ class ModelRunner:
             sampled=sampled,
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
+            accepted=accepted,
+            proposals=self._propose(plan.chunks) if self._step_speculates and self.proposer is not None else (),
             execute_seconds=time.perf_counter() - started,
             grammar_seconds=self._grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
@@ -292,23 +316,36 @@ class ModelRunner:
         adapters = [self.sequences[chunk.seq_id].lora for chunk in chunks]
         return adapters if any(adapters) else None
 
-    def _run(self, chunks, inputs: StepInputs, *, lora: bool):
-        """(sampled, prompt logprobs, pooled) of the step; ``lora``: some rows have an adapter
-        (captured decode graphs have none)."""
+    def _run(self, chunks, inputs: StepInputs, *, lora: bool, drafts: dict[str, tuple[int, ...]] | None):
+        """((sampled, accepted proposals), prompt logprobs, pooled) of the step; ``lora``: some
+        rows have an adapter (captured decode graphs have none); ``drafts``: the proposals
+        the step's verifying sequences feed (``speculation.expand_drafts``)."""
         pooled: tuple[PooledOutput, ...] = ()
         if self.pooler is not None:
             hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
             params = {c.seq_id: self.sequences[c.seq_id].pooling or PoolingParams() for c in chunks}
             pooled = self.pooler.pool(chunks, inputs, hidden, params)
-            sampled, prompt_logprobs = (), ()
+            sampled, prompt_logprobs = ((), ()), ()
         elif not lora and self._replays(chunks, inputs):
             logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
-            sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits), ()
+            sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits, drafts=drafts), ()
         else:
             hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            sampled = self._sample(chunks, inputs, hidden=hidden)
+            sampled = self._sample(chunks, inputs, hidden=hidden, drafts=drafts)
             prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
         return sampled, prompt_logprobs, pooled
+
+    def _propose(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[Proposal, ...]:
+        """Proposed tokens for the sequences whose chunks ask for them, after this step's."""
+        assert self.proposer is not None
+        proposals = []
+        for chunk in chunks:
+            if chunk.propose:
+                seq = self.sequences[chunk.seq_id]
+                if tokens := self.proposer.propose(chunk.seq_id, seq.prompt_token_ids, seq.output_token_ids,
+                                                   chunk.propose):
+                    proposals.append(Proposal(chunk.seq_id, tokens))
+        return tuple(proposals)
 
     def _chunk_tokens(self, chunks) -> list[tuple[int, ...]]:
         """Every chunk's input tokens. A plan made ahead (async scheduling) feeds a sequence the
@@ -329,31 +366,38 @@ class ModelRunner:
                 and all(self.sequences[c.seq_id].params.prompt_logprobs is None for c in chunks))
 
     def _sample(self, chunks, inputs: StepInputs, *, hidden: torch.Tensor | None = None,
-                logits: torch.Tensor | None = None) -> tuple[SampledToken, ...]:
-        """Samples the chunks that sample, from the step's ``hidden`` states, or from ``logits``
-        of every row (a decode graph's)."""
+                logits: torch.Tensor | None = None, drafts: dict[str, tuple[int, ...]] | None = None,
+                ) -> tuple[tuple[SampledToken, ...], tuple[AcceptedDrafts, ...]]:
+        """(sampled, accepted proposals) of the chunks that sample, from the step's ``hidden``
+        states, or from ``logits`` of every row (a decode graph's)."""
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not sampling:
-            return ()
+            return (), ()
         rows = logits if logits is not None else hidden
         if len(sampling) != rows.shape[0]:  # not every row samples (a prefill chunk's do not)
             rows = rows.index_select(0, torch.tensor([inputs.last_token_rows[i] for i in sampling],
                                                      device=self.device))
         logits = rows if logits is not None else self.model.compute_logits(rows)
+        # A plan made ahead feeds the tokens rank 0 sampled; none is made after a step that
+        # speculates (what it emits is known only from its result).
+        follows = self._follows_samples and not self._step_speculates
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples, and says what
-            if self._follows_samples:
+            if follows:
                 tokens = self.parallel.broadcast_tokens(None, len(sampling))
                 for index, token_id in zip(sampling, tokens, strict=True):
                     self.sequences[chunks[index].seq_id].output_token_ids.append(token_id)
-            return ()
+            return (), ()
         seq_ids = [chunks[i].seq_id for i in sampling]
+        if drafts is not None:
+            assert self._verifier is not None
+            return self._verifier.sample(logits, seq_ids, self.sequences, drafts)
         sequences = [self.sequences[seq_id] for seq_id in seq_ids]
         constrained = self._constrain_(logits, seq_ids)
         prepare_started = time.perf_counter()
         batch = self._sampling_batch(seq_ids, sequences)
         self._prepare_seconds += time.perf_counter() - prepare_started
         output = self.sampler.sample(logits, batch)
-        if self._follows_samples:
+        if follows:
             self.parallel.broadcast_tokens(output.token_ids, len(sampling))
         for seq, token_id in zip(sequences, output.token_ids, strict=True):
             seq.output_token_ids.append(token_id)
@@ -361,7 +405,7 @@ class ModelRunner:
             for seq_id, token_id in zip(seq_ids, output.token_ids, strict=True):
                 if seq_id in constrained:
                     self.grammars.accept(seq_id, token_id)
-        return tuple(map(SampledToken, seq_ids, output.token_ids, output.logprobs))
+        return tuple(map(SampledToken, seq_ids, output.token_ids, output.logprobs)), ()
 
     def _sampling_batch(self, seq_ids: list[str], sequences: list[_Sequence]) -> SamplingBatch:
         def rows() -> list[SamplingRow]:
@@ -387,12 +431,17 @@ class ModelRunner:
         return {seq_ids[row] for row in rows}
 
     def _banned(self, seq: _Sequence, seq_id: str) -> tuple[int, ...]:
+        if len(seq.output_token_ids) >= seq.params.min_tokens:
+            return ()
+        complete = self.grammars is not None and seq_id in self.grammars and self.grammars.is_complete(seq_id)
+        return self._banned_at(seq, len(seq.output_token_ids), complete)
+
+    @staticmethod
+    def _banned_at(seq: _Sequence, num_output_tokens: int, grammar_complete: bool) -> tuple[int, ...]:
         # Until min_tokens are out, neither EOS nor a stop token may end the request; but a
         # grammar that is complete allows nothing else, and then it wins.
         params = seq.params
-        if len(seq.output_token_ids) >= params.min_tokens:
-            return ()
-        if self.grammars is not None and seq_id in self.grammars and self.grammars.is_complete(seq_id):
+        if num_output_tokens >= params.min_tokens or grammar_complete:
             return ()
         eos = () if params.ignore_eos else seq.eos_token_ids
         return eos + params.stop_token_ids

@@ -26,6 +26,18 @@ _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class Draws:
+    """What ``Sampler.draw`` gives for a batch: each row's token as ``sample`` would choose it,
+    and for the random rows (``batch.random_rows`` order) the distribution it was drawn from
+    after temperature and truncation, and the Exp(1) noise of its race (speculative decoding
+    draws from what is left of that distribution with the same noise)."""
+
+    token_ids: torch.Tensor  # [B]
+    probs: torch.Tensor | None  # [random rows, V]
+    noise: torch.Tensor | None
+
+
 @attrs.frozen(kw_only=True)
 class SamplerOutput:
     token_ids: list[int]
@@ -143,9 +155,11 @@ def compute_logprobs(
     return _logprobs(logits, ids, [num_top] * len(ids))
 
 
-def _derive_seed(seed: int, index: int) -> int:
-    # A stable hash (not Python's hash()) so a seeded draw survives worker restarts and versions.
-    digest = hashlib.blake2b(struct.pack("<qq", seed, index), digest_size=8).digest()
+def _derive_seed(seed: int, index: int, stream: int = 0) -> int:
+    # A stable hash (not Python's hash()) so a seeded draw survives worker restarts and versions;
+    # stream 1 is speculative decoding's acceptance draws, independent of the token's race.
+    packed = struct.pack("<qq", seed, index) if stream == 0 else struct.pack("<qqq", seed, index, stream)
+    digest = hashlib.blake2b(packed, digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -183,7 +197,10 @@ class Sampler:
             noise[position].exponential_(generator=generator)
         return noise.clamp_min_(_TINY)
 
-    def _sample_random(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample_random(self, x: torch.Tensor, batch: SamplingBatch,
+                       keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(tokens, probabilities, noise) of the random rows; without ``keep`` the last two are
+        None (the race divides the probabilities in place)."""
         temperature, top_k, top_p, min_p = batch.temperature, batch.top_k, batch.top_p, batch.min_p
         if batch.greedy_rows is not None and batch.random_rows is not None:
             rows = batch.random_rows
@@ -196,24 +213,53 @@ class Sampler:
             use_p=batch.use_top_p, use_min_p=batch.use_min_p,
         )
         probs = x.softmax(dim=-1)
+        noise = self._noise(probs, batch)
         # Exponential race: argmax(p / Exp(1)) is a draw from p, and each row's noise is its own.
-        return kernels.argmax(probs.div_(self._noise(probs, batch)))
+        if not keep:
+            return kernels.argmax(probs.div_(noise)), None, None
+        return kernels.argmax(probs / noise), probs, noise
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch, *, keep_distributions: bool = False) -> Draws:
+        """Every row's token, and with ``keep_distributions`` the random rows' distributions
+        and noise (see ``Draws``)."""
+        _check_shape(logits, batch)
+        x = logits.float()
+        if batch.bias is not None or batch.banned is not None or batch.penalty_rows is not None:
+            x = adjust_logits(logits, batch)  # a copy: logprobs need the raw logits
+        probs = noise = None
+        if batch.random_rows is None:
+            tokens = kernels.argmax(x)
+        elif batch.greedy_rows is None:
+            tokens, probs, noise = self._sample_random(x, batch, keep_distributions)
+        else:
+            tokens = torch.empty(batch.size, dtype=torch.long, device=x.device)
+            tokens[batch.greedy_rows] = kernels.argmax(x[batch.greedy_rows])
+            tokens[batch.random_rows], probs, noise = self._sample_random(x[batch.random_rows], batch,
+                                                                          keep_distributions)
+        return Draws(token_ids=tokens, probs=probs, noise=noise)
+
+    def uniforms(self, batch: SamplingBatch, positions: Sequence[int], device: torch.device) -> list[float]:
+        """One U(0, 1) draw for each of the given random rows (positions among them): a seeded
+        row's from its (seed, token index), independent of its race's noise."""
+        seeds = {position: (seed, index) for position, seed, index in batch.seeded}
+        unseeded = [p for p in positions if p not in seeds]
+        shared = iter(torch.rand(len(unseeded), generator=self._generator(self._shared, device),
+                                 device=device).tolist() if unseeded else ())
+        draws = []
+        for position in positions:
+            if position in seeds:
+                generator = self._generator(self._reseeded, device)
+                generator.manual_seed(_derive_seed(*seeds[position], stream=1))
+                draws.append(torch.rand(1, generator=generator, device=device).item())
+            else:
+                draws.append(next(shared))
+        return draws
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         _check_shape(logits, batch)
         if batch.size == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
-        x = logits.float()
-        if batch.bias is not None or batch.banned is not None or batch.penalty_rows is not None:
-            x = adjust_logits(logits, batch)  # a copy: logprobs need the raw logits
-        if batch.random_rows is None:
-            tokens = kernels.argmax(x)
-        elif batch.greedy_rows is None:
-            tokens = self._sample_random(x, batch)
-        else:
-            tokens = torch.empty(batch.size, dtype=torch.long, device=x.device)
-            tokens[batch.greedy_rows] = kernels.argmax(x[batch.greedy_rows])
-            tokens[batch.random_rows] = self._sample_random(x[batch.random_rows], batch)
+        tokens = self.draw(logits, batch).token_ids
 
         logprobs: list[TokenLogprobs | None] = [None] * batch.size
         if batch.logprob_rows is not None:

@@ -43,6 +43,7 @@ from triode.engine.engine_stats import EngineStatistics
 from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.spec_decode.policy import SpecDecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENGINE = "0"  # vLLM's engine label: the data-parallel engine's index; a triode server runs one
@@ -128,6 +129,8 @@ class _EngineCollector:
         if self._max_loras is not None:
             yield self._lora_requests_info(stats)
         yield self._iteration_tokens(stats)
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats.spec_decode)
         pids = GaugeMetricFamily("triode:worker_pid", "Process id of each rank's worker process.",
                                  labels=["model_name", "engine", "rank"])
         for rank, pid in enumerate(stats.worker_pids):
@@ -165,6 +168,24 @@ class _EngineCollector:
         family.add_metric([str(self._max_loras), ",".join(stats.waiting_lora_adapters),
                            ",".join(stats.running_lora_adapters)], time.time())
         return family
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters; per position, how often the proposed token
+        there was accepted (label ``position``, from 0)."""
+        names = ["model_name", "engine"]
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Verifications of proposed tokens.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(self._labels, value)
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens accepted, by position.", labels=[*names, "position"])
+        for position, count in enumerate(spec.accepted_per_position):
+            family.add_metric([*self._labels, str(position)], count)
+        yield family
 
     def _iteration_tokens(self, stats: EngineStatistics) -> HistogramMetricFamily:
         counts = stats.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
