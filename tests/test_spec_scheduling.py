@@ -22,7 +22,13 @@ from tests.test_core_scheduler import FakeWorker, _WorkerSeq, check_invariants, 
 from triode.engine.core.kv_blocks import BlockManager
 from triode.engine.core.scheduler import Scheduler
 from triode.engine.spec_decode.policy import SpeculationPolicy
-from triode.engine.worker_messages import AcceptedDrafts, Proposal, SampledToken, StepPlan, StepResult
+from triode.engine.worker_messages import (
+    AcceptedDrafts,
+    Proposal,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
 
 VOCAB = 50
 EOS = 0

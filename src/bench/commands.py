@@ -108,6 +108,15 @@ def _tp(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def _spec(namespace: argparse.Namespace) -> int:
+    from triode.bench import spec
+
+    spec.run(model=namespace.model, speculative_config=namespace.speculative_config, rounds=namespace.rounds,
+             max_tokens=namespace.max_tokens, concurrency=namespace.concurrency,
+             output_dir=Path(namespace.output_dir))
+    return 0
+
+
 def _write_gguf(namespace: argparse.Namespace) -> int:
     from triode.bench import synthetic_gguf
 
@@ -200,6 +209,18 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     tp.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache budget per rank")
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
+
+    spec = benches.add_parser(
+        "spec", help="speculative decoding vs plain decoding: time between tokens at concurrency 1 (extractive "
+                     "and free requests) and throughput at concurrency 32, with the acceptance")
+    spec.add_argument("--model", default=None)
+    spec.add_argument("--speculative-config", default=None,
+                      help="the JSON object to measure (default: ngram, 4 tokens, lookup 2 to 5)")
+    spec.add_argument("--rounds", type=int, default=2, help="turns each engine takes (the best counts)")
+    spec.add_argument("--max-tokens", type=int, default=128, help="tokens per output at most")
+    spec.add_argument("--concurrency", type=int, default=32)
+    spec.add_argument("--output-dir", default="bench-results")
+    spec.set_defaults(handler=_spec)
 
     from triode.bench.synthetic_gguf import FILE_TYPES
 

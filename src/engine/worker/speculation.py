@@ -9,8 +9,9 @@ decode step would (the C decode stack, CUDA graphs and LoRA rows included), whic
 makes a greedy speculative output the plain output token for token (docs/architecture.md,
 "Batch invariance"). The rows are then verified together (``triode.engine.worker.rejection``).
 
-Proposers (``NgramProposer``; a draft model's runs in the worker the same way) see a
-sequence's tokens after the step and return up to the number the plan asked for.
+A proposer (``NgramProposer``) sees a sequence's tokens after the step and returns up to the
+number the plan asked for; a draft model's or a trained head's would sit in the same place,
+after the step's sampling, with the step's hidden states at hand.
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ class NgramProposer:
 
 
 def build_proposer(config: SpeculativeConfig) -> NgramProposer:
-    if config.method == "ngram":
-        return NgramProposer(config)
-    raise NotImplementedError(f"speculative method {config.method!r}")
+    assert config.method == "ngram", "SpeculativeConfig refuses the methods not built"
+    return NgramProposer(config)
 
 
 class DraftVerifier:

@@ -1,0 +1,164 @@
+"""Contract tests: speculative decoding through the real engine (worker process). With prompt
+lookup configured, greedy outputs and their logprobs are the plain engine's, token for token
+and bit for bit: on the default model for extractive prompts and free ones, together, on a KV
+cache so small that sequences are preempted and recomputed, with the worker SIGKILLed
+mid-stream, under a JSON schema, with stop strings and with async scheduling; on tiny float
+models of every family (with --batch-invariant, as their kernels need). At temperature 1 with
+seeds, the tokens sampled with and without speculation have the same distribution (a
+two-sample chi-squared test with a stated false-alarm rate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import jsonschema
+import pytest
+import torch
+
+from tests.test_structured_contract import BLOCK_BYTES, PERSON
+from triode import LLM, SamplingParams, StructuredOutputsParams
+
+pytestmark = [pytest.mark.contract]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SOURCE = ("The committee met on Tuesday to review the budget for the new library. After a long "
+          "discussion, members agreed to fund the reading room, the children's section and the archive, "
+          "but postponed the decision on the cafe until the spring.")
+PROMPTS = [
+    f"Repeat the following text exactly.\n\nText: {SOURCE}\n\nRepeated text:",
+    f"Rewrite the text, replacing 'library' with 'museum'.\n\nText: {SOURCE}\n\nRewritten text:",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "Write a short poem about the sea.",
+    "List the numbers from 1 to 30, separated by commas: 1, 2, 3,",
+]
+
+
+def greedy(**options) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3, **options)
+
+
+def traces(outputs) -> list[list[tuple[int, dict[int, float]]]]:
+    assert all(len(o.outputs) == 1 for o in outputs)
+    return [[(token, {t: lp.logprob for t, lp in top.items()})
+             for token, top in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)] for o in outputs]
+
+
+def generate_killing_the_worker(llm: LLM, prompts: list[str], params: SamplingParams, after_steps: int) -> list:
+    engine = llm.llm_engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"kill-{index}", prompt, params)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        if steps == after_steps:
+            (pid,) = engine.statistics().worker_pids
+            os.kill(pid, signal.SIGKILL)
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+    assert engine.statistics().worker_restarts == 1
+    assert len(finished) == len(prompts)
+    return [finished[f"kill-{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.default_model
+def test_greedy_outputs_with_prompt_lookup_are_the_plain_outputs():
+    options = {"kv_cache_memory": "128MiB", "max_model_len": 512, "batch_invariant": True}
+    with LLM(**options) as plain:
+        expected = traces(plain.generate(PROMPTS, greedy(), use_tqdm=False))
+        alone = [traces(plain.generate(prompt, greedy(), use_tqdm=False))[0] for prompt in PROMPTS[:2]]
+    assert len(expected) == len(PROMPTS)
+    assert expected[:2] == alone
+    # disable_by_batch_size 8: all five prompts speculate together
+    config = {**NGRAM, "disable_by_batch_size": 8}
+    with LLM(speculative_config=config, **options) as llm:
+        for prompt, trace in zip(PROMPTS[:2], alone, strict=True):
+            assert traces(llm.generate(prompt, greedy(), use_tqdm=False)) == [trace]
+        assert traces(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == expected
+        killed = traces(generate_killing_the_worker(llm, PROMPTS, greedy(), after_steps=8))
+        stats = llm.llm_engine.statistics().spec_decode
+    assert killed == expected
+    assert stats is not None and stats.num_drafts > 20
+    assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
+    # 12 blocks of 16 tokens cannot hold the prompts (~30-70 tokens) and their outputs at once
+    with LLM(speculative_config=config, kv_cache_memory=12 * BLOCK_BYTES, max_model_len=128,
+             max_num_batched_tokens=32, long_prefill_token_threshold=16, batch_invariant=True) as small:
+        preempted = small.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert small.llm_engine.statistics().num_preemptions > 0
+    assert traces(preempted) == expected
+
+
+@pytest.mark.default_model
+def test_schemas_stop_strings_and_async_scheduling_keep_the_plain_outputs():
+    constrained = SamplingParams(temperature=0.0, max_tokens=80,
+                                 structured_outputs=StructuredOutputsParams(json=PERSON))
+    person = "Describe a person as JSON with name, age, city and tags. The person: Anna, 31, from Oslo."
+    stopped = SamplingParams(temperature=0.0, max_tokens=60, stop=["reading room", "cafe"])
+    prompts, params = [person, PROMPTS[0], PROMPTS[1]], [constrained, stopped, stopped]
+    with LLM(kv_cache_memory="128MiB", max_model_len=512) as plain:
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    for options in ({}, {"async_scheduling": True}):
+        with LLM(speculative_config=NGRAM, kv_cache_memory="128MiB", max_model_len=512, **options) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.llm_engine.statistics().spec_decode.num_accepted_tokens > 0
+        assert len(outputs) == len(prompts)
+        for got, want in zip(outputs, expected, strict=True):
+            assert (got.outputs[0].text, got.outputs[0].token_ids) == (want.outputs[0].text, want.outputs[0].token_ids)
+            assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+    jsonschema.validate(json.loads(expected[0].outputs[0].text), PERSON)
+    assert [o.outputs[0].stop_reason for o in expected[1:]] == ["reading room", "reading room"]
+
+
+def test_tiny_models_of_each_family_decode_the_same_with_prompt_lookup(tiny_model):
+    # a random model's greedy text soon repeats itself: prompt lookup then proposes runs of it
+    prompts = ["the cat sat on the mat and the cat", "one two three one two three one", "a b c d a b c d a b"]
+    options = {"model": str(tiny_model), "kv_cache_memory": "32MiB", "max_model_len": 256, "batch_invariant": True}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    with LLM(**options) as plain:
+        expected = traces(plain.generate(prompts, params, use_tqdm=False))
+    with LLM(speculative_config={**NGRAM, "prompt_lookup_min": 1}, **options) as llm:
+        got = traces(llm.generate(prompts, params, use_tqdm=False))
+        stats = llm.llm_engine.statistics().spec_decode
+    assert len(got) == len(prompts)
+    assert got == expected
+    assert stats is not None and stats.num_accepted_tokens > 0
+
+
+def homogeneity_p_value(table: torch.Tensor) -> float:
+    """Pearson's chi-squared test that the rows of a contingency table [2, cells] come from one
+    distribution; cells expected to hold fewer than 5 in a row are merged into one."""
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    small = (expected < 5).any(0)
+    if small.any():
+        table = torch.cat([table[:, ~small], table[:, small].sum(1, keepdim=True)], 1)
+        expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = ((table - expected) ** 2 / expected).sum()
+    dof = max(table.shape[1] - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
+
+
+# The test below fails falsely with probability 1e-4 per position (5 positions); its draws are
+# seeded, so a run that passes passes every time.
+FALSE_ALARM = 1e-4
+
+
+@pytest.mark.default_model
+@pytest.mark.slow
+def test_sampled_tokens_have_the_plain_distribution():
+    prompt = "Repeat the list: red, green, blue, red, green, blue, red, green, blue. List:"
+    samples = 600
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=6, ignore_eos=True) for i in range(samples)]
+    options = {"kv_cache_memory": "256MiB", "max_model_len": 256}
+    with LLM(**options) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate([prompt] * samples, params, use_tqdm=False)]
+    config = {**NGRAM, "prompt_lookup_min": 1, "disable_by_batch_size": samples}
+    with LLM(speculative_config=config, **options) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([prompt] * samples, params, use_tqdm=False)]
+        stats = llm.llm_engine.statistics().spec_decode
+    assert len(got) == len(expected) == samples
+    assert stats is not None and stats.num_accepted_tokens > samples // 2  # speculation did run
+    for position in range(1, 6):
+        tokens = sorted({t[position] for t in expected + got})
+        table = torch.tensor([[sum(t[position] == token for t in run) for token in tokens] for run in (expected, got)],
+                             dtype=torch.float64)
+        assert homogeneity_p_value(table) > FALSE_ALARM, position
