@@ -51,10 +51,12 @@ def trace(output) -> list[tuple[int, dict[int, float]]]:
             for token, top in zip(sample.token_ids, sample.logprobs, strict=True)]
 
 
-def generate_killing_the_worker(llm: LLM, after_steps: int) -> list:
+def generate_killing_the_worker(llm: LLM, after_steps: int, prompts: list[str] = TEXTS,
+                                params: SamplingParams | None = None) -> list:
+    """The prompts' outputs (greedy by default), the worker SIGKILLed after ``after_steps``."""
     engine = llm.llm_engine
-    for index, text in enumerate(TEXTS):
-        engine.add_request(f"kill-{index}", text, greedy())
+    for index, text in enumerate(prompts):
+        engine.add_request(f"kill-{index}", text, params or greedy())
     finished, steps = {}, 0
     while engine.has_unfinished_requests():
         if steps == after_steps:
@@ -63,8 +65,8 @@ def generate_killing_the_worker(llm: LLM, after_steps: int) -> list:
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
         steps += 1
     assert engine.statistics().worker_restarts == 1
-    assert len(finished) == len(TEXTS)
-    return [finished[f"kill-{i}"] for i in range(len(TEXTS))]
+    assert len(finished) == len(prompts)
+    return [finished[f"kill-{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize(("isa", "batch_invariant"), CONFIGURATIONS)

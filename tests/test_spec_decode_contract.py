@@ -10,13 +10,12 @@ two-sample chi-squared test with a stated false-alarm rate)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import jsonschema
 import pytest
 import torch
 
+from tests.test_batch_invariance_contract import generate_killing_the_worker
 from tests.test_structured_contract import BLOCK_BYTES, PERSON
 from triode import LLM, SamplingParams, StructuredOutputsParams
 
@@ -45,22 +44,6 @@ def traces(outputs) -> list[list[tuple[int, dict[int, float]]]]:
              for token, top in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)] for o in outputs]
 
 
-def generate_killing_the_worker(llm: LLM, prompts: list[str], params: SamplingParams, after_steps: int) -> list:
-    engine = llm.llm_engine
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"kill-{index}", prompt, params)
-    finished, steps = {}, 0
-    while engine.has_unfinished_requests():
-        if steps == after_steps:
-            (pid,) = engine.statistics().worker_pids
-            os.kill(pid, signal.SIGKILL)
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-        steps += 1
-    assert engine.statistics().worker_restarts == 1
-    assert len(finished) == len(prompts)
-    return [finished[f"kill-{i}"] for i in range(len(prompts))]
-
-
 @pytest.mark.default_model
 def test_greedy_outputs_with_prompt_lookup_are_the_plain_outputs():
     options = {"kv_cache_memory": "128MiB", "max_model_len": 512, "batch_invariant": True}
@@ -75,7 +58,7 @@ def test_greedy_outputs_with_prompt_lookup_are_the_plain_outputs():
         for prompt, trace in zip(PROMPTS[:2], alone, strict=True):
             assert traces(llm.generate(prompt, greedy(), use_tqdm=False)) == [trace]
         assert traces(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == expected
-        killed = traces(generate_killing_the_worker(llm, PROMPTS, greedy(), after_steps=8))
+        killed = traces(generate_killing_the_worker(llm, 8, PROMPTS, greedy()))
         stats = llm.llm_engine.statistics().spec_decode
     assert killed == expected
     assert stats is not None and stats.num_drafts > 20
