@@ -31,6 +31,7 @@ def test_ngram_config_takes_vllms_json_and_defaults():
     assert config is not None
     assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 5, 5)
     assert SpeculativeConfig(method="[ngram]", num_speculative_tokens=2, prompt_lookup_max=3).prompt_lookup_min == 3
+    assert SpeculativeConfig(model="/draft", num_speculative_tokens=2).method == "draft_model"
     assert EngineArgs.from_env({"TRIODE_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}
                                ).speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
@@ -46,7 +47,6 @@ def test_ngram_config_takes_vllms_json_and_defaults():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ({"num_speculative_tokens": 2}, "method"),
-    ({"model": "/draft", "num_speculative_tokens": 2}, "draft models do not run yet"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
     ("{not json", "not JSON"),

@@ -3,13 +3,17 @@ lookup configured, greedy outputs and their logprobs are the plain engine's, tok
 and bit for bit: on the default model for extractive prompts and free ones, together, on a KV
 cache so small that sequences are preempted and recomputed, with the worker SIGKILLed
 mid-stream, under a JSON schema, with stop strings and with async scheduling; on tiny float
-models of every family (with --batch-invariant, as their kernels need). At temperature 1 with
+models of every family (with --batch-invariant, as their kernels need), and with draft models
+(the model itself, and another of its tokenizer). A draft of another vocabulary or tokenizer,
+or one whose cache share is too small, is refused naming the field. At temperature 1 with
 seeds, the tokens sampled with and without speculation have the same distribution (a
 two-sample chi-squared test with a stated false-alarm rate)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,6 +22,9 @@ import torch
 from tests.test_batch_invariance_contract import generate_killing_the_worker
 from tests.test_structured_contract import BLOCK_BYTES, PERSON
 from triode import LLM, SamplingParams, StructuredOutputsParams
+from triode.engine.config import EngineArgs
+from triode.engine.errors import InvalidRequestError, KVCacheTooSmallError
+from triode.engine.worker.draft_model import DraftModelProposer
 
 pytestmark = [pytest.mark.contract]
 
@@ -92,19 +99,71 @@ def test_schemas_stop_strings_and_async_scheduling_keep_the_plain_outputs():
     assert [o.outputs[0].stop_reason for o in expected[1:]] == ["reading room", "reading room"]
 
 
+TINY_PROMPTS = ["the cat sat on the mat and the cat", "one two three one two three one", "a b c d a b c d a b"]
+
+
+def decode_alike(model: Path, config: dict, expected: list | None = None):
+    """The tiny prompts' greedy traces with ``config`` and (unless given) without; returns
+    (traces, speculative decoding's counters)."""
+    options = {"model": str(model), "kv_cache_memory": "32MiB", "max_model_len": 256, "batch_invariant": True}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    if expected is None:
+        with LLM(**options) as plain:
+            expected = traces(plain.generate(TINY_PROMPTS, params, use_tqdm=False))
+    with LLM(speculative_config=config, **options) as llm:
+        got = traces(llm.generate(TINY_PROMPTS, params, use_tqdm=False))
+        stats = llm.llm_engine.statistics().spec_decode
+    assert len(got) == len(TINY_PROMPTS)
+    assert got == expected
+    assert stats is not None
+    return expected, stats
+
+
+@pytest.mark.slow
 def test_tiny_models_of_each_family_decode_the_same_with_prompt_lookup(tiny_model):
     # a random model's greedy text soon repeats itself: prompt lookup then proposes runs of it
-    prompts = ["the cat sat on the mat and the cat", "one two three one two three one", "a b c d a b c d a b"]
-    options = {"model": str(tiny_model), "kv_cache_memory": "32MiB", "max_model_len": 256, "batch_invariant": True}
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    with LLM(**options) as plain:
-        expected = traces(plain.generate(prompts, params, use_tqdm=False))
-    with LLM(speculative_config={**NGRAM, "prompt_lookup_min": 1}, **options) as llm:
-        got = traces(llm.generate(prompts, params, use_tqdm=False))
-        stats = llm.llm_engine.statistics().spec_decode
-    assert len(got) == len(prompts)
-    assert got == expected
-    assert stats is not None and stats.num_accepted_tokens > 0
+    _, stats = decode_alike(tiny_model, {**NGRAM, "prompt_lookup_min": 1})
+    assert stats.num_accepted_tokens > 0
+
+
+def test_a_tiny_llama_decodes_the_same_with_prompt_lookup_and_with_draft_models(tiny_model_factory):
+    target = tiny_model_factory("llama")
+    expected, stats = decode_alike(target, {**NGRAM, "prompt_lookup_min": 1})
+    assert stats.num_accepted_tokens > 0
+    # the model as its own draft agrees with itself; a one-layer model of the same tokenizer mostly not
+    _, stats = decode_alike(target, {"model": str(target), "num_speculative_tokens": 3}, expected)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    draft = tiny_model_factory("llama", num_hidden_layers=1, seed=1)
+    _, stats = decode_alike(target, {"model": str(draft), "num_speculative_tokens": 3}, expected)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_naming_the_field(tiny_model_factory, tmp_path):
+    target = tiny_model_factory("llama")
+    wider = tiny_model_factory("llama", vocab_size=512)
+    with pytest.raises(InvalidRequestError, match="vocab_size") as caught:
+        LLM(model=str(target), speculative_config={"model": str(wider), "num_speculative_tokens": 2})
+    assert caught.value.field == "speculative_config"
+    # the same shapes, two tokens' ids swapped in the tokenizer
+    swapped = tmp_path / "swapped"
+    shutil.copytree(target, swapped)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(InvalidRequestError, match="tokenizer differs") as caught:
+        LLM(model=str(target), speculative_config={"model": str(swapped), "num_speculative_tokens": 2})
+    assert caught.value.field == "speculative_config"
+
+
+def test_a_draft_model_whose_cache_share_is_too_small_is_refused(tiny_model_factory):
+    target = tiny_model_factory("llama")
+    args = EngineArgs(model=str(target), max_model_len=256,
+                      speculative_config={"model": str(target), "num_speculative_tokens": 2})
+    with pytest.raises(KVCacheTooSmallError, match="speculative_config"):
+        DraftModelProposer(args, device=torch.device("cpu"), dtype=torch.float32, max_model_len=256,
+                           budget_bytes=4096, block_size=16)
 
 
 def homogeneity_p_value(table: torch.Tensor) -> float:

@@ -113,7 +113,7 @@ def _spec(namespace: argparse.Namespace) -> int:
 
     spec.run(model=namespace.model, speculative_config=namespace.speculative_config, rounds=namespace.rounds,
              max_tokens=namespace.max_tokens, concurrency=namespace.concurrency,
-             output_dir=Path(namespace.output_dir))
+             output_dir=Path(namespace.output_dir), random_target=namespace.random_target)
     return 0
 
 
@@ -219,6 +219,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     spec.add_argument("--rounds", type=int, default=2, help="turns each engine takes (the best counts)")
     spec.add_argument("--max-tokens", type=int, default=128, help="tokens per output at most")
     spec.add_argument("--concurrency", type=int, default=32)
+    spec.add_argument("--random-target", choices=sorted(SHAPES), default=None,
+                      help="a random-weight checkpoint of this shape as the model (e.g. the target of a draft "
+                           "model: --speculative-config '{\"model\": \"default\", \"num_speculative_tokens\": 3}')")
     spec.add_argument("--output-dir", default="bench-results")
     spec.set_defaults(handler=_spec)
 

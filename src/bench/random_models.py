@@ -41,7 +41,7 @@ def copy_tokenizer(source: Path, directory: Path) -> Path:
     """Puts ``source``'s tokenizer files into ``directory`` (a random checkpoint has none; the
     benchmarks that go through ``LLM`` give it the default model's, whose ids it samples from
     or beyond, which decode to nothing)."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (source / name).exists():
             shutil.copy(source / name, directory / name)
     return directory

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
+import time
 from pathlib import Path
 
+from triode.bench.random_models import copy_tokenizer, write_random_model
 from triode.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.engine.config import EngineArgs
 from triode.engine.llm import LLM
+from triode.engine.model_files.resolve import resolve_model
 from triode.engine.sampling_params import SamplingParams
 
 TEXTS = [
@@ -74,8 +79,6 @@ def _time_per_output_token(llm: LLM, prompts: list[str], max_tokens: int) -> tup
 
 
 def _throughput(llm: LLM, prompts: list[str], max_tokens: int) -> float:
-    import time
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.chat(_messages(prompts), params, use_tqdm=False)
@@ -84,9 +87,21 @@ def _throughput(llm: LLM, prompts: list[str], max_tokens: int) -> float:
 
 
 def run(*, model: str | None, speculative_config: str | None, rounds: int, max_tokens: int,
-        concurrency: int, output_dir: Path) -> dict:
+        concurrency: int, output_dir: Path, random_target: str | None = None) -> dict:
+    """``random_target``: a random-weight checkpoint of that shape (the default model's
+    tokenizer) is the model, e.g. the target of a draft model."""
     config = json.loads(speculative_config) if speculative_config else DEFAULT_CONFIG
-    print(f"triode bench spec ({json.dumps(config)}) on {machine_description()}")
+    if random_target is None:
+        return _run(model, config, rounds, max_tokens, concurrency, output_dir, "default model" if model is None else model)
+    with tempfile.TemporaryDirectory(prefix="triode-bench-spec-") as directory:
+        target = write_random_model(Path(directory), random_target)
+        copy_tokenizer(resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path, target)
+        return _run(str(target), config, rounds, max_tokens, concurrency, output_dir, f"random {random_target}")
+
+
+def _run(model: str | None, config: dict, rounds: int, max_tokens: int, concurrency: int, output_dir: Path,
+         label: str) -> dict:
+    print(f"triode bench spec ({json.dumps(config)}), {label}, on {machine_description()}")
     options = {"max_model_len": 1024, "kv_cache_memory": "1GiB"}
     busy = [*EXTRACTIVE, *FREE] * (concurrency // (len(EXTRACTIVE) + len(FREE)) + 1)
     results: dict[str, dict[str, list[float]]] = {name: {"plain": [], "spec": []}
@@ -119,11 +134,12 @@ def run(*, model: str | None, speculative_config: str | None, rounds: int, max_t
     print(f"proposed tokens accepted: {stats.acceptance_rate or 0:.1%}; tokens per verification: "
           f"{stats.mean_acceptance_length or 0:.2f}; verifications: {stats.num_drafts}; by position: "
           f"{list(stats.accepted_per_position)}")
-    payload = {"speculative_config": config, "max_tokens": max_tokens, "concurrency": concurrency,
+    payload = {"model": label, "speculative_config": config, "max_tokens": max_tokens, "concurrency": concurrency,
                "runs": results, "best": best, "speedup": speedups,
                "acceptance_rate": stats.acceptance_rate, "mean_acceptance_length": stats.mean_acceptance_length,
                "accepted_per_position": list(stats.accepted_per_position)}
     write_json(output_dir / "spec.json", payload)
-    plot_bars(output_dir / "spec.png", title="Speculative decoding (prompt lookup): speed-up over plain decoding",
+    method = "a draft model" if "model" in config else "prompt lookup"
+    plot_bars(output_dir / "spec.png", title=f"Speculative decoding ({method}, {label}): speed-up over plain",
               y_label="speed-up (x)", groups=list(speedups), series={"speculative / plain": list(speedups.values())})
     return payload

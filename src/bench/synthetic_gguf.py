@@ -22,6 +22,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                          context=8192, rope_theta=500000.0, tied=False),
     "smollm2-135m": dict(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, vocab=49152,
                          context=8192, rope_theta=100000.0, tied=True),
+    "smollm2-360m": dict(hidden=960, intermediate=2560, layers=32, heads=15, kv_heads=5, vocab=49152,
+                         context=8192, rope_theta=100000.0, tied=True),
 }
 FILE_TYPES = ("Q4_K_M", "Q4_0", "Q8_0")
 _BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q8_0": (32, 34)}

@@ -101,7 +101,7 @@ class AsyncLLM:
             stack.enter_context(to_scheduler)
             async with trio.open_nursery() as nursery:
                 supervisor = await nursery.start(
-                    WorkerSupervisor(args, str(model.path), open_group=open_group).run
+                    WorkerSupervisor(model.args, str(model.path), open_group=open_group).run
                 )
                 info = supervisor.info
                 core = EngineCore.from_engine_args(

@@ -46,7 +46,7 @@ class LLMEngine:
         publisher = start_kv_event_publisher(args.kv_events_config)
         try:
             model = open_engine_model(args)
-            self._loop = TrioThread(WorkerSupervisor(args, str(model.path)).run)
+            self._loop = TrioThread(WorkerSupervisor(model.args, str(model.path)).run)
         except BaseException:
             if publisher is not None:
                 publisher.close()

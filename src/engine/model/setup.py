@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from triode.engine.config import EngineArgs
+from triode.engine.errors import InvalidRequestError
 from triode.engine.inputs import (
     TOOL_TEMPLATE_NAME,
     InputProcessor,
@@ -19,6 +20,7 @@ from triode.engine.inputs import (
 from triode.engine.lora.adapters import LoRAAdapters
 from triode.engine.model.config import ModelConfig
 from triode.engine.model.generation_config import GenerationDefaults, read_generation_defaults
+from triode.engine.model.pooling import resolve_runner
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.structured.compiler import GrammarCompiler
@@ -32,10 +34,12 @@ class EngineModel:
     path: Path
     tokenizer: Any  # transformers' PreTrainedTokenizerFast
     generation: GenerationDefaults
+    args: EngineArgs  # for the workers: a draft model's path resolved (speculative_config.model)
 
 
 def open_engine_model(args: EngineArgs) -> EngineModel:
-    """Resolves the model, loads its tokenizer and reads its generation settings (logged)."""
+    """Resolves the model (and a draft model, checked against it), loads its tokenizer and
+    reads its generation settings (logged)."""
     path = resolve_model(args.model, cache_dir=args.resolved_cache_dir(), quantization=args.quantization).path
     tokenizer = load_tokenizer(path)
     generation = read_generation_defaults(
@@ -43,7 +47,38 @@ def open_engine_model(args: EngineArgs) -> EngineModel:
     )
     log.info("generation config (--generation-config %s): %s", args.generation_config,
              generation.describe())
-    return EngineModel(path=path, tokenizer=tokenizer, generation=generation)
+    return EngineModel(path=path, tokenizer=tokenizer, generation=generation,
+                       args=_with_draft_model(args, path, tokenizer))
+
+
+def _with_draft_model(args: EngineArgs, path: Path, tokenizer: Any) -> EngineArgs:
+    """``args`` with the draft model's directory resolved, once it proposes in the target's
+    vocabulary: a causal LM whose vocab_size and tokenizer are the target's."""
+    spec = args.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return args
+    assert spec.model is not None
+    draft = resolve_model(spec.model, cache_dir=args.resolved_cache_dir()).path
+
+    def refuse(message: str) -> InvalidRequestError:
+        return InvalidRequestError(f"speculative_config.model: {message}", field="speculative_config")
+
+    hf_config = load_hf_config(draft)
+    if resolve_runner(hf_config.get("architectures") or [], runner="auto", convert="auto",
+                      source=str(draft / "config.json")) != "generate":
+        raise refuse(f"{spec.model} is not a generation model")
+    target_vocab = ModelConfig.from_hf(load_hf_config(path), source=str(path / "config.json")).vocab_size
+    draft_vocab = ModelConfig.from_hf(hf_config, source=str(draft / "config.json")).vocab_size
+    if draft_vocab != target_vocab:
+        raise refuse(f"the draft model's vocab_size is {draft_vocab}, the model's {target_vocab}: a draft must "
+                     f"propose in the model's vocabulary")
+    theirs, ours = load_tokenizer(draft).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differing = len(set(theirs.items()) ^ set(ours.items())) // 2 or abs(len(theirs) - len(ours))
+        raise refuse(f"the draft model's tokenizer differs from the model's ({differing} tokens have other ids "
+                     f"or are missing): a draft must use the model's tokenizer")
+    log.info("speculative decoding: draft model %s (%s)", spec.model, draft)
+    return attrs.evolve(args, speculative_config=attrs.evolve(spec, model=str(draft)))
 
 
 def open_input_processor(model: EngineModel, args: EngineArgs, info: WorkerInfo) -> InputProcessor:

@@ -2,10 +2,10 @@
 
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max":
 5}`` proposes the tokens that followed the latest earlier occurrence of the text's last n-gram
-(prompt lookup); ``{"model": DIR, "num_speculative_tokens": 4}`` names a draft model, which is
-refused for now (its proposer is not built). Proposals are verified by the target model in one
-step and kept exactly as it would have sampled them (docs/serving.md, "Speculative
-decoding")."""
+(prompt lookup); ``{"model": DIR, "num_speculative_tokens": 4}`` a draft model's greedy tokens
+(any model triode serves with the target's tokenizer). Proposals are verified by the target
+model in one step and kept exactly as it would have sampled them (docs/serving.md,
+"Speculative decoding")."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from triode.engine.errors import InvalidRequestError
 from triode.engine.json_options import from_json_object
 
 METHODS = ("ngram", "draft_model")
-BUILT = ("ngram",)  # the draft model's proposer is not in the worker yet
 # Methods vLLM has that need trained heads (EAGLE, Medusa, MTP...): named so that a ported
 # config is refused for what it is, not as a typo.
 _NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
@@ -62,8 +61,6 @@ class SpeculativeConfig:
                                    f"yet; the methods are {', '.join(METHODS)}")
         if method not in METHODS:
             raise _error("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
-        if method not in BUILT:
-            raise _error("model", "draft models do not run yet; prompt lookup does (method ngram)")
         object.__setattr__(self, "method", method)
         if self.num_speculative_tokens is None:
             raise _error("num_speculative_tokens", "is required (the tokens proposed per step)")

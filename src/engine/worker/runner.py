@@ -35,6 +35,7 @@ from triode.engine.worker.checkpoint import (
 )
 from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
+from triode.engine.worker.draft_model import DraftModelProposer, draft_kv_share, kv_bytes_per_token
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.lora import WorkerLoRAs
@@ -56,7 +57,7 @@ from triode.engine.worker.sampling_batch import (
     SamplingRow,
     samples_as_before,
 )
-from triode.engine.worker.speculation import DraftVerifier, build_proposer, expand_drafts
+from triode.engine.worker.speculation import DraftVerifier, NgramProposer, Proposer, expand_drafts
 from triode.engine.worker.step_inputs import StepInputs
 from triode.engine.worker_messages import (
     AcceptedDrafts,
@@ -132,12 +133,12 @@ class ModelRunner:
         if tensor_parallel:
             partition = Partition.of(self.config, rank, rendezvous.world_size)
             # Budget errors first: a rank that fails before joining fails the group at once.
-            self.num_blocks = self._num_blocks(args.kv_cache_memory, partition.max_kv_heads)
+            self.num_blocks = self._num_blocks(args, partition.max_kv_heads)
             kv_heads = partition.num_kv_heads
             select = checkpoint_slices(self.config, partition)
             self.parallel = TensorParallelGroup.join(partition, rendezvous, self.device, store)
         else:
-            self.num_blocks = self._num_blocks(args.kv_cache_memory, kv_heads)
+            self.num_blocks = self._num_blocks(args, kv_heads)
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
         kernels.set_quantized_activations(resolve_quantized_activations(args.quantized_activations))
         self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
@@ -189,7 +190,11 @@ class ModelRunner:
         if self.speculative is not None and self.pooler is not None:
             raise ModelLoadError("speculative decoding applies to generation models; this one is a pooling "
                                  "model (drop --speculative-config)", path=str(path))
-        self.proposer = build_proposer(self.speculative) if self.speculative is not None and rank == 0 else None
+        self.proposer: Proposer | None = None
+        if self.speculative is not None and rank == 0:
+            self.proposer = NgramProposer(self.speculative) if self.speculative.method == "ngram" else \
+                DraftModelProposer(args, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+                                   budget_bytes=self._draft_kv_bytes, block_size=self.block_size)
         self._verifier = DraftVerifier(self.sampler, self.grammars, vocab_size=self.config.vocab_size,
                                        banned=self._banned_at) if self.proposer is not None else None
         self._step_speculates = False
@@ -209,10 +214,13 @@ class ModelRunner:
         # tensor parallelism rank 0 broadcasts them each step (one small collective).
         self._follows_samples = self.parallel is not None and args.async_scheduling_on(str(self.device))
 
-    def _num_blocks(self, budget_bytes: int, kv_heads: int) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = 2 * self.config.num_layers * kv_heads * self.config.head_dim
-        per_block = self.block_size * per_token * element
+    def _num_blocks(self, args: EngineArgs, kv_heads: int) -> int:
+        per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
+        per_block = self.block_size * per_token
+        # A draft model's cache takes its share first (the same count on every rank, so that
+        # every rank has the same number of blocks; only rank 0 allocates it).
+        self._draft_kv_bytes = int(args.kv_cache_memory * draft_kv_share(args, per_token, self.dtype))
+        budget_bytes = args.kv_cache_memory - self._draft_kv_bytes
         num_blocks = budget_bytes // per_block - self._reserved_blocks
         # One sequence of max_model_len must fit; with a window on every layer, only the part
         # of it the scheduler keeps at once (its blocks behind the window are freed).
@@ -338,14 +346,10 @@ class ModelRunner:
     def _propose(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[Proposal, ...]:
         """Proposed tokens for the sequences whose chunks ask for them, after this step's."""
         assert self.proposer is not None
-        proposals = []
-        for chunk in chunks:
-            if chunk.propose:
-                seq = self.sequences[chunk.seq_id]
-                if tokens := self.proposer.propose(chunk.seq_id, seq.prompt_token_ids, seq.output_token_ids,
-                                                   chunk.propose):
-                    proposals.append(Proposal(chunk.seq_id, tokens))
-        return tuple(proposals)
+        requests = [(chunk.seq_id, (seq := self.sequences[chunk.seq_id]).prompt_token_ids, seq.output_token_ids,
+                     chunk.propose) for chunk in chunks if chunk.propose]
+        proposed = self.proposer.propose(requests) if requests else []
+        return tuple(Proposal(request[0], tokens) for request, tokens in zip(requests, proposed, strict=True) if tokens)
 
     def _chunk_tokens(self, chunks) -> list[tuple[int, ...]]:
         """Every chunk's input tokens. A plan made ahead (async scheduling) feeds a sequence the

@@ -9,20 +9,21 @@ decode step would (the C decode stack, CUDA graphs and LoRA rows included), whic
 makes a greedy speculative output the plain output token for token (docs/architecture.md,
 "Batch invariance"). The rows are then verified together (``triode.engine.worker.rejection``).
 
-A proposer (``NgramProposer``) sees a sequence's tokens after the step and returns up to the
-number the plan asked for; a draft model's or a trained head's would sit in the same place,
-after the step's sampling, with the step's hidden states at hand.
+A proposer (``NgramProposer``, ``draft_model.DraftModelProposer``) sees the sequences' tokens
+after the step and returns up to the number the plan asked for; a trained head (EAGLE) would
+sit in the same place, after the step's sampling, with the step's hidden states at hand.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from triode.engine.spec_decode.config import SpeculativeConfig
 from triode.engine.spec_decode.ngram import NgramIndex
+from triode.engine.worker.draft_model import ProposalRequest
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from triode.engine.worker.rejection import DraftRows, verify
 from triode.engine.worker.sampler import Sampler, compute_logprobs
@@ -68,18 +69,24 @@ class NgramProposer:
     def forget(self, seq_id: str) -> None:
         self._indexes.pop(seq_id, None)
 
-    def propose(self, seq_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
-                num_tokens: int) -> tuple[int, ...]:
-        index = self._indexes.get(seq_id)
-        if index is None:
-            index = self._indexes[seq_id] = NgramIndex(self.min_n, self.max_n, prompt_token_ids)
-        index.extend(output_token_ids[len(index) - len(prompt_token_ids):])
-        return index.propose(num_tokens)
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[tuple[int, ...]]:
+        proposals = []
+        for seq_id, prompt_token_ids, output_token_ids, num_tokens in requests:
+            index = self._indexes.get(seq_id)
+            if index is None:
+                index = self._indexes[seq_id] = NgramIndex(self.min_n, self.max_n, prompt_token_ids)
+            index.extend(output_token_ids[len(index) - len(prompt_token_ids):])
+            proposals.append(index.propose(num_tokens))
+        return proposals
 
 
-def build_proposer(config: SpeculativeConfig) -> NgramProposer:
-    assert config.method == "ngram", "SpeculativeConfig refuses the methods not built"
-    return NgramProposer(config)
+class Proposer(Protocol):
+    """What proposes tokens after a step: prompt lookup, a draft model, or (later) a trained
+    head, which would also read the step's hidden states."""
+
+    def forget(self, seq_id: str) -> None: ...
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[tuple[int, ...]]: ...
 
 
 class DraftVerifier:
