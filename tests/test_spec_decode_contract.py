@@ -138,6 +138,23 @@ def test_a_tiny_llama_decodes_the_same_with_prompt_lookup_and_with_draft_models(
     assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_tensor_parallel_ranks_verify_alike(tiny_model_factory):
+    """Two ranks run every verifying chunk's rows; rank 0 verifies and proposes. With async
+    scheduling the ranks also agree on the steps planned ahead between speculating ones."""
+    target = tiny_model_factory("llama")
+    options = {"model": str(target), "kv_cache_memory": "32MiB", "max_model_len": 256, "batch_invariant": True,
+               "tensor_parallel_size": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    with LLM(**options) as plain:
+        expected = traces(plain.generate(TINY_PROMPTS, params, use_tqdm=False))
+    for ahead in (False, True):
+        with LLM(speculative_config={**NGRAM, "prompt_lookup_min": 1}, async_scheduling=ahead, **options) as llm:
+            got = traces(llm.generate(TINY_PROMPTS, params, use_tqdm=False))
+            stats = llm.llm_engine.statistics().spec_decode
+        assert got == expected, f"async scheduling {ahead}"
+        assert stats is not None and stats.num_accepted_tokens > 0
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_naming_the_field(tiny_model_factory, tmp_path):
     target = tiny_model_factory("llama")
     wider = tiny_model_factory("llama", vocab_size=512)
@@ -179,9 +196,42 @@ def homogeneity_p_value(table: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
 
 
-# The test below fails falsely with probability 1e-4 per position (5 positions); its draws are
+# The tests below fail falsely with probability 1e-4 per position compared; their draws are
 # seeded, so a run that passes passes every time.
 FALSE_ALARM = 1e-4
+
+
+def token_frequencies_match(expected: list[tuple[int, ...]], got: list[tuple[int, ...]], positions: range) -> None:
+    assert len(got) == len(expected)
+    for position in positions:
+        tokens = sorted({t[position] for t in expected + got})
+        table = torch.tensor([[sum(t[position] == token for t in run) for token in tokens] for run in (expected, got)],
+                             dtype=torch.float64)
+        assert homogeneity_p_value(table) > FALSE_ALARM, position
+
+
+def test_sampled_tokens_have_the_plain_distribution_on_a_tiny_model(tiny_model_factory):
+    """Three tokens made likely by a logit bias, and a prompt that repeats them: prompt lookup
+    proposes one of them at nearly every step, so many proposals are rejected and the tokens
+    after a rejection (the residual draws) make up much of what is compared. A presence
+    penalty makes each position's distribution depend on the tokens before it, the proposals
+    a row is verified after included."""
+    model = tiny_model_factory("llama")
+    bias = {10: 8.0, 11: 7.5, 12: 7.0}
+    samples = 1500
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=6, ignore_eos=True, logit_bias=bias,
+                             presence_penalty=1.0) for i in range(samples)]
+    prompt = [10, 11, 12] * 8
+    options = {"model": str(model), "kv_cache_memory": "64MiB", "max_model_len": 64, "max_num_seqs": 256}
+    with LLM(**options) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate([prompt] * samples, params, use_tqdm=False)]
+    config = {**NGRAM, "prompt_lookup_min": 1, "disable_by_batch_size": 256}
+    with LLM(speculative_config=config, **options) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([prompt] * samples, params, use_tqdm=False)]
+        stats = llm.llm_engine.statistics().spec_decode
+    assert stats is not None and stats.num_draft_tokens > samples
+    assert 0.1 < stats.acceptance_rate < 0.9  # many rejections: the residual draws are tested
+    token_frequencies_match(expected, got, range(6))
 
 
 @pytest.mark.default_model
@@ -197,10 +247,5 @@ def test_sampled_tokens_have_the_plain_distribution():
     with LLM(speculative_config=config, **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate([prompt] * samples, params, use_tqdm=False)]
         stats = llm.llm_engine.statistics().spec_decode
-    assert len(got) == len(expected) == samples
     assert stats is not None and stats.num_accepted_tokens > samples // 2  # speculation did run
-    for position in range(1, 6):
-        tokens = sorted({t[position] for t in expected + got})
-        table = torch.tensor([[sum(t[position] == token for t in run) for token in tokens] for run in (expected, got)],
-                             dtype=torch.float64)
-        assert homogeneity_p_value(table) > FALSE_ALARM, position
+    token_frequencies_match(expected, got, range(1, 6))
