@@ -3,8 +3,9 @@ lookup configured, greedy outputs and their logprobs are the plain engine's, tok
 and bit for bit: on the default model for extractive prompts and free ones, together, on a KV
 cache so small that sequences are preempted and recomputed, with the worker SIGKILLed
 mid-stream, under a JSON schema, with stop strings and with async scheduling; on tiny float
-models of every family (with --batch-invariant, as their kernels need), and with draft models
-(the model itself, and another of its tokenizer). A draft of another vocabulary or tokenizer,
+models of every family (with --batch-invariant, as their kernels need), with LoRA adapters,
+over two tensor-parallel ranks, and with draft models (the model itself, and another of its
+tokenizer). A draft of another vocabulary or tokenizer,
 or one whose cache share is too small, is refused naming the field. At temperature 1 with
 seeds, the tokens sampled with and without speculation have the same distribution (a
 two-sample chi-squared test with a stated false-alarm rate)."""
@@ -19,9 +20,10 @@ import jsonschema
 import pytest
 import torch
 
+from tests.lora_adapters import build_adapter
 from tests.test_batch_invariance_contract import generate_killing_the_worker
 from tests.test_structured_contract import BLOCK_BYTES, PERSON
-from triode import LLM, SamplingParams, StructuredOutputsParams
+from triode import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from triode.engine.config import EngineArgs
 from triode.engine.errors import InvalidRequestError, KVCacheTooSmallError
 from triode.engine.worker.draft_model import DraftModelProposer
@@ -136,6 +138,25 @@ def test_a_tiny_llama_decodes_the_same_with_prompt_lookup_and_with_draft_models(
     draft = tiny_model_factory("llama", num_hidden_layers=1, seed=1)
     _, stats = decode_alike(target, {"model": str(draft), "num_speculative_tokens": 3}, expected)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_lora_adapters_decode_the_same_with_prompt_lookup(tiny_model_factory, tmp_path):
+    """A verifying sequence's rows carry its adapter, among base rows and another adapter's."""
+    target = tiny_model_factory("llama")
+    adapters = [LoRARequest(f"a{i}", i + 1, str(build_adapter(target, tmp_path / f"a{i}", rank=4, seed=i, scale=3.0)))
+                for i in range(2)]
+    loras = [adapters[0], None, adapters[1]]
+    options = {"model": str(target), "kv_cache_memory": "32MiB", "max_model_len": 256, "batch_invariant": True,
+               "enable_lora": True, "max_loras": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    with LLM(**options) as plain:
+        expected = traces(plain.generate(TINY_PROMPTS, params, use_tqdm=False, lora_request=loras))
+    with LLM(speculative_config={**NGRAM, "prompt_lookup_min": 1}, **options) as llm:
+        got = traces(llm.generate(TINY_PROMPTS, params, use_tqdm=False, lora_request=loras))
+        stats = llm.llm_engine.statistics().spec_decode
+    assert len(got) == len(expected) == 3
+    assert got == expected
+    assert stats is not None and stats.num_accepted_tokens > 0
 
 
 def test_tensor_parallel_ranks_verify_alike(tiny_model_factory):
