@@ -215,7 +215,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                      "and free requests) and throughput at concurrency 32, with the acceptance")
     spec.add_argument("--model", default=None)
     spec.add_argument("--speculative-config", default=None,
-                      help="the JSON object to measure (default: ngram, 4 tokens, lookup 2 to 5)")
+                      help="the JSON object to measure (default: ngram, 8 tokens, lookup 2 to 5)")
     spec.add_argument("--rounds", type=int, default=2, help="turns each engine takes (the best counts)")
     spec.add_argument("--max-tokens", type=int, default=128, help="tokens per output at most")
     spec.add_argument("--concurrency", type=int, default=32)

@@ -57,7 +57,7 @@ FREE = [
     "Describe your ideal weekend in detail.",
     "What are the pros and cons of working from home?",
 ]
-DEFAULT_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+DEFAULT_CONFIG = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
 def _messages(prompts: list[str]) -> list[list[dict[str, str]]]:
