@@ -1,5 +1,6 @@
-"""Unit test of /metrics' per-rank series: ServerMetrics rendered from a statistics record
-of a two-rank engine, no server."""
+"""Unit tests of /metrics rendered by ServerMetrics from a statistics record, no server: the
+per-rank series of a two-rank engine, the tokens-per-step histogram, the refresh of the
+histograms, and speculative decoding's counters."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
 from triode.engine.engine_stats import EngineStatistics
+from triode.engine.spec_decode.policy import SpecDecodeStats
 from triode.frontend.server.metrics import CacheConfig, ServerMetrics
 
 
@@ -76,3 +78,24 @@ def test_gauges_are_fresh_at_every_scrape_and_histograms_within_a_second(monkeyp
     assert samples["vllm:time_to_first_token_seconds_count"] == 0  # rendered less than a second ago
     now[0] += metrics_module.HISTOGRAM_REFRESH
     assert scrape()["vllm:time_to_first_token_seconds_count"] == 1
+
+
+def test_speculative_decoding_counters_are_vllms():
+    spec = SpecDecodeStats(num_drafts=7, num_draft_tokens=20, num_accepted_tokens=12, accepted_per_position=(6, 4, 2))
+    statistics = attrs.evolve(_two_rank_statistics(), spec_decode=spec)
+    metrics = ServerMetrics("m", lambda: statistics, max_model_len=512,
+                            cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
+    samples = {
+        (sample.name, sample.labels.get("position")): sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+    }
+    assert samples["vllm:spec_decode_num_drafts_total", None] == 7
+    assert samples["vllm:spec_decode_num_draft_tokens_total", None] == 20
+    assert samples["vllm:spec_decode_num_accepted_tokens_total", None] == 12
+    per_position = {p: v for (name, p), v in samples.items() if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_position == {"0": 6, "1": 4, "2": 2}
+    # an engine without a speculative config serves none of them
+    plain = ServerMetrics("m", _two_rank_statistics, max_model_len=512,
+                          cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
+    assert "spec_decode" not in plain.render().decode()
