@@ -134,6 +134,7 @@ class DraftModelProposer:
         # the unseen tokens of each sequence, then one proposal at a time
         chunks = [(seq_id, tuple(tokens[len(self._fed[seq_id]):]), len(self._fed[seq_id]))
                   for seq_id, tokens, _ in active]
+        wanted = {seq_id: k for seq_id, _, k in active}
         step = 0
         while chunks:
             chunks.sort(key=lambda chunk: len(chunk[1]) != 1)  # decodes first, as the inputs need
@@ -145,7 +146,6 @@ class DraftModelProposer:
             tokens = self.model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1).tolist()
             step += 1
             following = []
-            wanted = {seq_id: k for seq_id, _, k in active}
             for (seq_id, fed, start), token in zip(chunks, tokens, strict=True):
                 self._fed[seq_id].extend(fed)
                 proposals[seq_id].append(token)
