@@ -500,9 +500,10 @@ class Scheduler:
                 continue  # finished, aborted or preempted after the plan was made
             seq.num_computed_tokens += step.num_tokens - step.num_drafts
             seq.num_in_flight_tokens -= step.num_tokens
-            if cache_blocks is not None:
+            # a verified chunk's blocks: once its accepted tokens are appended (_apply_verified)
+            if cache_blocks is not None and not step.num_drafts:
                 cache_blocks(seq)
-            if release_blocks is not None:
+            if release_blocks is not None and not step.num_drafts:
                 release_blocks(seq)
             plp = seq.unsent_prompt_logprobs(step.start, prompt_logprobs[seq_id]) if seq_id in prompt_logprobs else ()
             if not step.sample:
@@ -546,7 +547,8 @@ class Scheduler:
         stop; their KV, but the last token's, is now computed. Returns (tokens, logprobs,
         finished status or None)."""
         ids = (*accepted.token_ids, token.token_id) if accepted else (token.token_id,)
-        logprobs = (*accepted.logprobs, token.logprobs) if accepted and accepted.logprobs else (token.logprobs,) * len(ids)
+        # (the accepted tokens' logprobs are empty where the request asked for none; unread then)
+        logprobs = (*accepted.logprobs, token.logprobs) if accepted else (token.logprobs,)
         assert self.speculation is not None and seq.speculation is not None
         self.speculation.record(seq.speculation, num_drafts, len(ids) - 1)
         status = None
@@ -557,10 +559,11 @@ class Scheduler:
             if (status := seq.check_stop()) is not None:
                 break
         seq.num_computed_tokens += kept - 1
-        if status is None and self.block_manager.enable_prefix_caching:
-            self.block_manager.cache_computed_blocks(seq)
-        if status is None and self.block_manager.sliding_window is not None:
-            self.block_manager.release_outside_window(seq)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            bm.cache_computed_blocks(seq)
+        if bm.sliding_window is not None:
+            bm.release_outside_window(seq)
         return ids[:kept], logprobs[:kept], status
 
     # ---- state ---------------------------------------------------------------------------

@@ -89,13 +89,16 @@ class SequenceGrammars:
             llg_numpy.fill_next_token_bitmask_par(
                 self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask
             )
-        words = bitmask.view(np.uint32)
         for row, (seq_id, matcher) in enumerate(zip(seq_ids, matchers, strict=True)):
             if matcher.is_error():
-                words[row] = 0
-                for token_id in self._eos[seq_id]:
-                    words[row, token_id // 32] |= np.uint32(1 << (token_id % 32))
+                self._allow_only_eos(bitmask[row], seq_id)
         return torch.from_numpy(bitmask)
+
+    def _allow_only_eos(self, row: np.ndarray, seq_id: str) -> None:
+        words = row.view(np.uint32)
+        words[:] = 0
+        for token_id in self._eos[seq_id]:
+            words[token_id // 32] |= np.uint32(1 << (token_id % 32))
 
     def accept(self, seq_id: str, token_id: int) -> None:
         self._matchers[seq_id].consume_token(token_id)
@@ -112,9 +115,7 @@ class SequenceGrammars:
         allowed = 0 if matcher.is_error() else matcher.validate_tokens(list(drafts))
         for row in range(min(allowed + 1, rows)):
             if matcher.is_error():
-                words = bitmask[row].view(np.uint32)
-                for token_id in self._eos[seq_id]:
-                    words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+                self._allow_only_eos(bitmask[row], seq_id)
             else:
                 llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
             complete.append(matcher.is_stopped())
