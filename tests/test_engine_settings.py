@@ -89,9 +89,9 @@ def test_an_empty_generation_config_setting_is_refused():
 
 
 def test_unknown_engine_arguments_are_named():
-    with pytest.raises(InvalidRequestError, match=r"gpu_memory_utilization: .*kv_cache_memory") as error:
-        EngineArgs.from_options(model=None, gpu_memory_utilization=0.9)
-    assert error.value.field == "gpu_memory_utilization"
+    with pytest.raises(InvalidRequestError, match=r"swap_space: .*recomputed") as error:
+        EngineArgs.from_options(model=None, swap_space=4)
+    assert error.value.field == "swap_space"
     with pytest.raises(InvalidRequestError, match=r"max_num_seq: unknown.*max_num_seqs"):
         EngineArgs.from_options(max_num_seq=4)
     assert EngineArgs.from_options(max_num_seqs=4).max_num_seqs == 4

@@ -78,6 +78,7 @@ class AsyncLLM:
         if info is None:
             raise RuntimeError("AsyncLLM needs a running worker-supervisor (its workers loaded)")
         self.max_model_len = info.max_model_len
+        self.kv_cache_memory = info.kv_cache_memory_bytes  # per rank, given or sized from memory
         self.vocab_size = info.vocab_size
         self.runner = info.runner  # "generate", or "pooling" (encode, not generate)
 

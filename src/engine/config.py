@@ -59,7 +59,9 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"{text!r} is not a size (e.g. 4096, 512MiB, 2GiB)") from None
 
 
-def _memory_size(value: str | int) -> int:
+def _memory_size(value: str | int | None) -> int | None:
+    if value is None:
+        return None
     try:
         return parse_size(value)
     except ValueError as e:
@@ -68,12 +70,16 @@ def _memory_size(value: str | int) -> int:
 
 # vLLM engine arguments a ported script may pass, and what triode does instead.
 _VLLM_ONLY_ARGS = {
-    "gpu_memory_utilization": "the KV cache is sized in bytes by kv_cache_memory (e.g. '4GiB')",
     "trust_remote_code": "triode runs its own model implementations, never a checkpoint's code",
     "tokenizer": "the tokenizer is read from the model directory",
     "swap_space": "preempted sequences are recomputed, never swapped",
     "disable_log_stats": "statistics are kept in EngineStatistics and /metrics either way",
 }
+
+
+def _fraction(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not 0 < value <= 1:
+        raise InvalidRequestError(f"{attribute.name} must be in (0, 1]; got {value!r}", field=attribute.name)
 
 
 def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
@@ -111,7 +117,11 @@ class EngineArgs:
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
-    kv_cache_memory: int = attrs.field(default=1 * GiB, converter=_memory_size, validator=_positive)
+    # None: sized from the memory left once the weights are in (worker/kv_budget.py), as
+    # gpu_memory_utilization of it: of the device's memory on a GPU (0.9), of the memory
+    # available on a CPU (0.5).
+    kv_cache_memory: int | None = attrs.field(default=None, converter=_memory_size, validator=_positive)
+    gpu_memory_utilization: float | None = attrs.field(default=None, validator=_fraction)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
     long_prefill_token_threshold: int | None = attrs.field(default=None, validator=_positive)

@@ -175,6 +175,8 @@ class WorkerInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    kv_cache_memory_bytes: int = 0  # this rank's KV budget, given or sized from its memory
+    kv_cache_sizing: str = ""  # how that budget was chosen, for the start-up log
     vocab_size: int
     dtype: str
     device: str

@@ -20,7 +20,11 @@ _HELP = {
                              "the dequantized model), int8 per 32 values as llama.cpp (fastest, lossy) or "
                              "15-bit integers (int16: AVX-512 VNNI CPUs); auto: int16 where the CPU has "
                              "AVX-512 VNNI, float32 elsewhere",
-    "kv_cache_memory": "KV-cache budget per rank, bytes or with a unit (e.g. 2GiB)",
+    "kv_cache_memory": "KV-cache budget per rank, bytes or with a unit (e.g. 2GiB); default: sized from "
+                       "the memory left once the weights are in (--gpu-memory-utilization)",
+    "gpu_memory_utilization": "where --kv-cache-memory is not given, the share of memory the weights and "
+                              "KV cache may fill: of the device's memory on a GPU (default 0.9), of the "
+                              "memory available on a CPU, shared by the ranks (default 0.5)",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "most tokens in one step (the scheduler's token budget)",

@@ -253,6 +253,9 @@ class ProcessWorkerGroup:
             )
         self.infos = tuple(infos)
         self.pids = tuple(info.pid for info in infos)
+        if self.args.kv_cache_memory is None:
+            # A restart gets the blocks the scheduler knows, whatever memory is free by then.
+            self.args = attrs.evolve(self.args, kv_cache_memory=infos[0].kv_cache_memory_bytes)
         await self._start_serving()
         return self.infos[0]
 

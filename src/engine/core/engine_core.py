@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -42,6 +43,8 @@ from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 Ticket = TypeVar("Ticket")
+
+logger = logging.getLogger("triode.engine")
 
 
 @attrs.frozen
@@ -90,6 +93,8 @@ class EngineCore:
         publish_kv_events: KVEventSink | None = None,
     ) -> EngineCore:
         """The core for the workers' KV cache and maximum length (``worker``, rank 0's)."""
+        logger.info("KV cache: %.2f GiB per rank (%s), %d tokens", worker.kv_cache_memory_bytes / 2**30,
+                    worker.kv_cache_sizing, worker.num_blocks * worker.block_size)
         scheduler = Scheduler.from_engine_args(args, num_blocks=worker.num_blocks, kv_window=worker.kv_window,
                                                worker_device=worker.device,
                                                record_kv_events=publish_kv_events is not None,

@@ -189,6 +189,12 @@ class TensorParallelGroup:
         self.collective_seconds += time.perf_counter() - started
         return x
 
+    def agree_on_minimum(self, value: int) -> int:
+        """The smallest of the ranks' ``value``s, on every rank (at start-up)."""
+        agreed = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        return int(agreed.item())
+
     def broadcast_tokens(self, tokens: list[int] | None, count: int) -> list[int]:
         """Rank 0's ``count`` sampled token ids on every rank (rank 0 passes them, the others
         None)."""

@@ -25,6 +25,7 @@ from triode.engine.model_files.layout import load_hf_config
 from triode.engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from triode.engine.worker.block_tables import BlockTables
 from triode.engine.worker.checkpoint import iter_safetensors, quantized_tensors
+from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.models.registry import build_model
 from triode.engine.worker.placement import kept_quantized
 from triode.engine.worker.step_inputs import StepInputs
@@ -84,7 +85,7 @@ class DraftModelProposer:
                 f"{self.num_blocks * block_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
                 f"and its proposals (raise kv_cache_memory, lower max_model_len or take a smaller draft model)")
         shape = (self.num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(zeroed_tensor(shape, dtype, device), zeroed_tensor(shape, dtype, device))
                           for _ in range(config.num_layers)]
         self.tables = BlockTables(max_blocks, rows=args.max_num_seqs)
         self._free = list(range(self.num_blocks - 1, -1, -1))

@@ -50,9 +50,24 @@ def weight_tensor(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     anonymous mapping of its own whose whole huge pages are advised MADV_HUGEPAGE; the tail
     past the last whole one stays in small pages, so no partly used huge page is resident."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE or advice is None:
+    if nbytes < HUGE_PAGE or getattr(mmap, "MADV_HUGEPAGE", None) is None:
         return torch.empty(shape, dtype=dtype)
+    return _mapped(shape, dtype, nbytes)
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor, for a KV cache. On a CPU from one huge page up, it lies in a fresh
+    anonymous mapping, whose pages read as zeros and are committed only once written: a budget
+    sized from the memory available (worker/kv_budget.py) costs what the sequences use, not
+    the whole budget at start-up, and is not written through once to zero it."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < HUGE_PAGE or getattr(mmap, "MADV_HUGEPAGE", None) is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return _mapped(list(shape), dtype, nbytes)
+
+
+def _mapped(shape: list[int], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    advice = mmap.MADV_HUGEPAGE
     # A length in whole huge pages makes the kernel align the mapping's start to one.
     mapping = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -87,6 +87,8 @@ def load(
     return WorkerInfo(
         pid=os.getpid(),
         num_blocks=_runner.num_blocks,
+        kv_cache_memory_bytes=_runner.kv_cache_memory,
+        kv_cache_sizing=_runner.kv_cache_sizing,
         block_size=_runner.block_size,
         max_model_len=_runner.max_model_len,
         vocab_size=_runner.config.vocab_size,

@@ -37,7 +37,14 @@ from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture
 from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from triode.engine.worker.draft_model import DraftModelProposer, draft_kv_share, kv_bytes_per_token
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
+from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
+from triode.engine.worker.kv_budget import (
+    activation_bytes,
+    automatic_kv_cache_bytes,
+    default_memory_utilization,
+    read_memory,
+)
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.models.registry import build_model
@@ -130,15 +137,22 @@ class ModelRunner:
         wants_graphs = not tensor_parallel and self.pooler is None and (
             decode_graph_capture is not None or (self.device.type == "cuda" and not args.enforce_eager))
         self._reserved_blocks = int(wants_graphs)
+        # Blocks are sized by the rank with the most KV heads, so that every rank has as many.
+        max_kv_heads = kv_heads
+        # An explicit budget is checked first: a rank that fails before joining fails the
+        # group at once. An automatic one is measured once the weights are in.
+        self.kv_cache_memory = args.kv_cache_memory
+        self.kv_cache_sizing = "given as kv_cache_memory"
         if tensor_parallel:
             partition = Partition.of(self.config, rank, rendezvous.world_size)
-            # Budget errors first: a rank that fails before joining fails the group at once.
-            self.num_blocks = self._num_blocks(args, partition.max_kv_heads)
+            max_kv_heads = partition.max_kv_heads
+            if self.kv_cache_memory is not None:
+                self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
             kv_heads = partition.num_kv_heads
             select = checkpoint_slices(self.config, partition)
             self.parallel = TensorParallelGroup.join(partition, rendezvous, self.device, store)
-        else:
-            self.num_blocks = self._num_blocks(args, kv_heads)
+        elif self.kv_cache_memory is not None:
+            self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
         kernels.set_quantized_activations(resolve_quantized_activations(args.quantized_activations))
         self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
@@ -168,14 +182,14 @@ class ModelRunner:
         # Peak resident memory once the weights are in (before the KV cache): what loading
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()
+        if self.kv_cache_memory is None:
+            self.kv_cache_memory = self._automatic_kv_cache_memory(args, max_kv_heads)
+            self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
         # An encoder keeps no KV: its blocks only count what the scheduler admits.
         blocks = 0 if self.config.encoder else self.num_blocks + self._reserved_blocks
         shape = (blocks, self.block_size, kv_heads, self.config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.config.num_layers)
-        ]
+        self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device), zeroed_tensor(shape, self.dtype, self.device))
+                          for _ in range(self.config.num_layers)]
         self.sampler = Sampler(args.seed)
         self.sequences: dict[str, _Sequence] = {}
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), rows=args.max_num_seqs)
@@ -214,13 +228,38 @@ class ModelRunner:
         # tensor parallelism rank 0 broadcasts them each step (one small collective).
         self._follows_samples = self.parallel is not None and args.async_scheduling_on(str(self.device))
 
-    def _num_blocks(self, args: EngineArgs, kv_heads: int) -> int:
+    def _automatic_kv_cache_memory(self, args: EngineArgs, kv_heads: int) -> int:
+        """The budget worker/kv_budget.py sizes from the memory left now, the same on every rank."""
+        on_gpu = self.device.type == "cuda"
+        reading = read_memory(self.device.type, self.device.index)
+        utilization = args.gpu_memory_utilization or default_memory_utilization(on_gpu)
+        per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
+        most_useful_blocks = args.max_num_seqs * -(-self.max_model_len // self.block_size) + self._reserved_blocks
+        most_useful = most_useful_blocks * self.block_size * per_token
+        most_useful = int(most_useful / (1 - draft_kv_share(args, per_token, self.dtype)))
+        activations = activation_bytes(
+            max_num_batched_tokens=self.max_num_batched_tokens, hidden_size=self.config.hidden_size,
+            intermediate_size=self.config.intermediate_size, vocab_size=self.config.vocab_size,
+            element_size=torch.empty((), dtype=self.dtype).element_size())
+        size = self.parallel.size if self.parallel is not None else 1
+        budget = automatic_kv_cache_bytes(reading, utilization=utilization, ranks_sharing=1 if on_gpu else size,
+                                          activation_bytes=activations, most_useful_bytes=most_useful)
+        if self.parallel is not None:
+            budget = self.parallel.agree_on_minimum(budget)
+        basis = f"the device's {reading.total / 2**30:.2f} GiB" if on_gpu else \
+            f"the {reading.available / 2**30:.2f} GiB available once the weights were in"
+        self.kv_cache_sizing = f"sized as {utilization:g} of {basis}" + (
+            ", capped at what max_num_seqs sequences of max_model_len fill" if budget == most_useful else "")
+        self._kv_reading = reading
+        return budget
+
+    def _num_blocks(self, args: EngineArgs, kv_heads: int, kv_cache_memory: int) -> int:
         per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
         per_block = self.block_size * per_token
         # A draft model's cache takes its share first (the same count on every rank, so that
         # every rank has the same number of blocks; only rank 0 allocates it).
-        self._draft_kv_bytes = int(args.kv_cache_memory * draft_kv_share(args, per_token, self.dtype))
-        budget_bytes = args.kv_cache_memory - self._draft_kv_bytes
+        self._draft_kv_bytes = int(kv_cache_memory * draft_kv_share(args, per_token, self.dtype))
+        budget_bytes = kv_cache_memory - self._draft_kv_bytes
         num_blocks = budget_bytes // per_block - self._reserved_blocks
         # One sequence of max_model_len must fit; with a window on every layer, only the part
         # of it the scheduler keeps at once (its blocks behind the window are freed).
@@ -230,9 +269,16 @@ class ModelRunner:
             raise KVCacheTooSmallError(
                 f"a KV-cache budget of {budget_bytes} bytes holds {num_blocks * self.block_size} tokens, "
                 f"fewer than the {needed * self.block_size} one sequence of max_model_len={self.max_model_len} "
-                f"may hold at once (raise kv_cache_memory or lower max_model_len)"
+                f"may hold at once (raise kv_cache_memory or lower max_model_len){self._automatic_note(args)}"
             )
         return num_blocks
+
+    def _automatic_note(self, args: EngineArgs) -> str:
+        if args.kv_cache_memory is not None:
+            return ""
+        reading = self._kv_reading
+        return (f"; the budget was sized from the {reading.available / 2**30:.2f} GiB of memory available "
+                f"once the weights were in (of {reading.total / 2**30:.2f} GiB)")
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

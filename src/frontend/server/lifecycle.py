@@ -96,7 +96,7 @@ class EngineHost:
                 if self._metrics is None:
                     args = self.args
                     cache = CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                                        kv_cache_memory_bytes=args.kv_cache_memory)
+                                        kv_cache_memory_bytes=llm.kv_cache_memory)
                     self._metrics = ServerMetrics(self.model_name, self.statistics, cache=cache,
                                                   max_model_len=llm.max_model_len,
                                                   max_loras=args.max_loras if args.enable_lora else None)

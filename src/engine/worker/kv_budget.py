@@ -1,0 +1,98 @@
+"""How many bytes of KV cache a rank allocates when ``kv_cache_memory`` is not given.
+
+vLLM's idea (``gpu_memory_utilization``): the engine may fill a fraction of the memory it
+runs in, and what the weights and a step's activations leave of that fraction is KV cache.
+
+- On a GPU the fraction is of the device's total memory (vLLM's meaning, default 0.9):
+  ``fraction x total - in use after the weights - activations``.
+- On a CPU it is of the memory the machine has available once the weights are in (default
+  0.5: the host also runs the server, the tokenizer and the page cache the checkpoint is read
+  through), shared equally by the ranks of one host and bounded by the cgroup's limit:
+  ``fraction x available / ranks - activations``.
+
+Either way no rank takes more than ``max_num_seqs`` sequences of ``max_model_len`` can fill:
+more would never be used. The reading is logged at start-up; an explicit
+``kv_cache_memory`` is taken as it is. The rule (:func:`automatic_kv_cache_bytes`) is
+sans-IO; :func:`read_memory` is the measurement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+CPU_MEMORY_UTILIZATION = 0.5
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@attrs.frozen(kw_only=True)
+class MemoryReading:
+    """The memory a rank runs in: ``total`` bytes, of which ``available`` are free to take."""
+
+    total: int
+    available: int
+    on_gpu: bool
+
+
+def default_memory_utilization(on_gpu: bool) -> float:
+    return GPU_MEMORY_UTILIZATION if on_gpu else CPU_MEMORY_UTILIZATION
+
+
+def automatic_kv_cache_bytes(reading: MemoryReading, *, utilization: float, ranks_sharing: int,
+                             activation_bytes: int, most_useful_bytes: int) -> int:
+    """The rank's KV budget in bytes (0 where nothing is left; the caller reports that as a
+    budget too small for one sequence)."""
+    if reading.on_gpu:
+        in_use = reading.total - reading.available
+        budget = utilization * reading.total - in_use - activation_bytes
+    else:
+        budget = utilization * reading.available / ranks_sharing - activation_bytes
+    return max(0, min(int(budget), most_useful_bytes))
+
+
+def activation_bytes(*, max_num_batched_tokens: int, hidden_size: int, intermediate_size: int,
+                     vocab_size: int, element_size: int) -> int:
+    """What the largest step's activations hold at once, about: a chunk of
+    ``max_num_batched_tokens`` rows through the widest layer, and its last rows' logits in
+    float32 (a step samples at most one row per sequence, but a prefill may run them all)."""
+    widest = max(3 * hidden_size, 2 * intermediate_size)
+    return max_num_batched_tokens * (widest * element_size + vocab_size * 4)
+
+
+def read_memory(device_type: str, device_index: int | None = None) -> MemoryReading:
+    if device_type == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device_index)
+        return MemoryReading(total=total, available=free, on_gpu=True)
+    meminfo = _meminfo()
+    total, available = meminfo["MemTotal"], meminfo["MemAvailable"]
+    limit = _cgroup_room()
+    if limit is not None:
+        total, available = min(total, limit[0]), min(available, limit[1])
+    return MemoryReading(total=total, available=available, on_gpu=False)
+
+
+def _meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
+    values = {}
+    for line in path.read_text().splitlines():
+        name, _, rest = line.partition(":")
+        values[name] = int(rest.split()[0]) * 1024  # kB
+    return values
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(limit, limit - usage) of this process's memory cgroup, or None where it has no limit:
+    a container's limit, not the host's free memory, is what the kernel enforces."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            raw_limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if not raw_limit.isdigit() or int(raw_limit) >= 1 << 60:  # "max", or v1's "unlimited"
+            return None
+        return int(raw_limit), max(0, int(raw_limit) - usage)
+    return None

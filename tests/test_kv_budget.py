@@ -1,0 +1,99 @@
+"""Unit tests of the KV cache's automatic budget (worker/kv_budget.py): the sizing rule, the
+memory readings it starts from, and a zeroed cache that costs only what is written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from triode.engine.config import EngineArgs
+from triode.engine.errors import InvalidRequestError
+from triode.engine.worker import kv_budget
+from triode.engine.worker.kv_budget import MemoryReading, activation_bytes, automatic_kv_cache_bytes
+
+GiB = 2**30
+UNBOUNDED = 1 << 62
+
+
+def test_a_cpu_takes_its_share_of_the_memory_available_less_the_activations():
+    reading = MemoryReading(total=24 * GiB, available=20 * GiB, on_gpu=False)
+    assert automatic_kv_cache_bytes(reading, utilization=0.5, ranks_sharing=1, activation_bytes=0,
+                                    most_useful_bytes=UNBOUNDED) == 10 * GiB
+    # Ranks of one host split it; the activations come off each rank's part.
+    assert automatic_kv_cache_bytes(reading, utilization=0.5, ranks_sharing=2, activation_bytes=GiB,
+                                    most_useful_bytes=UNBOUNDED) == 4 * GiB
+
+
+def test_a_gpu_takes_its_share_of_the_device_less_what_is_in_use():
+    # 80 GiB device, 16 GiB in use after the weights: 0.9 x 80 - 16 - 2 of activations = 54.
+    reading = MemoryReading(total=80 * GiB, available=64 * GiB, on_gpu=True)
+    assert automatic_kv_cache_bytes(reading, utilization=0.9, ranks_sharing=4, activation_bytes=2 * GiB,
+                                    most_useful_bytes=UNBOUNDED) == 54 * GiB
+
+
+def test_the_budget_stops_at_what_the_sequences_can_fill_and_never_goes_negative():
+    reading = MemoryReading(total=24 * GiB, available=20 * GiB, on_gpu=False)
+    assert automatic_kv_cache_bytes(reading, utilization=0.5, ranks_sharing=1, activation_bytes=0,
+                                    most_useful_bytes=3 * GiB) == 3 * GiB
+    full = MemoryReading(total=80 * GiB, available=GiB, on_gpu=True)
+    assert automatic_kv_cache_bytes(full, utilization=0.5, ranks_sharing=1, activation_bytes=0,
+                                    most_useful_bytes=UNBOUNDED) == 0
+
+
+def test_activations_count_the_widest_layer_and_the_logits():
+    assert activation_bytes(max_num_batched_tokens=2, hidden_size=10, intermediate_size=20, vocab_size=100,
+                            element_size=2) == 2 * (40 * 2 + 100 * 4)
+    assert activation_bytes(max_num_batched_tokens=1, hidden_size=100, intermediate_size=20, vocab_size=0,
+                            element_size=4) == 300 * 4
+
+
+def test_a_cgroup_limit_bounds_the_reading(tmp_path, monkeypatch):
+    (tmp_path / "memory.max").write_text("8589934592\n")  # 8 GiB
+    (tmp_path / "memory.current").write_text(str(6 * GiB))
+    assert kv_budget._cgroup_room(tmp_path) == (8 * GiB, 2 * GiB)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert kv_budget._cgroup_room(tmp_path) is None
+    monkeypatch.setattr(kv_budget, "_cgroup_room", lambda: (8 * GiB, 2 * GiB))
+    reading = kv_budget.read_memory("cpu")
+    assert reading.total == 8 * GiB and reading.available <= 2 * GiB and not reading.on_gpu
+
+
+def test_meminfo_is_read_in_bytes(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal:       24000000 kB\nMemFree: 100 kB\nMemAvailable:   20000000 kB\n"
+                                      "HugePages_Total:       0\n")
+    values = kv_budget._meminfo(tmp_path / "meminfo")
+    assert (values["MemTotal"], values["MemAvailable"]) == (24000000 * 1024, 20000000 * 1024)
+
+
+def test_the_setting_is_a_fraction_and_an_explicit_budget_is_kept():
+    assert EngineArgs().kv_cache_memory is None
+    assert EngineArgs(kv_cache_memory="2GiB").kv_cache_memory == 2 * GiB
+    assert EngineArgs.from_env({"TRIODE_GPU_MEMORY_UTILIZATION": "0.7"}).gpu_memory_utilization == 0.7
+    for wrong in (0.0, 1.5, -0.1):
+        with pytest.raises(InvalidRequestError, match="gpu_memory_utilization must be in") as error:
+            EngineArgs(gpu_memory_utilization=wrong)
+        assert error.value.field == "gpu_memory_utilization"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_a_large_zeroed_cache_costs_only_the_pages_written():
+    probe = textwrap.dedent("""
+        import torch
+        from triode.engine.worker.host_memory import zeroed_tensor
+
+        def resident_mib():
+            with open("/proc/self/status") as status:
+                return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) // 1024
+
+        before = resident_mib()
+        cache = zeroed_tensor((4096, 16, 8, 64), torch.float32, torch.device("cpu"))  # 128 MiB
+        assert cache.shape == (4096, 16, 8, 64) and not cache[::97].any()
+        cache[5].fill_(1.0)
+        assert cache.sum() == 16 * 8 * 64
+        print(resident_mib() - before)
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert int(done.stdout) < 48, done.stdout  # of 128 MiB: the pages read and written only
