@@ -57,11 +57,85 @@ def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path):
 
 def test_the_peer_is_built_without_amx_where_the_cpu_reports_it(tmp_path):
     """llama.cpp's AMX matmul died of a general protection fault on such a CPU here."""
-    from triode.bench.peer import llama_cpp_build_flags
+    from triode.bench.llama_server import llama_cpp_build_flags
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni amx_tile amx_int8\n")
-    assert "-mno-amx-int8" in llama_cpp_build_flags(cpuinfo)
+    flags = llama_cpp_build_flags(cpuinfo)
+    assert len(flags) == 2 and all("-mno-amx-int8" in flag for flag in flags)
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni\n")
-    assert llama_cpp_build_flags(cpuinfo) == ""
-    assert llama_cpp_build_flags(tmp_path / "missing") == ""
+    assert llama_cpp_build_flags(cpuinfo) == []
+    assert llama_cpp_build_flags(tmp_path / "missing") == []
+
+
+def test_a_machine_without_cmake_or_a_compiler_is_told_what_to_install(tmp_path, monkeypatch):
+    from triode.bench import llama_server
+
+    monkeypatch.setattr(llama_server.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(llama_server.PeerUnavailable, match=r"needs CMake and a C\+\+ compiler.*apt install"):
+        llama_server.ensure_llama_server(tmp_path, tmp_path / "build.log", cpuinfo=tmp_path / "none")
+
+
+def test_a_peer_that_dies_at_start_is_reported_with_its_log(tmp_path):
+    from triode.bench.llama_server import PeerUnavailable, start_llama_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\necho 'error: no such model' >&2\nexit 3\n")
+    binary.chmod(0o755)
+    log = tmp_path / "peer.log"
+    with pytest.raises(PeerUnavailable, match=rf"exit code 3\); see {log}"):
+        start_llama_server(binary, tmp_path / "m.gguf", slots=2, slot_tokens=64, threads=1, port=9, log_path=log)
+    assert "no such model" in log.read_text()
+
+
+def test_without_the_peer_triodes_figures_still_print_and_draw(tmp_path, capsys):
+    from triode.bench.peer import _plot, _print_comparison
+
+    level = {"concurrency": 1, "output_tokens_per_second": 90.0, "itl_p50_ms": 9.0, "ttft_p50_ms": 30.0,
+             "mean_output_tokens": 128.0, "failed": 0}
+    report = {"triode": [level], "llama_cpp": None, "peer_error": "llama-server did not start; see x.log",
+              "weight_read_limit_ms": 3.0, "triode_resident_bytes": 2**30, "model_file": "m.gguf"}
+    _print_comparison(report)
+    printed = capsys.readouterr().out
+    assert "90.00" in printed and "not measured: llama-server did not start; see x.log" in printed
+    _plot(tmp_path / "peer.png", report)
+    assert (tmp_path / "peer.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("bench", ["serve", "throughput"])
+def test_an_unknown_peer_is_refused_with_the_known_ones(bench):
+    import subprocess
+
+    from tests.http_server import BIN
+
+    done = subprocess.run([str(BIN / "triode"), "bench", bench, "--peer", "sglang"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    known = {"serve": "llama.cpp", "throughput": "vllm"}[bench]
+    assert "invalid choice: 'sglang'" in done.stderr and known in done.stderr
+
+
+def test_the_vllm_comparison_counts_the_same_work_and_names_a_failed_run(tmp_path):
+    from triode.bench.peer_build import PeerUnavailable
+    from triode.bench.throughput_peer import _compare
+    from triode.bench.vllm_peer import hf_checkpoint, run_vllm
+    from triode.bench.workloads import make_workload
+
+    ours = {"startup_seconds": 5.0, "kv_cache_memory_bytes": 4 << 30,
+            "workloads": {"W1v": {"tokens_per_second": 300.0, "preemptions": 0, "output_tokens": 4,
+                                  "token_ids": [[1, 2], [3, 4]]}}}
+    theirs = {"startup_seconds": 90.0,
+              "workloads": {"W1v": {"tokens_per_second": 200.0, "output_tokens": 4, "token_ids": [[1, 2], [3, 5]]}}}
+    entry = _compare("same", ours, theirs, {}, {})["workloads"]["W1v"]
+    assert (entry["ratio"], entry["identical_greedy_share"]) == (1.5, 0.5)
+    assert _compare("defaults", ours, None, {}, {})["workloads"]["W1v"]["vllm_tokens_per_second"] is None
+    # A plain Hugging Face directory is read by both engines as it is.
+    assert hf_checkpoint(tmp_path, "float32", tmp_path / "cache") == tmp_path
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'ImportError: libcudart.so.12' >&2\nexit 1\n")
+    python.chmod(0o755)
+    log = tmp_path / "vllm.log"
+    with pytest.raises(PeerUnavailable, match=rf"vLLM failed: .*see {log}"):
+        run_vllm(python, tmp_path, [make_workload("W1")], engine={}, threads=[0], log=log)
+    assert "libcudart" in log.read_text()

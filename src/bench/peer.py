@@ -1,13 +1,12 @@
 """``triode bench serve --peer llama.cpp``: the serving sweep against triode and against
-llama.cpp's server on the same GGUF file, in one run.
+llama.cpp's C++ server (``llama_server.py``) on the same GGUF file, in one run.
 
-llama.cpp comes from PyPI as ``llama-cpp-python[server]``, built once (about 12 minutes on
-2 cores) into an environment of its own under the triode cache, never into triode's: the
-test suite does not need it and triode's dependencies stay as they are. Both servers get
-every core, are started by this command one after the other (never sharing the CPU), and
-see the same chats; llama.cpp has no ``ignore_eos``, so its requests carry a logit bias of
--100 on every end-of-generation token of the file instead, and each side's mean output
-length is reported so that a reader can check they produced the same work.
+Both servers get every core, are started by this command one after the other (never
+sharing the CPU), and see the same chats; llama.cpp's chat API is given a logit bias of
+-100 on every end-of-generation token of the file in place of ``ignore_eos``, and each
+side's mean output length is reported so that a reader can check they produced the same
+work. A peer that cannot be built or started is reported with its log, and triode's own
+figures are still printed and written.
 
 Next to the sweep it measures this machine's memory read bandwidth (before and after
 triode's sweep, the higher kept) and the bytes of weights a decode step reads, so that the
@@ -20,20 +19,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from triode.bench.llama_server import (
+    LLAMA_CPP_SDIST,
+    PeerUnavailable,
+    ensure_llama_server,
+    start_llama_server,
+)
 from triode.engine.cpus import usable_cpus
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-_LLAMA_CPP_REQUIREMENT = "llama-cpp-python[server]==0.3.36"
 PEER_LOG = "serve-peer-llama-cpp.log"
-_READY_TIMEOUT_S = 600.0
+BUILD_LOG = "llama-server-build.log"
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
@@ -49,7 +49,13 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     cache_dir = EngineArgs.from_env().resolved_cache_dir()
     gguf_path = peer_gguf(ns.model, cache_dir)
     print(f"triode bench serve --peer llama.cpp on {machine_description()}\nmodel file: {gguf_path}")
-    python = ensure_llama_cpp(Path(cache_dir))
+    # Built before any measurement, so that the compile never shares the CPU with one.
+    binary, peer_error = None, None
+    try:
+        binary = ensure_llama_server(Path(cache_dir), output_dir / BUILD_LOG)
+    except PeerUnavailable as error:
+        peer_error = str(error)
+        print(f"triode: llama.cpp is left out: {peer_error}", flush=True)
     # Measured before and after triode's sweep, the best of both kept: on a shared machine the
     # bandwidth moves by a fifth within minutes, and the higher figure is the stricter limit.
     bandwidths = [read_bandwidth()]
@@ -67,21 +73,31 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     bandwidths.append(read_bandwidth())
     bandwidth = max(bandwidths)
     print(f"memory read bandwidth after triode's sweep {bandwidths[1] / 1e9:.1f} GB/s")
-    peer, peer_url = start_llama_cpp(python, gguf_path, ns, output_dir / PEER_LOG)
-    try:
-        theirs = trio.run(functools.partial(sweep, ns, peer_url, levels, request_fields=no_eos_bias(gguf_path),
-                                            label="llama.cpp "))
-    finally:
-        stop_server(peer)
+    theirs = None
+    if binary is not None:
+        port = free_port()
+        try:
+            peer = start_llama_server(binary, gguf_path, slots=max(ns.concurrency), slot_tokens=ns.max_model_len,
+                                      threads=usable_cpus(), port=port, log_path=output_dir / PEER_LOG)
+        except PeerUnavailable as error:
+            peer_error = str(error)
+            print(f"triode: llama.cpp is left out: {peer_error}", flush=True)
+        else:
+            try:
+                theirs = trio.run(functools.partial(sweep, ns, f"http://127.0.0.1:{port}/v1", levels,
+                                                    request_fields=no_eos_bias(gguf_path), label="llama.cpp "))
+            finally:
+                stop_server(peer)
     report = {
-        "model_file": str(gguf_path), "peer": LLAMA_CPP_PYTHON,
+        "model_file": str(gguf_path), "peer": f"llama-server from the {LLAMA_CPP_SDIST} sdist",
+        "peer_error": peer_error,
         "workload": {"prompt_tokens": ns.prompt_tokens, "output_tokens": ns.output_tokens, "greedy": True,
                      "requests_per_level": {c: len(v) for c, v in levels.items()}},
         "memory_read_bandwidth_gb_s": bandwidth / 1e9, "decode_weight_bytes": weight_bytes,
         "memory_read_bandwidth_samples_gb_s": [b / 1e9 for b in bandwidths],
         "weight_read_limit_ms": 1000 * weight_bytes / bandwidth,
         "triode_resident_bytes": resident,
-        "triode": ours["levels"], "llama_cpp": theirs["levels"],
+        "triode": ours["levels"], "llama_cpp": theirs["levels"] if theirs is not None else None,
     }
     _print_comparison(report)
     write_json(output_dir / "serve-peer.json", report)
@@ -104,72 +120,10 @@ def peer_gguf(model: str | None, cache_dir: str) -> Path:
     return next(entry.glob("*.gguf"))
 
 
-def ensure_llama_cpp(cache_dir: Path) -> Path:
-    """The Python of the environment holding llama.cpp's server, built on first use."""
-    build_flags = llama_cpp_build_flags()
-    venv = cache_dir / "peers" / (LLAMA_CPP_PYTHON.replace("==", "-") + ("-no-amx" if build_flags else ""))
-    python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import llama_cpp.server"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
-    log = cache_dir / "peers" / "build.log"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    print(f"building {LLAMA_CPP_PYTHON} into {venv} (one-time, about 12 minutes on 2 cores; log: {log}) ...",
-          flush=True)
-    with log.open("w") as out:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=subprocess.STDOUT)
-        environment = dict(os.environ)
-        if build_flags:
-            environment["CMAKE_ARGS"] = " ".join(filter(None, (environment.get("CMAKE_ARGS"), build_flags)))
-        # No cache: pip would reuse a wheel built before with other CMAKE_ARGS.
-        built = subprocess.run([str(python), "-m", "pip", "install", "--no-cache-dir", _LLAMA_CPP_REQUIREMENT],
-                               stdout=out, stderr=subprocess.STDOUT, env=environment)
-    if built.returncode != 0:
-        raise SystemExit(f"triode: error: building {LLAMA_CPP_PYTHON} failed; see {log}")
-    return python
-
-
-def llama_cpp_build_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """CMake flags for llama.cpp on this CPU. Its build targets ``-march=native``; on a CPU with
-    AMX that compiles its AMX matmuls, which died of a general protection fault in
-    ``ggml_backend_amx_mul_mat`` (at its ``ldtilecfg``) on the first request here (an Intel
-    Xeon under KVM with AMX flags, llama-cpp-python 0.3.36), while a correctly configured
-    tile load runs on the same machine. Those CPUs get a build without AMX; AVX-512 and VNNI
-    stay."""
-    try:
-        flags = cpuinfo.read_text().split()
-    except OSError:
-        return ""
-    if "amx_tile" not in flags:
-        return ""
-    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    return f"-DCMAKE_C_FLAGS='{no_amx}' -DCMAKE_CXX_FLAGS='{no_amx}'"
-
-
-def start_llama_cpp(python: Path, gguf_path: Path, ns: argparse.Namespace,
-                    log_path: Path) -> tuple[subprocess.Popen, str]:
-    threads = str(usable_cpus())
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
-               "--port", str(port), "--n_ctx", str(ns.max_model_len), "--n_threads", threads,
-               "--n_threads_batch", threads,
-               # Its default cuts a running stream off when the next request arrives; queued
-               # is what a server owes its clients (it runs one request at a time).
-               "--interrupt_requests", "False"]
-    log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    print(f"starting llama.cpp's server (log: {log_path}) ...", flush=True)
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return process, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"triode: error: llama.cpp's server did not start; see {log_path}")
+        return probe.getsockname()[1]
 
 
 def no_eos_bias(gguf_path: Path) -> dict[str, Any]:
@@ -232,8 +186,11 @@ def resident_bytes(pid: int) -> int:
 def _print_comparison(report: dict[str, Any]) -> None:
     from triode.bench.report import print_table
 
+    missing = {"output_tokens_per_second": None, "itl_p50_ms": None, "ttft_p50_ms": None,
+               "mean_output_tokens": None, "failed": "-"}
+    peer_levels = report["llama_cpp"] or [missing] * len(report["triode"])
     rows = []
-    for ours, theirs in zip(report["triode"], report["llama_cpp"], strict=True):
+    for ours, theirs in zip(report["triode"], peer_levels, strict=True):
         rows.append([ours["concurrency"], ours["output_tokens_per_second"], theirs["output_tokens_per_second"],
                      _ratio(ours["output_tokens_per_second"], theirs["output_tokens_per_second"]),
                      ours["itl_p50_ms"], theirs["itl_p50_ms"], ours["ttft_p50_ms"], theirs["ttft_p50_ms"],
@@ -249,7 +206,11 @@ def _print_comparison(report: dict[str, Any]) -> None:
     print(f"triode's server processes: {report['triode_resident_bytes'] / 2**30:.2f} GiB resident (PSS)")
 
 
-def _ratio(ours: float, theirs: float) -> float | None:
+    if report["peer_error"]:
+        print(f"llama.cpp: not measured: {report['peer_error']}")
+
+
+def _ratio(ours: float, theirs: float | None) -> float | None:
     return ours / theirs if theirs else None
 
 
@@ -262,8 +223,10 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
     from matplotlib import pyplot
 
     figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4.5))
-    for key, label in (("triode", "triode"), ("llama_cpp", "llama.cpp server")):
+    for key, label in (("triode", "triode"), ("llama_cpp", "llama.cpp's llama-server")):
         levels = report[key]
+        if levels is None:
+            continue
         x = [r["concurrency"] for r in levels]
         left.plot(x, [r["output_tokens_per_second"] for r in levels], marker="o", label=label)
         right.plot(x, [r["itl_p50_ms"] if r["itl_p50_ms"] is not None else float("nan") for r in levels],

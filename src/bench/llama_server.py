@@ -1,0 +1,115 @@
+"""llama.cpp's own server, the C++ ``llama-server``, for ``triode bench serve --peer llama.cpp``.
+
+It is built once from the llama.cpp sources that the ``llama-cpp-python`` sdist vendors
+(pinned, so that every machine compares against the same llama.cpp): CMake with
+``GGML_NATIVE=ON`` (``-march=native``), target ``llama-server`` only, into the triode cache,
+never into triode's environment (about 10 minutes on 2 cores; the compile's progress is
+shown, its output goes to a log). It is started with continuous batching, one slot per
+concurrent client, every slot holding ``--max-model-len`` tokens, and every core.
+
+(llama-cpp-python's own server, which earlier comparisons used, runs one request at a time:
+its figures are not llama.cpp's.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from triode.bench.peer_build import PeerUnavailable, run_logged
+
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+_READY_TIMEOUT_S = 600.0
+
+
+def ensure_llama_server(cache_dir: Path, log: Path, cpuinfo: Path = Path("/proc/cpuinfo")) -> Path:
+    """The ``llama-server`` binary, built on first use (raises PeerUnavailable)."""
+    flags = llama_cpp_build_flags(cpuinfo)
+    home = cache_dir / "peers" / ("llama-server-" + LLAMA_CPP_SDIST.split("==")[1] + ("-no-amx" if flags else ""))
+    binary = home / "build" / "bin" / "llama-server"
+    if binary.exists() and subprocess.run([str(binary), "--version"], capture_output=True).returncode == 0:
+        return binary
+    missing = [tool for tool, found in (("CMake", shutil.which("cmake")), ("a C++ compiler", _cxx()))
+               if found is None]
+    if missing:
+        raise PeerUnavailable(f"building llama.cpp's llama-server needs {' and '.join(missing)}, not found on PATH "
+                              "(on Debian or Ubuntu: apt install cmake g++)")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    print(f"building llama.cpp's llama-server from the {LLAMA_CPP_SDIST} sdist into {home} (once; about 10 "
+          f"minutes on 2 cores; log: {log})", flush=True)
+    with log.open("w") as out, tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as scratch:
+        source = _vendored_sources(Path(scratch), out)
+        configure = ["cmake", "-S", str(source), "-B", str(home / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                     "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                     # The web UI would be fetched from the network; the API needs none of it.
+                     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", *flags]
+        run_logged(configure, out, "configuring llama.cpp (CMake)")
+        build = ["cmake", "--build", str(home / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)]
+        run_logged(build, out, "compiling llama-server", progress="percent")
+    if not binary.exists():
+        raise PeerUnavailable(f"the llama.cpp build produced no {binary}; see {log}")
+    return binary
+
+
+def llama_cpp_build_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """Extra CMake flags for this CPU. ``-march=native`` on a CPU with AMX compiles llama.cpp's
+    AMX matmuls, which died of a general protection fault in ``ggml_backend_amx_mul_mat`` (at
+    its ``ldtilecfg``) on the first request here (an Intel Xeon under KVM with AMX flags),
+    while a correctly configured tile load runs on the same machine. Those CPUs get a build
+    without AMX; AVX-512 and VNNI stay."""
+    try:
+        flags = cpuinfo.read_text().split()
+    except OSError:
+        return []
+    if "amx_tile" not in flags:
+        return []
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+
+
+def start_llama_server(binary: Path, gguf_path: Path, *, slots: int, slot_tokens: int, threads: int, port: int,
+                       log_path: Path) -> subprocess.Popen:
+    """Starts the server and returns once it has loaded the model (raises PeerUnavailable)."""
+    command = [str(binary), "--model", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(slots), "--ctx-size", str(slots * slot_tokens), "--cont-batching",
+               "--threads", str(threads), "--threads-batch", str(threads), "--no-webui"]
+    print(f"starting llama-server with {slots} slots of {slot_tokens} tokens (log: {log_path}) ...", flush=True)
+    with log_path.open("w") as log:  # the server writes to its own copy of the descriptor
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while process.poll() is None and time.monotonic() < deadline:
+        try:  # 503 while the model loads, 200 once it serves
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    process.wait()
+    raise PeerUnavailable(f"llama-server did not start (exit code {process.returncode}); see {log_path}")
+
+
+def _vendored_sources(scratch: Path, out) -> Path:
+    run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", str(scratch),
+             LLAMA_CPP_SDIST], out, f"downloading the {LLAMA_CPP_SDIST} sdist")
+    archive = next(scratch.glob("*.tar.gz"))
+    with tarfile.open(archive) as sdist:
+        members = [m for m in sdist.getmembers() if "/vendor/llama.cpp/" in m.name]
+        sdist.extractall(scratch, members=members, filter="data")
+    return next(scratch.glob("*/vendor/llama.cpp"))
+
+
+def _cxx() -> str | None:
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((found for name in candidates if (found := shutil.which(name))), None)

@@ -1,0 +1,43 @@
+"""What both peers' set-up shares: a command run with its output in a log (and the compile's
+progress, or the count of lines, on screen), and the error that leaves a peer out."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from typing import TextIO
+
+_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
+
+
+class PeerUnavailable(Exception):
+    """The peer could not be installed, built or started; the message names the log to read."""
+
+
+def run_logged(command: list[str], out: TextIO, what: str, *, progress: str | None = None,
+               env: dict[str, str] | None = None) -> None:
+    """Runs ``command`` with its output appended to ``out``; ``progress`` draws a bar:
+    ``"percent"`` follows CMake's ``[ 42%]`` lines, ``"lines"`` counts the tool's lines."""
+    print(f"  {what} ...", flush=True)
+    out.write(f"$ {' '.join(command)}\n")
+    out.flush()
+    bar = None
+    if progress is not None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=100, desc=f"  {what}", bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}") \
+            if progress == "percent" else tqdm(desc=f"  {what}", unit=" lines")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            out.write(line)
+            if bar is None:
+                continue
+            if bar.total is None:
+                bar.update()
+            elif match := _PROGRESS.match(line):
+                bar.update(int(match.group(1)) - bar.n)
+    if bar is not None:
+        bar.close()
+    if process.returncode != 0:
+        raise PeerUnavailable(f"{what} failed (exit code {process.returncode}); see {out.name}")
