@@ -80,6 +80,12 @@ def _throughput(namespace: argparse.Namespace) -> int:
 
         structured.run(model=namespace.model, dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
+    if namespace.peer:
+        from triode.bench import throughput_peer
+
+        throughput_peer.run(model=namespace.model, workload_names=tuple(namespace.workloads), dtype=namespace.dtype,
+                            defaults=not namespace.skip_defaults, output_dir=Path(namespace.output_dir))
+        return 0
     from triode.bench import throughput
 
     throughput.run(
@@ -186,6 +192,11 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     throughput.add_argument("--skip-hf", action="store_true", help="measure triode only")
     throughput.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                             help="weights and activations of both engines (the targets are float32)")
+    throughput.add_argument("--peer", choices=["vllm"], default=None,
+                            help="against vLLM's CPU build (installed once into an environment of its own) "
+                                 "instead of HF: the same checkpoint, dtype and KV budget, then both defaults")
+    throughput.add_argument("--skip-defaults", action="store_true",
+                            help="with --peer: only the same-setting comparison")
     throughput.add_argument("--structured", action="store_true",
                             help="W1 with a JSON schema on every request vs W1 unconstrained")
     compare = throughput.add_mutually_exclusive_group()

@@ -11,17 +11,25 @@ from typing import Any
 
 import torch
 
+# The CPU features a figure here depends on, as /proc/cpuinfo names them and as docs write them.
+_CPU_FEATURES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx512_bf16": "BF16",
+                 "amx_tile": "AMX"}
+
 
 def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            lines = f.read().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
     except OSError:
         pass
+    features = " ".join(name for flag, name in _CPU_FEATURES.items() if flag in flags)
     threads = torch.get_num_threads()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({threads} threads){gpu}"
+    return f"{cpu}{f' ({features})' if features else ''}, {os.cpu_count()} cores, torch {torch.__version__} " \
+        f"({threads} threads){gpu}"
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

