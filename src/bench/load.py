@@ -58,10 +58,13 @@ class RequestResult:
 
 def open_client(base_url: str, api_key: str | None) -> httpx2.AsyncClient:
     """A client for an OpenAI-compatible ``base_url`` (ending in ``/v1``), enough connections
-    for any concurrency, no retries."""
+    for any concurrency, no retries, and a connection per request: llama-server (0.3.36's)
+    closes a kept-alive connection after some streamed responses without saying so, and the
+    next request sent on it fails without a response (2 to 5 of 30 here). Every server gets
+    the same; a loopback connect costs about 0.1 ms."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx2.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=3600,
-                              limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None))
+                              limits=httpx2.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 async def served_model(client: httpx2.AsyncClient) -> str:
