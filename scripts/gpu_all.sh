@@ -63,7 +63,7 @@ part step_smollm2 45 "$PY" -m triode.frontend.cli bench step --shape smollm2-135
     --batch-sizes 1 8 32 64 256 --context 128 --steps 16 --output-dir "$OUT/step-smollm2"
 part step_llama8b 85 "$PY" -m triode.frontend.cli bench step --shape llama-3.1-8b --compare-eager \
     --batch-sizes 1 8 32 64 --context 128 --steps 16 --output-dir "$OUT/step-llama8b"
-part overhead 40 "$PY" -m triode.frontend.cli bench step --overhead --model-steps 0 --repeats 2 \
+part overhead 40 "$PY" -m triode.frontend.cli bench step --overhead --repeats 2 \
     "${tokenizer[@]}" --output-dir "$OUT/overhead"
 part throughput_llama8b 125 "$PY" -m triode.frontend.cli bench throughput --shape llama-3.1-8b --dtype bfloat16 \
     --workloads W1v "${tokenizer[@]}" --output-dir "$OUT/throughput-llama8b"

@@ -21,8 +21,7 @@ def _step(namespace: argparse.Namespace) -> int:
     if namespace.overhead:
         from triode.bench import overhead
 
-        overhead.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64, 256)),
-                     steps=namespace.steps or 64, model_steps=namespace.model_steps,
+        overhead.run(model=namespace.model, batch_sizes=tuple(namespace.batch_sizes or (1, 64, 256)), max_tokens=namespace.steps or 64,
                      repeats=namespace.repeats, output_dir=Path(namespace.output_dir))
         return 0
     if namespace.lora:
@@ -136,7 +135,8 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                       help="default: 1 8 32 64 (with --overhead: 1 64 256)")
     step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
     step.add_argument("--steps", type=int, default=None,
-                      help="decode steps timed per batch size (default: 8; with --overhead: 64 on the tiny model)")
+                      help="decode steps timed per batch size (default: 8; with --overhead: the tokens each "
+                           "request generates, 64)")
     from triode.bench.synthetic_gguf import SHAPES
 
     step.add_argument("--shape", choices=sorted(SHAPES), default=None,
@@ -146,15 +146,13 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--compare-batch-invariant", action="store_true",
                       help="also the runner with --batch-invariant (the first --dtypes and activations)")
     step.add_argument("--overhead", action="store_true",
-                      help="the host cost of a step: LLMEngine on a 2-layer hidden-64 model and on --model, "
-                           "engine / round trip / worker time per step, async scheduling off and on")
+                      help="the host cost of a step: LLM.generate on a 2-layer hidden-64 model, the wall time per "
+                           "step less the forward, and where it goes, async scheduling off and on")
     step.add_argument("--lora", action="store_true",
                       help="what LoRA adapters cost the step: the base model, one adapter for every sequence, "
                            "and --lora-adapters mixed, in the same run")
     step.add_argument("--lora-rank", type=int, default=16, help="with --lora: the adapters' rank")
     step.add_argument("--lora-adapters", type=int, default=3, help="with --lora: adapters in the mixed batch")
-    step.add_argument("--model-steps", type=int, default=16,
-                      help="with --overhead: decode steps timed on --model (0: the tiny model only)")
     step.add_argument("--repeats", type=int, default=3,
                       help="with --overhead: best of this many runs; with --lora: median of this many")
     step.add_argument("--dtypes", nargs="+", default=["auto"],

@@ -36,6 +36,17 @@ class EngineStatistics:
     worker_prepare_seconds_total: float = 0.0
     # the engine process's own work: scheduling, applying results, detokenizing and outputs
     engine_seconds_total: float = 0.0
+    # of engine_seconds_total: planning steps (and handing them to the workers' thread), and
+    # applying results and building outputs, of which detokenizing
+    schedule_seconds_total: float = 0.0
+    output_seconds_total: float = 0.0
+    detokenize_seconds_total: float = 0.0
+    # pickling plans, and unpickling results (of step_seconds_total), in the engine's trio thread
+    plan_encode_seconds_total: float = 0.0
+    result_decode_seconds_total: float = 0.0
+    # of the step time (rank 0): the model's forward, and sampling
+    worker_forward_seconds_total: float = 0.0
+    worker_sample_seconds_total: float = 0.0
     # steps by tokens fed, per bucket of ITERATION_TOKEN_BUCKETS (the last: above them all)
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
@@ -51,7 +62,8 @@ class EngineStatistics:
 
 
 def collect_statistics(
-    engine_core: EngineCore, supervisor: WorkerSupervisor, *, engine_seconds: float
+    engine_core: EngineCore, supervisor: WorkerSupervisor, *, schedule_seconds: float, output_seconds: float,
+    detokenize_seconds: float,
 ) -> EngineStatistics:
     core = engine_core.statistics()
     workers = supervisor.statistics()
@@ -76,7 +88,14 @@ def collect_statistics(
         rank_peak_rss_bytes=workers.rank_peak_rss_bytes,
         grammar_seconds_total=workers.grammar_seconds_total,
         worker_prepare_seconds_total=workers.prepare_seconds_total,
-        engine_seconds_total=engine_seconds,
+        engine_seconds_total=schedule_seconds + output_seconds,
+        schedule_seconds_total=schedule_seconds,
+        output_seconds_total=output_seconds,
+        detokenize_seconds_total=detokenize_seconds,
+        plan_encode_seconds_total=workers.encode_seconds_total,
+        result_decode_seconds_total=workers.decode_seconds_total,
+        worker_forward_seconds_total=workers.forward_seconds_total,
+        worker_sample_seconds_total=workers.sample_seconds_total,
         iteration_tokens=core.iteration_tokens,
         iteration_tokens_sum=core.iteration_tokens_sum,
         running_lora_adapters=core.running_lora_adapters,

@@ -66,7 +66,8 @@ class LLMEngine:
         )
         self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._engine_seconds = 0.0  # in the core and the output processor, for statistics()
+        # in the core and the output processor, for statistics()
+        self._schedule_seconds = self._output_seconds = 0.0
         self._dead: EngineDeadError | None = None
 
     @classmethod
@@ -119,7 +120,7 @@ class LLMEngine:
         with deferred_keyboard_interrupt():
             started = time.perf_counter()
             self.core.send_steps(self._send, time.monotonic())
-            self._engine_seconds += time.perf_counter() - started
+            self._schedule_seconds += time.perf_counter() - started
         if (step := self.core.oldest_step()) is None:
             return []
         try:
@@ -141,7 +142,7 @@ class LLMEngine:
             processed = self.outputs.process(updates, now)
             for seq_id, stop_string in processed.stop_string_finished:
                 self.core.finish_on_stop_string(seq_id, stop_string)
-            self._engine_seconds += time.perf_counter() - started
+            self._output_seconds += time.perf_counter() - started
         return processed.outputs
 
     def _send(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
@@ -168,7 +169,9 @@ class LLMEngine:
             raise EngineDeadError(f"the engine failed: {self._dead}") from self._dead
 
     def statistics(self) -> EngineStatistics:
-        return collect_statistics(self.core, self.supervisor, engine_seconds=self._engine_seconds)
+        return collect_statistics(self.core, self.supervisor, schedule_seconds=self._schedule_seconds,
+                                  output_seconds=self._output_seconds,
+                                  detokenize_seconds=self.outputs.detokenize_seconds)
 
     def close(self) -> None:
         """Stops the workers (also done when the engine is collected, or at exit)."""

@@ -153,6 +153,8 @@ class StepResult:
     # of execute_seconds, host work around the forward: applying the plan, building the step's
     # inputs and the sampler's tensors (what `triode bench step --overhead` reports)
     prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0  # of execute_seconds, the model's forward (and its logits)
+    sample_seconds: float = 0.0  # of execute_seconds, sampling (and verifying proposals)
     # Filled in by the worker group from every rank's result (rank order); empty for one rank.
     rank_execute_seconds: tuple[float, ...] = ()
     rank_collective_seconds: tuple[float, ...] = ()

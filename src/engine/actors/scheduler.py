@@ -52,7 +52,8 @@ class SchedulerActor:
         self._outbox: collections.deque[OutputMessage] = collections.deque()
         self._work = trio.Event()  # set when the inbox task gave the step task something to do
         self.dead: EngineDeadError | None = None
-        self.engine_seconds = 0.0  # in the core (scheduling, applying results), for statistics()
+        # in the core, for statistics(): planning steps, and applying their results
+        self.schedule_seconds = self.apply_seconds = 0.0
 
     async def run(self, *, task_status: trio.TaskStatus[SchedulerActor] = trio.TASK_STATUS_IGNORED) -> None:
         with self._inbox, self._to_output:
@@ -106,7 +107,7 @@ class SchedulerActor:
             await self._flush()
             timer = time.perf_counter()
             self.core.send_steps(self.supervisor.submit, trio.current_time())
-            self.engine_seconds += time.perf_counter() - timer
+            self.schedule_seconds += time.perf_counter() - timer
             if (step := self.core.oldest_step()) is None:
                 await self._work.wait()
                 self._work = trio.Event()
@@ -124,7 +125,7 @@ class SchedulerActor:
             now = trio.current_time()
             timer = time.perf_counter()
             step, updates = self.core.complete_step(result, now)
-            self.engine_seconds += time.perf_counter() - timer
+            self.apply_seconds += time.perf_counter() - timer
             await self._flush()  # registrations and aborts first: they came before this result
             await self._to_output.send(StepUpdates(
                 updates=tuple(updates), time=now, started=step.started,

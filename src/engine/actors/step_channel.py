@@ -19,6 +19,7 @@ import os
 import pickle
 import secrets
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from triode.engine.worker_messages import StepPlan, StepResult
 MAX_PLANS_OUT = 4
 TOKEN_BYTES = 16
 
-__all__ = ["MAX_PLANS_OUT", "PendingStep", "StepChannel", "StepRaised", "accept_worker", "new_token",
-           "open_listener"]
+__all__ = ["MAX_PLANS_OUT", "PendingStep", "StepChannel", "StepRaised", "accept_worker", "encode_plan",
+           "new_token", "open_listener"]
 
 
 class StepRaised(Exception):
@@ -64,18 +65,21 @@ class StepChannel:
         self._waiting: collections.deque[PendingStep] = collections.deque()
         self._closed: BaseException | None = None
         self._queued = 0  # frames handed to the writer task and not yet written
+        self.decode_seconds = 0.0  # unpickling results
         self._closing = False
 
     def send(self, plan: StepPlan) -> PendingStep:
         """Queues the plan (in call order) and returns where its reply will be."""
+        return self.send_frame(encode_plan(plan))
+
+    def send_frame(self, frame: bytes) -> PendingStep:
+        """``send`` of a plan already encoded (``encode_plan``: once for every rank)."""
         pending = PendingStep()
         if self._closed is not None:
             pending._settle(error=self._closed)
             return pending
         if len(self._waiting) >= MAX_PLANS_OUT:
             raise RuntimeError(f"more than {MAX_PLANS_OUT} plans out on one worker")
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = FRAME.pack(len(data)) + data
         if not self._queued and not self._closing:
             frame = frame[self._write_now(frame):]
         if frame:
@@ -130,7 +134,9 @@ class StepChannel:
         while True:
             while len(buffer) >= FRAME.size and len(buffer) >= FRAME.size + FRAME.unpack_from(buffer)[0]:
                 size = FRAME.unpack_from(buffer)[0]
+                started = time.perf_counter()
                 ok, value = pickle.loads(bytes(buffer[FRAME.size:FRAME.size + size]))
+                self.decode_seconds += time.perf_counter() - started
                 del buffer[:FRAME.size + size]
                 if not self._waiting:
                     raise ConnectionError("the worker replied to a plan it was not sent")
@@ -143,6 +149,12 @@ class StepChannel:
             if not data:
                 return
             buffer += data
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    """The frame that carries ``plan``: its length, then its pickle."""
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    return FRAME.pack(len(data)) + data
 
 
 @contextlib.asynccontextmanager

@@ -51,6 +51,11 @@ class SupervisorStatistics:
     rank_peak_rss_bytes: tuple[int | None, ...] = ()  # each rank's peak RSS after its load
     grammar_seconds_total: float = 0.0  # of rank 0's step time, following structured outputs
     prepare_seconds_total: float = 0.0  # of rank 0's step time, host work around the forward
+    forward_seconds_total: float = 0.0  # of rank 0's step time, the model's forward
+    sample_seconds_total: float = 0.0  # of rank 0's step time, sampling
+    # in the engine process: pickling plans, and unpickling results (part of step_seconds_total)
+    encode_seconds_total: float = 0.0
+    decode_seconds_total: float = 0.0
 
 
 class WorkerSupervisor:
@@ -82,6 +87,8 @@ class WorkerSupervisor:
         self._rank_last_collective: tuple[float, ...] = (0.0,) * size
         self._grammar_seconds = 0.0
         self._prepare_seconds = 0.0
+        self._forward_seconds = 0.0
+        self._sample_seconds = 0.0
         self._generation = 0  # restarts so far: a step carries the one it was sent to
         self._last_done = 0.0  # when the last step's result came in
         self._dead: EngineDeadError | None = None
@@ -163,6 +170,8 @@ class WorkerSupervisor:
         self._rank_last, self._rank_last_collective = tuple(seconds), tuple(collective)
         self._grammar_seconds += result.grammar_seconds
         self._prepare_seconds += result.prepare_seconds
+        self._forward_seconds += result.forward_seconds
+        self._sample_seconds += result.sample_seconds
 
     async def _restart(self, failure: WorkerFailure, cause: BaseException) -> None:
         now = time.monotonic()
@@ -207,6 +216,10 @@ class WorkerSupervisor:
             rank_peak_rss_bytes=tuple(info.peak_rss_bytes for info in self.worker_infos),
             grammar_seconds_total=self._grammar_seconds,
             prepare_seconds_total=self._prepare_seconds,
+            forward_seconds_total=self._forward_seconds,
+            sample_seconds_total=self._sample_seconds,
+            encode_seconds_total=getattr(self._group, "encode_seconds", 0.0),
+            decode_seconds_total=getattr(self._group, "decode_seconds", 0.0),
         )
 
     @property

@@ -22,6 +22,7 @@ import functools
 import math
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -33,6 +34,7 @@ from triode.engine.actors.step_channel import (
     PendingStep,
     StepChannel,
     accept_worker,
+    encode_plan,
     new_token,
     open_listener,
 )
@@ -164,6 +166,8 @@ class ProcessWorkerGroup:
         self._listeners = listeners  # (address, socket) per rank, for its step channel
         self._nursery = nursery
         self._channels: list[StepChannel] = []
+        self._encode_seconds = 0.0
+        self._retired_decode_seconds = 0.0  # of the channels of earlier loads
         self._serving: trio.CancelScope | None = None
         self._served = trio.Event()
         self._served.set()
@@ -265,7 +269,20 @@ class ProcessWorkerGroup:
             pending = PendingStep()
             pending._settle(error=WorkerCrashed("the workers are not loaded", None))
             return functools.partial(_rank0_result, [pending])
-        return functools.partial(_rank0_result, [channel.send(plan) for channel in self._channels])
+        started = time.perf_counter()
+        frame = encode_plan(plan)  # once, whatever the number of ranks
+        self._encode_seconds += time.perf_counter() - started
+        return functools.partial(_rank0_result, [channel.send_frame(frame) for channel in self._channels])
+
+    @property
+    def encode_seconds(self) -> float:
+        """Seconds spent pickling plans."""
+        return self._encode_seconds
+
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds spent unpickling results, over every load."""
+        return self._retired_decode_seconds + sum(channel.decode_seconds for channel in self._channels)
 
     async def _start_serving(self) -> None:
         """Each rank's one long call: run the plans of its step channel (calls.SERVE_STEPS)."""
@@ -285,6 +302,7 @@ class ProcessWorkerGroup:
             finally:
                 self._served.set()
 
+        self._retired_decode_seconds += sum(channel.decode_seconds for channel in self._channels)
         self._channels = await self._nursery.start(serve_all)
 
     async def _serve_rank(self, rank: int, done: trio.Event,
@@ -338,6 +356,7 @@ class ProcessWorkerGroup:
         self._kill_processes()
         for channel in self._channels:
             channel.fail_pending(WorkerCrashed("the worker group was restarted"))
+            self._retired_decode_seconds += channel.decode_seconds
         self._channels = []
         if self._serving is not None:
             self._serving.cancel()

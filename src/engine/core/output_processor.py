@@ -10,6 +10,7 @@ vLLM's ``{token_id: Logprob}`` dicts, each token decoded on its own once per pro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -119,6 +120,7 @@ class OutputProcessor:
         self.requests: dict[str, _RequestState] = {}
         self.pooling: dict[str, _PoolingState] = {}  # pooling requests, until their embedding
         self._request_of_seq: dict[str, str] = {}
+        self.detokenize_seconds = 0.0  # in the detokenizers, for statistics()
 
     def add_request(
         self,
@@ -209,11 +211,13 @@ class OutputProcessor:
         stop_token = update.finish_reason == "stop"
         detokenizer = sample.detokenizer
         before = len(detokenizer.output_token_ids)
+        started = time.perf_counter()
         sample.text += detokenizer.update(
             update.new_token_ids,
             finished=update.finish_reason is not None,
             stop_terminated=stop_token,
         )
+        self.detokenize_seconds += time.perf_counter() - started
         # A stop string inside a step's tokens (speculative decoding emits several) ends the
         # output at the token that completed it: the rest are dropped.
         kept = len(detokenizer.output_token_ids) - before

@@ -212,6 +212,7 @@ class ModelRunner:
         self._verifier = DraftVerifier(self.sampler, self.grammars, vocab_size=self.config.vocab_size,
                                        banned=self._banned_at) if self.proposer is not None else None
         self._step_speculates = False
+        self._sample_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
         if wants_graphs:
             self.graphs = capture_decode_graphs(
@@ -337,6 +338,8 @@ class ModelRunner:
         if adapters is not None:
             self.loras.begin_step([adapter for adapter, tokens in zip(adapters, chunk_tokens, strict=True)
                                    for _ in tokens])
+        self._sample_seconds = 0.0
+        forward_started = time.perf_counter()
         try:
             (sampled, accepted), prompt_logprobs, pooled = self._run(chunks, inputs, lora=adapters is not None,
                                                                       drafts=drafts)
@@ -354,6 +357,8 @@ class ModelRunner:
             grammar_seconds=self._grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
             prepare_seconds=self._prepare_seconds,
+            forward_seconds=time.perf_counter() - forward_started - self._sample_seconds,
+            sample_seconds=self._sample_seconds,
             **self._lora_news(),
         )
 
@@ -428,6 +433,15 @@ class ModelRunner:
             rows = rows.index_select(0, torch.tensor([inputs.last_token_rows[i] for i in sampling],
                                                      device=self.device))
         logits = rows if logits is not None else self.model.compute_logits(rows)
+        started, prepared = time.perf_counter(), self._prepare_seconds
+        try:
+            return self._sample_rows(logits, chunks, sampling, drafts)
+        finally:  # the sampling batch's rows are counted as preparation, not here
+            self._sample_seconds += time.perf_counter() - started - (self._prepare_seconds - prepared)
+
+    def _sample_rows(self, logits: torch.Tensor | None, chunks, sampling: list[int],
+                     drafts: dict[str, tuple[int, ...]] | None,
+                     ) -> tuple[tuple[SampledToken, ...], tuple[AcceptedDrafts, ...]]:
         # A plan made ahead feeds the tokens rank 0 sampled; none is made after a step that
         # speculates (what it emits is known only from its result).
         follows = self._follows_samples and not self._step_speculates
