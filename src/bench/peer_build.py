@@ -15,9 +15,11 @@ class PeerUnavailable(Exception):
 
 
 def run_logged(command: list[str], out: TextIO, what: str, *, progress: str | None = None,
-               env: dict[str, str] | None = None) -> None:
+               env: dict[str, str] | None = None, own_session: bool = False) -> None:
     """Runs ``command`` with its output appended to ``out``; ``progress`` draws a bar:
-    ``"percent"`` follows CMake's ``[ 42%]`` lines, ``"lines"`` counts the tool's lines."""
+    ``"percent"`` follows CMake's ``[ 42%]`` lines, ``"lines"`` counts the tool's lines.
+    ``own_session``: the command and what it starts are a process group of their own, out of
+    reach of the signals it sends its group on the way out."""
     print(f"  {what} ...", flush=True)
     out.write(f"$ {' '.join(command)}\n")
     out.flush()
@@ -27,7 +29,8 @@ def run_logged(command: list[str], out: TextIO, what: str, *, progress: str | No
 
         bar = tqdm(total=100, desc=f"  {what}", bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}") \
             if progress == "percent" else tqdm(desc=f"  {what}", unit=" lines")
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=own_session) as process:
         assert process.stdout is not None
         for line in process.stdout:
             out.write(line)

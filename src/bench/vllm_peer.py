@@ -66,12 +66,23 @@ def hf_checkpoint(model_path: Path, dtype: str, cache_dir: Path) -> Path:
     if (target / "config.json").exists():
         return target
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     print(f"writing {ggufs[0].name} dequantized to {dtype} into {target}, for both engines", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix=target.name, dir=target.parent.parent))
     model = AutoModelForCausalLM.from_pretrained(model_path, gguf_file=ggufs[0].name, dtype=getattr(torch, dtype))
-    model.save_pretrained(scratch)
+    # transformers marks a model read from GGUF as quantized and will not save it; its
+    # weights are plain tensors by now, so they are written directly (a tied head as the
+    # embedding only, as save_pretrained writes it).
+    config = model.config
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
+             if not (name == "lm_head.weight" and config.tie_word_embeddings)}
+    save_file(state, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]  # GGUF's own name ("llama") otherwise
+    config.save_pretrained(scratch)
     for name in _TOKENIZER_FILES:
         if (model_path / name).exists():
             shutil.copy2(model_path / name, scratch / name)
@@ -96,7 +107,8 @@ def run_vllm(python: Path, model: Path, workloads: list[Workload], *, engine: di
         with log.open("w") as out:
             try:
                 run_logged([str(python), str(Path(__file__).with_name("vllm_runner.py")), str(job_path),
-                            str(result_path)], out, "vLLM's LLM.generate", progress="lines", env=environment)
+                            str(result_path)], out, "vLLM's LLM.generate", progress="lines", env=environment,
+                           own_session=True)
             except PeerUnavailable as error:
                 raise PeerUnavailable(f"vLLM failed: {error}") from None
         return json.loads(result_path.read_text())
