@@ -181,13 +181,17 @@ class OutputProcessor:
             sample = state.samples[update.index]
             if sample.finish_reason is not None:
                 continue
-            touched[state.request_id] = state
             state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
             if update.index == 0 and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(map(self.decode_token.logprobs, update.prompt_logprobs))
             if not update.new_token_ids:
+                touched[state.request_id] = state
                 continue
             self._apply_tokens(state, sample, update, now)
+            # A request that wants its final output only has none to build until a sample ends
+            # (LLM.generate's: most of a step's sequences, most steps).
+            if sample.finish_reason is not None or state.params.output_kind != OutputKind.FINAL_ONLY:
+                touched[state.request_id] = state
             if sample.detokenizer.stop_string is not None and update.finish_reason is None:
                 stops.append((sample.seq_id, sample.detokenizer.stop_string))
         outputs = [out for state in touched.values() if (out := self._output(state, now)) is not None]

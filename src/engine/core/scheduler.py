@@ -491,6 +491,7 @@ class Scheduler:
         # This loop runs for every sequence of every step: what it can, it looks up once.
         bm = self.block_manager
         cache_blocks = bm.cache_computed_blocks if bm.enable_prefix_caching else None
+        block_size = bm.block_size
         release_blocks = bm.release_outside_window if bm.sliding_window is not None else None
         sequences = self.sequences
         updates = aborted
@@ -500,8 +501,10 @@ class Scheduler:
                 continue  # finished, aborted or preempted after the plan was made
             seq.num_computed_tokens += step.num_tokens - step.num_drafts
             seq.num_in_flight_tokens -= step.num_tokens
-            # a verified chunk's blocks: once its accepted tokens are appended (_apply_verified)
-            if cache_blocks is not None and not step.num_drafts:
+            # a verified chunk's blocks: once its accepted tokens are appended (_apply_verified);
+            # the test before the call skips it for the steps that fill no block
+            if cache_blocks is not None and not step.num_drafts and \
+                    seq.num_computed_tokens >= (seq.num_cached_blocks + 1) * block_size:
                 cache_blocks(seq)
             if release_blocks is not None and not step.num_drafts:
                 release_blocks(seq)
