@@ -11,6 +11,7 @@ import pytest
 
 from triode import EngineArgs, LLMEngine, SamplingParams
 from triode.bench.workloads import make_workload
+from triode.engine.worker.kv_budget import read_memory
 
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 
@@ -72,3 +73,24 @@ def test_a_restarted_worker_allocates_the_blocks_the_scheduler_knows():
         assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 24
         assert after.kv_blocks_total == before.kv_blocks_total
         assert engine.supervisor.info.kv_cache_memory_bytes == budget
+
+
+def test_tensor_parallel_ranks_agree_on_one_automatic_budget(tiny_model_factory):
+    """A budget bound by memory (not by what the sequences can fill): each rank reads the
+    memory at its own moment, and they still allocate the same blocks."""
+    from tests.test_tensor_parallel import tiny_path
+
+    path = tiny_path(tiny_model_factory, "qwen2-uneven")
+    # About 8 MiB a rank, far below what 1024 sequences of 256 tokens could fill.
+    utilization = 2 * (8 << 20) / read_memory("cpu").available
+    args = EngineArgs(model=str(path), tensor_parallel_size=2, max_model_len=256, max_num_seqs=1024,
+                      max_num_batched_tokens=256, gpu_memory_utilization=utilization)
+    with LLMEngine(args) as engine:
+        infos = engine.supervisor.worker_infos
+        assert len(infos) == 2
+        assert infos[0].kv_cache_memory_bytes == infos[1].kv_cache_memory_bytes > 0
+        assert infos[0].num_blocks == infos[1].num_blocks == engine.statistics().kv_blocks_total
+        assert "capped" not in infos[0].kv_cache_sizing  # memory, not the sequences, set it
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+        finished = [o for _ in range(16) for o in engine.step() if o.finished]
+        assert len(finished) == 1 and len(finished[0].outputs[0].token_ids) == 4

@@ -13,7 +13,8 @@ runs in, and what the weights and a step's activations leave of that fraction is
 Either way no rank takes more than ``max_num_seqs`` sequences of ``max_model_len`` can fill:
 more would never be used. The reading is logged at start-up; an explicit
 ``kv_cache_memory`` is taken as it is. The rule (:func:`automatic_kv_cache_bytes`) is
-sans-IO; :func:`read_memory` is the measurement.
+sans-IO; :func:`read_memory` is the measurement; :func:`size_kv_cache` puts them together for
+a worker.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import torch
+
+from triode.engine.config import EngineArgs
+from triode.engine.model.config import ModelConfig
+from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.draft_model import draft_kv_share, kv_bytes_per_token
 
 CPU_MEMORY_UTILIZATION = 0.5
 GPU_MEMORY_UTILIZATION = 0.9
@@ -60,10 +67,36 @@ def activation_bytes(*, max_num_batched_tokens: int, hidden_size: int, intermedi
     return max_num_batched_tokens * (widest * element_size + vocab_size * 4)
 
 
+def size_kv_cache(args: EngineArgs, *, device: torch.device, config: ModelConfig, dtype: torch.dtype,
+                  kv_heads: int, max_model_len: int, reserved_blocks: int,
+                  parallel: TensorParallelGroup | None) -> tuple[int, str, MemoryReading]:
+    """A worker's automatic budget (the same on every rank), how it was chosen (for the
+    start-up log), and the reading it started from. ``kv_heads``: the most any rank holds."""
+    on_gpu = device.type == "cuda"
+    reading = read_memory(device.type, device.index)
+    utilization = args.gpu_memory_utilization or default_memory_utilization(on_gpu)
+    per_token = kv_bytes_per_token(config, dtype, kv_heads)
+    most_useful_blocks = args.max_num_seqs * -(-max_model_len // args.block_size) + reserved_blocks
+    # a draft model's cache comes out of the same budget, in proportion
+    most_useful = int(most_useful_blocks * args.block_size * per_token / (1 - draft_kv_share(args, per_token, dtype)))
+    activations = activation_bytes(max_num_batched_tokens=args.max_num_batched_tokens, hidden_size=config.hidden_size,
+                                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+                                   element_size=torch.empty((), dtype=dtype).element_size())
+    size = parallel.size if parallel is not None else 1
+    budget = automatic_kv_cache_bytes(reading, utilization=utilization, ranks_sharing=1 if on_gpu else size,
+                                      activation_bytes=activations, most_useful_bytes=most_useful)
+    if parallel is not None:
+        # each rank read the memory at its own moment: every rank takes the smallest
+        budget = parallel.agree_on_minimum(budget)
+    basis = f"the device's {reading.total / 2**30:.2f} GiB" if on_gpu else \
+        f"the {reading.available / 2**30:.2f} GiB available once the weights were in"
+    sizing = f"sized as {utilization:g} of {basis}" + (
+        ", capped at what max_num_seqs sequences of max_model_len fill" if budget == most_useful else "")
+    return budget, sizing, reading
+
+
 def read_memory(device_type: str, device_index: int | None = None) -> MemoryReading:
     if device_type == "cuda":
-        import torch
-
         free, total = torch.cuda.mem_get_info(device_index)
         return MemoryReading(total=total, available=free, on_gpu=True)
     meminfo = _meminfo()

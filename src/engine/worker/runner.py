@@ -39,12 +39,7 @@ from triode.engine.worker.draft_model import DraftModelProposer, draft_kv_share,
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
-from triode.engine.worker.kv_budget import (
-    activation_bytes,
-    automatic_kv_cache_bytes,
-    default_memory_utilization,
-    read_memory,
-)
+from triode.engine.worker.kv_budget import size_kv_cache
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.models.registry import build_model
@@ -183,7 +178,9 @@ class ModelRunner:
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()
         if self.kv_cache_memory is None:
-            self.kv_cache_memory = self._automatic_kv_cache_memory(args, max_kv_heads)
+            self.kv_cache_memory, self.kv_cache_sizing, self._kv_reading = size_kv_cache(
+                args, device=self.device, config=self.config, dtype=self.dtype, kv_heads=max_kv_heads,
+                max_model_len=self.max_model_len, reserved_blocks=self._reserved_blocks, parallel=self.parallel)
             self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
         # An encoder keeps no KV: its blocks only count what the scheduler admits.
         blocks = 0 if self.config.encoder else self.num_blocks + self._reserved_blocks
@@ -228,31 +225,6 @@ class ModelRunner:
         # With plans made ahead every rank feeds sequences the tokens rank 0 sampled, so under
         # tensor parallelism rank 0 broadcasts them each step (one small collective).
         self._follows_samples = self.parallel is not None and args.async_scheduling_on(str(self.device))
-
-    def _automatic_kv_cache_memory(self, args: EngineArgs, kv_heads: int) -> int:
-        """The budget worker/kv_budget.py sizes from the memory left now, the same on every rank."""
-        on_gpu = self.device.type == "cuda"
-        reading = read_memory(self.device.type, self.device.index)
-        utilization = args.gpu_memory_utilization or default_memory_utilization(on_gpu)
-        per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
-        most_useful_blocks = args.max_num_seqs * -(-self.max_model_len // self.block_size) + self._reserved_blocks
-        most_useful = most_useful_blocks * self.block_size * per_token
-        most_useful = int(most_useful / (1 - draft_kv_share(args, per_token, self.dtype)))
-        activations = activation_bytes(
-            max_num_batched_tokens=self.max_num_batched_tokens, hidden_size=self.config.hidden_size,
-            intermediate_size=self.config.intermediate_size, vocab_size=self.config.vocab_size,
-            element_size=torch.empty((), dtype=self.dtype).element_size())
-        size = self.parallel.size if self.parallel is not None else 1
-        budget = automatic_kv_cache_bytes(reading, utilization=utilization, ranks_sharing=1 if on_gpu else size,
-                                          activation_bytes=activations, most_useful_bytes=most_useful)
-        if self.parallel is not None:
-            budget = self.parallel.agree_on_minimum(budget)
-        basis = f"the device's {reading.total / 2**30:.2f} GiB" if on_gpu else \
-            f"the {reading.available / 2**30:.2f} GiB available once the weights were in"
-        self.kv_cache_sizing = f"sized as {utilization:g} of {basis}" + (
-            ", capped at what max_num_seqs sequences of max_model_len fill" if budget == most_useful else "")
-        self._kv_reading = reading
-        return budget
 
     def _num_blocks(self, args: EngineArgs, kv_heads: int, kv_cache_memory: int) -> int:
         per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
