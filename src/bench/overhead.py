@@ -12,8 +12,8 @@ the rest, split into where it went:
   result's unpickling (sockets, thread hand-offs);
 - prepare: the worker's host work around the forward (applying the plan, building the inputs
   and the sampler's tensors); sample: sampling;
-- outputs: applying the result to the scheduler and building ``RequestOutput``s, of which
-  detokenize: the incremental detokenizers;
+- outputs: applying the result to the scheduler and building ``RequestOutput``s, less
+  detokenize: the tokenizer's decoding of the output text;
 - other: the rest of the wall time (the worker's own loop, the engine's waits on wake-ups).
 
 With asynchronous scheduling the engine's parts overlap the worker's, so they add up to more

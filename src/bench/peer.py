@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from triode.bench.llama_server import (
     start_llama_server,
 )
 from triode.engine.cpus import usable_cpus
+from triode.scenarios.server import free_port
 
 PEER_LOG = "serve-peer-llama-cpp.log"
 BUILD_LOG = "llama-server-build.log"
@@ -118,12 +118,6 @@ def peer_gguf(model: str | None, cache_dir: str) -> Path:
 
     entry = resolve_model(None, cache_dir=cache_dir).path
     return next(entry.glob("*.gguf"))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def no_eos_bias(gguf_path: Path) -> dict[str, Any]:

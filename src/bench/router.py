@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import functools
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import httpx2
 
 from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
+from triode.scenarios.server import free_port
 
 
 def router_binary() -> str:
@@ -36,19 +36,13 @@ def router_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def running_router(worker_urls: list[str], policy: str, log_path: Path, *flags: str) -> Iterator[str]:
     """vllm-router on a free loopback port in front of ``worker_urls`` (``flags``: more of its
     own); yields its base URL once it is ready."""
-    port = _free_port()
+    port = free_port()
     command = [router_binary(), "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1",
-               "--port", str(port), "--prometheus-port", str(_free_port()), "--worker-startup-check-interval", "1",
+               "--port", str(port), "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
                *flags]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

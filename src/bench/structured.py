@@ -34,7 +34,7 @@ def _measure(llm: LLM, workload: Workload, constrained: bool) -> dict:
     constraint = StructuredOutputsParams(json=SCHEMA)
     params = [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=constraint)
               for n in workload.output_lens] if constrained else None
-    seconds, before, after = timed_generate(llm, workload, params)
+    seconds, before, after, _ = timed_generate(llm, workload, params)
     step = after.rank_step_seconds_total[0] - before.rank_step_seconds_total[0]
     grammar = after.grammar_seconds_total - before.grammar_seconds_total
     return {"seconds": seconds, "tokens_per_second": workload.total_output_tokens / seconds,

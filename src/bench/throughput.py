@@ -10,6 +10,7 @@ import contextlib
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -27,14 +28,21 @@ from triode.engine.config import EngineArgs
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.llm import LLM
 from triode.engine.model_files.resolve import resolve_model
+from triode.engine.outputs import RequestOutput
 from triode.engine.sampling_params import SamplingParams
 
 
-def timed_generate(
-    llm: LLM, workload: Workload, params: list[SamplingParams] | None = None
-) -> tuple[float, EngineStatistics, EngineStatistics]:
+class TimedRun(NamedTuple):
+    seconds: float
+    before: EngineStatistics
+    after: EngineStatistics
+    outputs: list[RequestOutput]
+
+
+def timed_generate(llm: LLM, workload: Workload, params: list[SamplingParams] | None = None) -> TimedRun:
     """Runs the workload through ``llm`` (greedily, all its tokens, unless ``params`` say
-    otherwise; they must still produce every token); (seconds, statistics before, after)."""
+    otherwise; they must still produce every token); the seconds, the statistics before and
+    after, and the outputs."""
     if params is None:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     before = llm.llm_engine.statistics()
@@ -43,11 +51,11 @@ def timed_generate(
     seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
-    return seconds, before, llm.llm_engine.statistics()
+    return TimedRun(seconds, before, llm.llm_engine.statistics(), outputs)
 
 
 def run_triode(llm: LLM, workload: Workload) -> dict:
-    seconds, before, after = timed_generate(llm, workload)
+    seconds, before, after, _ = timed_generate(llm, workload)
     idle = after.worker_idle_seconds - before.worker_idle_seconds
     return {
         "seconds": seconds,

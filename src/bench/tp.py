@@ -38,7 +38,7 @@ def measure(model: str | None, size: int, workload: Workload, kv_cache_memory: s
     with LLM(model, tensor_parallel_size=size, kv_cache_memory=kv_cache_memory, max_model_len=1024) as llm:
         startup = time.perf_counter() - started
         infos = llm.llm_engine.supervisor.worker_infos
-        seconds, before, after = timed_generate(llm, workload)
+        seconds, before, after, _ = timed_generate(llm, workload)
     produced = workload.total_output_tokens
     steps = max(1, after.steps - before.steps)
     step_ms = [

@@ -37,7 +37,7 @@ class EngineStatistics:
     # the engine process's own work: scheduling, applying results, detokenizing and outputs
     engine_seconds_total: float = 0.0
     # of engine_seconds_total: planning steps (and handing them to the workers' thread), and
-    # applying results and building outputs, of which detokenizing
+    # applying results and building outputs, of which the tokenizer's decoding
     schedule_seconds_total: float = 0.0
     output_seconds_total: float = 0.0
     detokenize_seconds_total: float = 0.0

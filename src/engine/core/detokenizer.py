@@ -29,14 +29,25 @@ stop string is ever streamed; on a match the output ends before (or after) it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
+
+import attrs
 
 from triode.engine.sampling_params import SamplingParams
 
 # Prompt tokens decoded as context for the first output token (vLLM uses 5 as well): with
 # SentencePiece, "▁Paris" right after the prompt streams as " Paris", not "Paris".
 PROMPT_CONTEXT_TOKENS = 5
+
+
+@attrs.define
+class DecodeClock:
+    """Seconds the tokenizer spent decoding, summed over the detokenizers that share it (an
+    engine's): timed around the decode calls only, so a deferred update costs no clock reads."""
+
+    seconds: float = 0.0
 
 
 def _is_byte_token(token: str | None) -> bool:
@@ -57,9 +68,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         *,
         final_text_only: bool = False,
+        clock: DecodeClock | None = None,
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._backend = backend
+        self._clock = clock
         self._skip_special_tokens = params.skip_special_tokens
         # Skipped special tokens vanish before the decoder runs: byte runs join across them.
         self._skipped_ids = frozenset(
@@ -83,7 +96,12 @@ class IncrementalDetokenizer:
         self.finished = False
 
     def _decode(self, ids: Sequence[int]) -> str:
-        text: str = self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        if self._clock is None:
+            text: str = self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+            return text
+        started = time.perf_counter()
+        text = self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        self._clock.seconds += time.perf_counter() - started
         return text
 
     def update(

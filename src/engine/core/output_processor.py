@@ -10,13 +10,12 @@ vLLM's ``{token_id: Logprob}`` dicts, each token decoded on its own once per pro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 
-from triode.engine.core.detokenizer import IncrementalDetokenizer
+from triode.engine.core.detokenizer import DecodeClock, IncrementalDetokenizer
 from triode.engine.core.scheduler_output import SequenceUpdate
 from triode.engine.outputs import (
     CompletionOutput,
@@ -120,7 +119,7 @@ class OutputProcessor:
         self.requests: dict[str, _RequestState] = {}
         self.pooling: dict[str, _PoolingState] = {}  # pooling requests, until their embedding
         self._request_of_seq: dict[str, str] = {}
-        self.detokenize_seconds = 0.0  # in the detokenizers, for statistics()
+        self._decode_clock = DecodeClock()  # the detokenizers' decoding, for statistics()
 
     def add_request(
         self,
@@ -141,7 +140,8 @@ class OutputProcessor:
             _Sample(
                 seq_id=seq_id,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids,
-                                                   final_text_only=params.output_kind == OutputKind.FINAL_ONLY),
+                                                   final_text_only=params.output_kind == OutputKind.FINAL_ONLY,
+                                                   clock=self._decode_clock),
                 logprobs=None if params.logprobs is None else [],
                 cumulative_logprob=None if params.logprobs is None else 0.0,
             )
@@ -157,6 +157,11 @@ class OutputProcessor:
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self._request_of_seq.update(dict.fromkeys(seq_ids, request_id))
+
+    @property
+    def detokenize_seconds(self) -> float:
+        """Seconds the tokenizer spent decoding output text, over every request."""
+        return self._decode_clock.seconds
 
     def mark_scheduled(self, seq_ids: Iterable[str], when: float) -> None:
         """Records when a step that runs these sequences started (the end of queueing)."""
@@ -215,13 +220,11 @@ class OutputProcessor:
         stop_token = update.finish_reason == "stop"
         detokenizer = sample.detokenizer
         before = len(detokenizer.output_token_ids)
-        started = time.perf_counter()
         sample.text += detokenizer.update(
             update.new_token_ids,
             finished=update.finish_reason is not None,
             stop_terminated=stop_token,
         )
-        self.detokenize_seconds += time.perf_counter() - started
         # A stop string inside a step's tokens (speculative decoding emits several) ends the
         # output at the token that completed it: the rest are dropped.
         kept = len(detokenizer.output_token_ids) - before
