@@ -43,6 +43,25 @@ def test_a_table_longer_than_the_longest_sequence_is_refused():
         tables.extend("a", [8])
 
 
+def test_a_step_extends_many_tables_in_one_write_as_one_by_one():
+    one_by_one = _tables({"a": [3], "b": [1, 2], "c": [5]}, rows=4)
+    at_once = _tables({"a": [3], "b": [1, 2], "c": [5]}, rows=4)
+    additions = [("a", [4, 8]), ("b", []), ("c", [6])]
+    for seq_id, blocks in additions:
+        one_by_one.extend(seq_id, blocks)
+    at_once.extend_many(additions)
+    assert torch.equal(at_once.table, one_by_one.table) and at_once.lengths == one_by_one.lengths
+    assert at_once.table[at_once.row("a"), :3].tolist() == [3, 4, 8]
+
+
+def test_extending_many_writes_nothing_when_one_table_would_overflow():
+    tables = _tables({"a": [1], "b": list(range(8))})
+    before, lengths = tables.table.clone(), list(tables.lengths)
+    with pytest.raises(ValueError, match="'b': 9 blocks"):
+        tables.extend_many([("a", [2]), ("b", [9])])
+    assert torch.equal(tables.table, before) and tables.lengths == lengths
+
+
 def _expected(chunks, tokens, sequences):
     slots, positions = [], []
     for chunk, ids in zip(chunks, tokens, strict=True):

@@ -264,10 +264,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold or budget
         chunks: dict[str, ScheduledChunk] = {}
+        planned: dict[str, _InFlight] = {}  # each chunk's record, kept until its result
         new_sequences: list[NewSequence] = []
         preempted = False
 
-        # Running sequences first: decodes and unfinished prefills, in admission order.
+        # Running sequences first: decodes and unfinished prefills, in admission order. This
+        # loop runs for every sequence of every step: it reads plain attributes, and asks the
+        # block manager only when the sequence's last block lacks room.
+        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -276,12 +280,15 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._drafts_to_verify(seq, budget - num_new) if seq.draft_token_ids else ()
-            while bm.allocate_slots(seq, num_new + len(drafts)) is None:
+            needed = num_new + len(drafts)
+            fits = seq.num_computed_tokens + seq.num_in_flight_tokens + needed <= len(seq.block_ids) * block_size
+            while not fits and bm.allocate_slots(seq, needed) is None:
                 victim = max(self.running, key=self._key)
                 position = self.running.index(victim)
                 del self.running[position]
                 if victim.seq_id in chunks:
                     budget += chunks.pop(victim.seq_id).num_tokens
+                    del planned[victim.seq_id]
                 self._preempt(victim)
                 self.num_preemptions += 1
                 preempted = True
@@ -290,8 +297,8 @@ class Scheduler:
                 if position < i:
                     i -= 1
             else:
-                chunks[seq.seq_id] = self._chunk(seq, num_new, drafts)
-                budget -= num_new + len(drafts)
+                chunks[seq.seq_id] = self._chunk(seq, num_new, planned, drafts)
+                budget -= needed
                 i += 1
 
         # Then waiting ones, unless this step had to preempt (they would only thrash).
@@ -339,7 +346,7 @@ class Scheduler:
                         lora=seq.lora,
                     )
                 )
-                chunks[seq.seq_id] = self._chunk(seq, num_new)
+                chunks[seq.seq_id] = self._chunk(seq, num_new, planned)
                 budget -= num_new
 
         if self.speculation is not None and chunks:
@@ -355,14 +362,9 @@ class Scheduler:
             fed = self.max_num_batched_tokens - budget
             self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, fed)] += 1
             self._iteration_tokens_sum += fed
-            planned = {}
-            sequences = self.sequences
-            speculates = False
-            for seq_id, chunk in chunks.items():
-                seq = sequences[seq_id]
-                planned[seq_id] = _InFlight(seq, seq.incarnation, chunk.start_position,
-                                            chunk.num_tokens, chunk.sample, chunk.num_draft_tokens)
-                speculates = speculates or bool(chunk.num_draft_tokens or chunk.propose)
+            # (drafts and proposals come from a speculation policy only)
+            speculates = self.speculation is not None and any(
+                chunk.num_draft_tokens or chunk.propose for chunk in chunks.values())
             self._in_flight.append((self._step_id, planned, speculates))
         return StepPlan(
             step_id=self._step_id,
@@ -434,7 +436,10 @@ class Scheduler:
         in_flight = self._in_flight
         return len(in_flight) < self.max_steps_in_flight and not any(entry[2] for entry in in_flight)
 
-    def _chunk(self, seq: Sequence, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num_new: int, planned: dict[str, _InFlight],
+               drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+        """The chunk that feeds ``num_new`` tokens (and ``drafts``) to a sequence now, marked
+        in flight, with its record in ``planned``."""
         start = seq.num_computed_tokens + seq.num_in_flight_tokens
         end = start + num_new
         token_ids = seq.all_token_ids
@@ -447,6 +452,7 @@ class Scheduler:
         sample = end == len(token_ids) + seq.num_in_flight_samples
         seq.num_in_flight_tokens += num_new + len(drafts)
         seq.num_in_flight_samples += sample
+        planned[seq.seq_id] = _InFlight(seq, seq.incarnation, start, num_new + len(drafts), sample, len(drafts))
         return ScheduledChunk(seq.seq_id, (*token_ids[start:end], *drafts), start, new_block_ids, sample,
                               sampled_input, len(drafts))
 
@@ -528,7 +534,7 @@ class Scheduler:
             if step.num_drafts:
                 new_ids, logprobs, status = self._apply_verified(seq, step.num_drafts, accepted.get(seq_id), token)
             else:
-                seq.append_output_token(token.token_id)
+                seq.all_token_ids.append(token.token_id)  # append_output_token, without the call
                 status = seq.check_stop()
                 new_ids, logprobs = (token.token_id,), (token.logprobs,)
             if status is not None:

@@ -293,9 +293,7 @@ class ModelRunner:
             chunks, chunk_tokens = [chunks[i] for i in order], [chunk_tokens[i] for i in order]
             if adapters is not None:
                 adapters = [adapters[i] for i in order]
-        for chunk in chunks:
-            if chunk.new_block_ids:
-                self.block_tables.extend(chunk.seq_id, chunk.new_block_ids)
+        self.block_tables.extend_many((chunk.seq_id, chunk.new_block_ids) for chunk in chunks if chunk.new_block_ids)
         if self.loras is not None and plan.load_loras:
             self.loras.prefetch(plan.load_loras)
         if not chunks:
