@@ -106,9 +106,12 @@ def plot_bars(
     axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], list(groups))
     axis.set_title(title)
     axis.set_ylabel(y_label)
-    # Headroom above the tallest bar, so that the legend never hides a bar's label.
-    axis.set_ylim(top=1.25 * max((v for values in series.values() for v in values), default=1))
-    axis.legend(loc="upper center", ncols=len(series))
+    # The legend in one row where its labels fit the width, else one label a row; headroom
+    # above the tallest bar for it, so that it never hides a bar's label.
+    columns = len(series) if sum(len(label) for label in series) <= 80 else 1
+    rows = -(-len(series) // columns)
+    axis.set_ylim(top=(1.15 + 0.1 * rows) * max((v for values in series.values() for v in values), default=1))
+    axis.legend(loc="upper center", ncols=columns)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

