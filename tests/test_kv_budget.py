@@ -97,3 +97,27 @@ def test_a_large_zeroed_cache_costs_only_the_pages_written():
     """)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert int(done.stdout) < 48, done.stdout  # of 128 MiB: the pages read and written only
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_a_zeroed_cache_is_written_into_small_pages():
+    # A first write faulting in huge pages cost 3-6x more, inside a step (host_memory.py).
+    probe = textwrap.dedent("""
+        import torch
+        from triode.engine.worker.host_memory import zeroed_tensor
+
+        cache = zeroed_tensor((512, 16, 8, 64), torch.float32, torch.device("cpu"))  # 16 MiB
+        cache.fill_(1.0)
+        address = cache.data_ptr()
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                fields = line.split()
+                if "-" in fields[0] and not fields[0].endswith(":"):
+                    start, end = (int(part, 16) for part in fields[0].split("-"))
+                    inside = start <= address < end
+                elif inside and fields[0] == "AnonHugePages:":
+                    print(fields[1])
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["0"], done.stdout
