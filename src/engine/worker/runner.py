@@ -57,7 +57,7 @@ from triode.engine.worker.sampling_batch import (
     SamplingBatch,
     SamplingBatchCache,
     SamplingRow,
-    samples_as_before,
+    rows_repeat_after,
 )
 from triode.engine.worker.speculation import DraftVerifier, NgramProposer, Proposer, expand_drafts
 from triode.engine.worker.step_inputs import StepInputs
@@ -85,6 +85,11 @@ class _Sequence:
     eos_token_ids: tuple[int, ...]
     pooling: PoolingParams | None = None
     lora: LoRARequest | None = None
+    # its sampling row is as in the step before once it has more output tokens than this
+    repeats_after: float = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.repeats_after = rows_repeat_after(self.params)
 
 
 class ModelRunner:
@@ -447,7 +452,7 @@ class ModelRunner:
                                 output_token_ids=seq.output_token_ids, banned_token_ids=self._banned(seq, seq_id))
                     for seq_id, seq in zip(seq_ids, sequences, strict=True)]
 
-        reusable = all(samples_as_before(seq.params, len(seq.output_token_ids)) for seq in sequences)
+        reusable = all(len(seq.output_token_ids) > seq.repeats_after for seq in sequences)
         return self._sampling.batch(seq_ids, rows, reusable=reusable)
 
     def _constrain_(self, logits: torch.Tensor, seq_ids: list[str]) -> set[str]:

@@ -6,6 +6,7 @@ vocabulary entry), built once per step in the worker.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -155,12 +156,14 @@ class SamplingBatch:
         )
 
 
-def samples_as_before(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a sequence's row is the same as in the step before: no seed (a seeded draw
-    depends on the token's index), no penalties (they count the output), and no tokens banned
-    any more (min_tokens was reached before this token)."""
-    return (params.seed is None and params.repetition_penalty == 1.0 and not params.frequency_penalty
-            and not params.presence_penalty and num_output_tokens > params.min_tokens)
+def rows_repeat_after(params: SamplingParams) -> float:
+    """The output tokens past which a sequence's sampling row is the same every step (no more
+    tokens banned once min_tokens are out), or never (inf): a seeded draw depends on the token's
+    index, and penalties count the output. A worker works it out once per sequence."""
+    if (params.seed is not None or params.repetition_penalty != 1.0 or params.frequency_penalty
+            or params.presence_penalty):
+        return math.inf
+    return params.min_tokens
 
 
 class SamplingBatchCache:
@@ -175,7 +178,7 @@ class SamplingBatchCache:
     def batch(self, seq_ids: Sequence[str], rows: Callable[[], Sequence[SamplingRow]], *,
               reusable: bool) -> SamplingBatch:
         """The batch of ``rows()`` for these sequences; ``reusable``: every row is as in the
-        step before (``samples_as_before``), so the last batch serves if it had these ids."""
+        step before (``rows_repeat_after``), so the last batch serves if it had these ids."""
         key = tuple(seq_ids)
         if reusable and self._last is not None and self._last[0] == key:
             return self._last[1]
