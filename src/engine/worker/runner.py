@@ -13,7 +13,6 @@ import logging
 import time
 from pathlib import Path
 
-import attrs
 import torch
 
 from triode import kernels
@@ -25,7 +24,6 @@ from triode.engine.model.config import ModelConfig
 from triode.engine.model.pooling import read_pooler_config, resolve_runner
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.pooling_params import PoolingParams
-from triode.engine.sampling_params import SamplingParams
 from triode.engine.tensor_parallel import Rendezvous
 from triode.engine.worker.block_tables import BlockTables
 from triode.engine.worker.checkpoint import (
@@ -36,7 +34,7 @@ from triode.engine.worker.checkpoint import (
 from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
 from triode.engine.worker.draft_model import DraftModelProposer, draft_kv_share, kv_bytes_per_token
-from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
+from triode.engine.worker.grammar import SequenceGrammars
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.kv_budget import size_kv_cache
@@ -52,14 +50,9 @@ from triode.engine.worker.placement import (
     resolve_quantized_activations,
 )
 from triode.engine.worker.pooler import Pooler
+from triode.engine.worker.row_sampling import RowSampling, WorkerSequence
 from triode.engine.worker.sampler import Sampler, compute_logprobs
-from triode.engine.worker.sampling_batch import (
-    SamplingBatch,
-    SamplingBatchCache,
-    SamplingRow,
-    rows_repeat_after,
-)
-from triode.engine.worker.speculation import DraftVerifier, NgramProposer, Proposer, expand_drafts
+from triode.engine.worker.speculation import NgramProposer, Proposer, expand_drafts
 from triode.engine.worker.step_inputs import StepInputs
 from triode.engine.worker_messages import (
     AcceptedDrafts,
@@ -76,20 +69,6 @@ logger = logging.getLogger(__name__)
 # How long a plan that only waits for LoRA reads (StepPlan.wait_for_loads) may hold the worker:
 # a step planned behind it waits that long at most.
 LORA_POLL_SECONDS = 0.02
-
-@attrs.define
-class _Sequence:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    pooling: PoolingParams | None = None
-    lora: LoRARequest | None = None
-    # its sampling row is as in the step before once it has more output tokens than this
-    repeats_after: float = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.repeats_after = rows_repeat_after(self.params)
 
 
 class ModelRunner:
@@ -193,7 +172,7 @@ class ModelRunner:
         self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device), zeroed_tensor(shape, self.dtype, self.device))
                           for _ in range(self.config.num_layers)]
         self.sampler = Sampler(args.seed)
-        self.sequences: dict[str, _Sequence] = {}
+        self.sequences: dict[str, WorkerSequence] = {}
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), rows=args.max_num_seqs)
         # Only rank 0 samples, so only it follows grammars (built on first use).
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
@@ -211,8 +190,6 @@ class ModelRunner:
             self.proposer = NgramProposer(self.speculative) if self.speculative.method == "ngram" else \
                 DraftModelProposer(args, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
                                    budget_bytes=self._draft_kv_bytes, block_size=self.block_size)
-        self._verifier = DraftVerifier(self.sampler, self.grammars, vocab_size=self.config.vocab_size,
-                                       banned=self._banned_at) if self.proposer is not None else None
         self._step_speculates = False
         self._sample_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
@@ -224,12 +201,14 @@ class ModelRunner:
             )
         elif self.device.type == "cuda" and tensor_parallel and not args.enforce_eager:
             logger.info("decode steps run eagerly under tensor parallelism (no CUDA graphs)")
-        self._sampling = SamplingBatchCache(vocab_size=self.config.vocab_size, device=self.device)
         # On a GPU a step's inputs go up in one copy; on a CPU they are already where they run.
         self._staging = InputStaging(self.device) if self.device.type != "cpu" else None
         # With plans made ahead every rank feeds sequences the tokens rank 0 sampled, so under
         # tensor parallelism rank 0 broadcasts them each step (one small collective).
-        self._follows_samples = self.parallel is not None and args.async_scheduling_on(str(self.device))
+        self.row_sampling = RowSampling(
+            self.sampler, self.sequences, vocab_size=self.config.vocab_size, device=self.device,
+            grammars=self.grammars, parallel=self.parallel, verifies=self.proposer is not None,
+            follows_samples=self.parallel is not None and args.async_scheduling_on(str(self.device)))
 
     def _num_blocks(self, args: EngineArgs, kv_heads: int, kv_cache_memory: int) -> int:
         per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
@@ -271,10 +250,11 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.forget(seq_id)
         self._grammar_seconds = 0.0
+        self.row_sampling.grammar_seconds = self.row_sampling.prepare_seconds = 0.0
         for new in plan.new_sequences:
             if self.proposer is not None:
                 self.proposer.forget(new.seq_id)
-            self.sequences[new.seq_id] = _Sequence(
+            self.sequences[new.seq_id] = WorkerSequence(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids, new.pooling,
                 new.lora,
             )
@@ -329,9 +309,9 @@ class ModelRunner:
             accepted=accepted,
             proposals=self._propose(plan.chunks) if self._step_speculates and self.proposer is not None else (),
             execute_seconds=time.perf_counter() - started,
-            grammar_seconds=self._grammar_seconds,
+            grammar_seconds=self._grammar_seconds + self.row_sampling.grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
-            prepare_seconds=self._prepare_seconds,
+            prepare_seconds=self._prepare_seconds + self.row_sampling.prepare_seconds,
             forward_seconds=time.perf_counter() - forward_started - self._sample_seconds,
             sample_seconds=self._sample_seconds,
             **self._lora_news(),
@@ -408,82 +388,12 @@ class ModelRunner:
             rows = rows.index_select(0, torch.tensor([inputs.last_token_rows[i] for i in sampling],
                                                      device=self.device))
         logits = rows if logits is not None else self.model.compute_logits(rows)
-        started, prepared = time.perf_counter(), self._prepare_seconds
+        started, prepared = time.perf_counter(), self.row_sampling.prepare_seconds
         try:
-            return self._sample_rows(logits, chunks, sampling, drafts)
+            return self.row_sampling.sample(logits, [chunks[i].seq_id for i in sampling], drafts,
+                                    speculates=self._step_speculates)
         finally:  # the sampling batch's rows are counted as preparation, not here
-            self._sample_seconds += time.perf_counter() - started - (self._prepare_seconds - prepared)
-
-    def _sample_rows(self, logits: torch.Tensor | None, chunks, sampling: list[int],
-                     drafts: dict[str, tuple[int, ...]] | None,
-                     ) -> tuple[tuple[SampledToken, ...], tuple[AcceptedDrafts, ...]]:
-        # A plan made ahead feeds the tokens rank 0 sampled; none is made after a step that
-        # speculates (what it emits is known only from its result).
-        follows = self._follows_samples and not self._step_speculates
-        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples, and says what
-            if follows:
-                tokens = self.parallel.broadcast_tokens(None, len(sampling))
-                for index, token_id in zip(sampling, tokens, strict=True):
-                    self.sequences[chunks[index].seq_id].output_token_ids.append(token_id)
-            return (), ()
-        seq_ids = [chunks[i].seq_id for i in sampling]
-        if drafts is not None:
-            assert self._verifier is not None
-            return self._verifier.sample(logits, seq_ids, self.sequences, drafts)
-        sequences = [self.sequences[seq_id] for seq_id in seq_ids]
-        constrained = self._constrain_(logits, seq_ids)
-        prepare_started = time.perf_counter()
-        batch = self._sampling_batch(seq_ids, sequences)
-        self._prepare_seconds += time.perf_counter() - prepare_started
-        output = self.sampler.sample(logits, batch)
-        if follows:
-            self.parallel.broadcast_tokens(output.token_ids, len(sampling))
-        for seq, token_id in zip(sequences, output.token_ids, strict=True):
-            seq.output_token_ids.append(token_id)
-        if constrained:
-            for seq_id, token_id in zip(seq_ids, output.token_ids, strict=True):
-                if seq_id in constrained:
-                    self.grammars.accept(seq_id, token_id)
-        return tuple(map(SampledToken, seq_ids, output.token_ids, output.logprobs)), ()
-
-    def _sampling_batch(self, seq_ids: list[str], sequences: list[_Sequence]) -> SamplingBatch:
-        def rows() -> list[SamplingRow]:
-            return [SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
-                                output_token_ids=seq.output_token_ids, banned_token_ids=self._banned(seq, seq_id))
-                    for seq_id, seq in zip(seq_ids, sequences, strict=True)]
-
-        reusable = all(len(seq.output_token_ids) > seq.repeats_after for seq in sequences)
-        return self._sampling.batch(seq_ids, rows, reusable=reusable)
-
-    def _constrain_(self, logits: torch.Tensor, seq_ids: list[str]) -> set[str]:
-        """Masks, in place, the logits of the rows whose sequence follows a grammar (before
-        sampling and logprobs, as vLLM does); returns those sequences."""
-        if not self.grammars:
-            return set()
-        started = time.perf_counter()
-        rows = [row for row, seq_id in enumerate(seq_ids) if seq_id in self.grammars]
-        if rows:
-            bitmask = self.grammars.allowed_tokens([seq_ids[row] for row in rows])
-            index = None if len(rows) == len(seq_ids) else torch.tensor(rows, device=logits.device)
-            apply_allowed_tokens_(logits, index, bitmask)
-        self._grammar_seconds += time.perf_counter() - started
-        return {seq_ids[row] for row in rows}
-
-    def _banned(self, seq: _Sequence, seq_id: str) -> tuple[int, ...]:
-        if len(seq.output_token_ids) >= seq.params.min_tokens:
-            return ()
-        complete = self.grammars is not None and seq_id in self.grammars and self.grammars.is_complete(seq_id)
-        return self._banned_at(seq, len(seq.output_token_ids), complete)
-
-    @staticmethod
-    def _banned_at(seq: _Sequence, num_output_tokens: int, grammar_complete: bool) -> tuple[int, ...]:
-        # Until min_tokens are out, neither EOS nor a stop token may end the request; but a
-        # grammar that is complete allows nothing else, and then it wins.
-        params = seq.params
-        if num_output_tokens >= params.min_tokens or grammar_complete:
-            return ()
-        eos = () if params.ignore_eos else seq.eos_token_ids
-        return eos + params.stop_token_ids
+            self._sample_seconds += time.perf_counter() - started - (self.row_sampling.prepare_seconds - prepared)
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor):
         results = []
