@@ -19,6 +19,7 @@ from triode.engine.config import EngineArgs
 from triode.engine.errors import EngineDeadError, InvalidRequestError, QueueFull
 from triode.engine.inputs import ChatOptions
 from triode.engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.worker_messages import StepPlan
 
 
 @pytest.fixture
@@ -144,6 +145,32 @@ async def test_each_step_is_planned_while_the_one_before_runs(model_dir, autojum
         assert len(group.fed) == 10  # fed by the worker, which the fake checks
     else:
         assert not any(planned_ahead)
+
+
+async def test_a_steps_outputs_are_built_while_the_next_step_runs(model_dir, autojump_clock, monkeypatch):
+    group = FakeWorkerGroup(step_seconds=0.05)
+    sent: list[StepPlan] = []
+    submit = group.submit
+
+    def recording_submit(plan: StepPlan):
+        sent.append(plan)
+        return submit(plan)
+
+    monkeypatch.setattr(group, "submit", recording_submit)
+    async with open_engine(model_dir, group, async_scheduling=False) as llm:
+        plans_sent_when_built: list[int] = []
+        process = llm.output.processor.process
+
+        def recording_process(updates, now):
+            plans_sent_when_built.append(len(sent))
+            return process(updates, now)
+
+        monkeypatch.setattr(llm.output.processor, "process", recording_process)
+        output = await collect(llm, [1, 2, 3], greedy(6), request_id="a")
+        assert output.outputs[0].token_ids == expected_tokens("a", 3, 6)
+    # Step k's outputs were built once step k + 1 was sent; the last step has none behind it.
+    assert len(sent) == 6
+    assert plans_sent_when_built == [2, 3, 4, 5, 6, 6]
 
 
 @pytest.mark.parametrize("failure", ["crash", "raise", "hang"])

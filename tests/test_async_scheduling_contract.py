@@ -79,6 +79,25 @@ def _run(engine, prompts, params, *, abort_at: dict[int, str] | None = None) -> 
     return finished
 
 
+def test_with_async_scheduling_off_a_steps_outputs_are_built_while_the_next_step_runs(
+        engines, sync_outputs, monkeypatch):
+    engine = engines[0].llm_engine
+    steps_out_when_built: list[tuple[int, bool]] = []
+    process = engine.outputs.process
+
+    def recording_process(updates, now):
+        steps_out_when_built.append((engine.core.steps_in_flight, engine.core.has_unfinished_requests()))
+        return process(updates, now)
+
+    monkeypatch.setattr(engine.outputs, "process", recording_process)
+    outputs = _run(engine, TEXTS, _params())
+    assert [_summary(outputs[f"q{i}"]) for i in range(len(TEXTS))] == [_summary(o) for o in sync_outputs]
+    longest = max(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+    assert len(steps_out_when_built) >= longest > 20  # one call per step
+    # While sequences were left, the next step was always out (and only one: async is off).
+    assert {out for out, unfinished in steps_out_when_built if unfinished} == {1}
+
+
 def test_an_abort_while_a_step_is_planned_ahead_spares_the_others(engines, sync_outputs):
     ahead = engines[1].llm_engine
     params = _params()

@@ -16,7 +16,8 @@ the rest, split into where it went:
   detokenize: the tokenizer's decoding of the output text;
 - other: the rest of the wall time (the worker's own loop, the engine's waits on wake-ups).
 
-With asynchronous scheduling the engine's parts overlap the worker's, so they add up to more
+The outputs of a step are built while the worker runs the next one, and with asynchronous
+scheduling the engine's other parts overlap the worker's too, so the parts can add up to more
 than the wall time; "other" is then negative. Goals (issue 42): host cost at most 1.5 ms at
 64 sequences and 3 ms at 256.
 """

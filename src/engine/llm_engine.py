@@ -2,10 +2,12 @@
 
 It drives the same ``EngineCore`` as the async engine's scheduler actor, with the same
 ``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
-through a private trio loop. ``step`` is schedule -> run -> postprocess; with async
-scheduling (by default on GPU workers) it also plans the next step before it waits and sends
-it to the workers at once, where it starts the moment the current step is done, so the
-result's postprocessing here overlaps the next step on the workers. A step the caller
+through a private trio loop. ``step`` is schedule -> run -> apply the result -> send the
+next step -> build the outputs, so that detokenizing and building ``RequestOutput``s overlap
+the next step on the workers (a stop string found then finishes its sequence at once, and the
+token that step samples for it is dropped). With async scheduling (by default on GPU workers) it
+also plans the next step before it waits and sends it to the workers at once, where it starts
+the moment the current step is done, so applying the result overlaps it too. A step the caller
 stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
 next ``step``, so the core and the workers never disagree about what ran. Making and
 handing over a plan, and applying a result, hold a KeyboardInterrupt off until they are
@@ -118,9 +120,7 @@ class LLMEngine:
         """Runs one engine step and returns the outputs it produced."""
         self._check_alive()
         with deferred_keyboard_interrupt():
-            started = time.perf_counter()
-            self.core.send_steps(self._send, time.monotonic())
-            self._schedule_seconds += time.perf_counter() - started
+            self._send_steps()
         if (step := self.core.oldest_step()) is None:
             return []
         try:
@@ -138,12 +138,23 @@ class LLMEngine:
             started = time.perf_counter()
             now = time.monotonic()
             step, updates = self.core.complete_step(result, now)
+            self._output_seconds += time.perf_counter() - started
+            # The next step goes out before this one's outputs are built: the workers run it
+            # meanwhile. (A stop string found below finishes its sequence at once; the token
+            # that step samples for it is dropped.)
+            self._send_steps()
+            started = time.perf_counter()
             self.outputs.mark_scheduled((s.seq_id for s in step.plan.new_sequences), step.started)
             processed = self.outputs.process(updates, now)
             for seq_id, stop_string in processed.stop_string_finished:
                 self.core.finish_on_stop_string(seq_id, stop_string)
             self._output_seconds += time.perf_counter() - started
         return processed.outputs
+
+    def _send_steps(self) -> None:
+        started = time.perf_counter()
+        self.core.send_steps(self._send, time.monotonic())
+        self._schedule_seconds += time.perf_counter() - started
 
     def _send(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
         return self._loop.submit(lambda: self.supervisor.submit(plan))

@@ -7,7 +7,8 @@ Two tasks share the actor's state (one trio thread, so they interleave only at a
   wakes for them), and what the output actor must hear is queued in order;
 - the step task keeps a step on the workers (with async scheduling two: the next one is
   planned and sent while the current one runs, and waits on the workers), and as each result
-  comes in sends that queue, then the step's updates, to the output actor.
+  comes in applies it, sends the next step, then that queue and the step's updates to the
+  output actor, which builds the outputs while the workers run that next step.
 
 So the inbox is drained while the worker computes and never fills behind a long step, and
 the inbox task never waits on the output actor (which sends stop strings back here): the
@@ -105,9 +106,7 @@ class SchedulerActor:
     async def _run_steps(self) -> None:
         while True:
             await self._flush()
-            timer = time.perf_counter()
-            self.core.send_steps(self.supervisor.submit, trio.current_time())
-            self.schedule_seconds += time.perf_counter() - timer
+            self._send_steps()
             if (step := self.core.oldest_step()) is None:
                 await self._work.wait()
                 self._work = trio.Event()
@@ -126,8 +125,14 @@ class SchedulerActor:
             timer = time.perf_counter()
             step, updates = self.core.complete_step(result, now)
             self.apply_seconds += time.perf_counter() - timer
+            self._send_steps()  # before the output actor gets the updates: it works beside that step
             await self._flush()  # registrations and aborts first: they came before this result
             await self._to_output.send(StepUpdates(
                 updates=tuple(updates), time=now, started=step.started,
                 scheduled=tuple(s.seq_id for s in step.plan.new_sequences),
             ))
+
+    def _send_steps(self) -> None:
+        timer = time.perf_counter()
+        self.core.send_steps(self.supervisor.submit, trio.current_time())
+        self.schedule_seconds += time.perf_counter() - timer
