@@ -132,11 +132,11 @@ def test_the_pipeline_keeps_two_steps_out_with_async_scheduling_and_drops_them_o
     core.send_steps(send, 0.5)
     assert len(sent) == 2  # the next step planned while the first runs
     assert [step.ticket for step in core.steps_sent()] == [f"ticket {p.step_id}" for p in sent]
-    step, updates = core.complete_step(result_for(sent[0], {"a": 4}), 1.0)
+    step, updates = core.complete_step(result_for(sent[0], {"a": 4}), 1.0, send)
     assert step.plan is sent[0] and step.started == 0.5 and [u.new_token_ids for u in updates] == [(4,)]
     assert core.oldest_step().plan is sent[1]
-    core.send_steps(send, 1.0)
-    assert len(sent) == 3 and len(core.steps_sent()) == 2
+    # the step after it went out with the result, before the driver builds its outputs
+    assert len(sent) == 3 and len(core.steps_sent()) == 2 and core.steps_sent()[1].started == 1.0
     (requeued,) = core.step_failed()
     assert core.oldest_step() is None and core.steps_sent() == ()
     assert requeued.seq_id == "a" and requeued.num_computed_tokens == 0

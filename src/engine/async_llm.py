@@ -264,8 +264,7 @@ class AsyncLLM:
 
     def statistics(self) -> EngineStatistics:
         return collect_statistics(
-            self.scheduler.core, self.supervisor, schedule_seconds=self.scheduler.schedule_seconds,
-            output_seconds=self.scheduler.apply_seconds + self.output.processing_seconds,
+            self.scheduler.core, self.supervisor, output_seconds=self.output.processing_seconds,
             detokenize_seconds=self.output.processor.detokenize_seconds,
         )
 

@@ -62,10 +62,13 @@ class EngineStatistics:
 
 
 def collect_statistics(
-    engine_core: EngineCore, supervisor: WorkerSupervisor, *, schedule_seconds: float, output_seconds: float,
-    detokenize_seconds: float,
+    engine_core: EngineCore, supervisor: WorkerSupervisor, *, output_seconds: float, detokenize_seconds: float,
 ) -> EngineStatistics:
+    """``output_seconds``: the driver's time building outputs (the core's own time, planning
+    steps and applying results, it keeps itself)."""
     core = engine_core.statistics()
+    schedule_seconds = engine_core.schedule_seconds
+    output_seconds += engine_core.apply_seconds
     workers = supervisor.statistics()
     return EngineStatistics(
         kv_blocks_total=core.kv_blocks_total,

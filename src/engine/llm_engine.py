@@ -2,10 +2,9 @@
 
 It drives the same ``EngineCore`` as the async engine's scheduler actor, with the same
 ``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
-through a private trio loop. ``step`` is schedule -> run -> apply the result -> send the
-next step -> build the outputs, so that detokenizing and building ``RequestOutput``s overlap
-the next step on the workers (a stop string found then finishes its sequence at once, and the
-token that step samples for it is dropped). With async scheduling (by default on GPU workers) it
+through a private trio loop. ``step`` is schedule -> run -> apply the result and send the
+next step (the core's ``complete_step``) -> build the outputs, so that detokenizing and
+building ``RequestOutput``s overlap the next step on the workers. With async scheduling (by default on GPU workers) it
 also plans the next step before it waits and sends it to the workers at once, where it starts
 the moment the current step is done, so applying the result overlaps it too. A step the caller
 stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
@@ -69,7 +68,7 @@ class LLMEngine:
         self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
         # in the core and the output processor, for statistics()
-        self._schedule_seconds = self._output_seconds = 0.0
+        self._output_seconds = 0.0  # building outputs (the core times its own work)
         self._dead: EngineDeadError | None = None
 
     @classmethod
@@ -120,7 +119,7 @@ class LLMEngine:
         """Runs one engine step and returns the outputs it produced."""
         self._check_alive()
         with deferred_keyboard_interrupt():
-            self._send_steps()
+            self.core.send_steps(self._send, time.monotonic())
         if (step := self.core.oldest_step()) is None:
             return []
         try:
@@ -135,14 +134,8 @@ class LLMEngine:
             self._dead = error
             raise
         with deferred_keyboard_interrupt():
-            started = time.perf_counter()
             now = time.monotonic()
-            step, updates = self.core.complete_step(result, now)
-            self._output_seconds += time.perf_counter() - started
-            # The next step goes out before this one's outputs are built: the workers run it
-            # meanwhile. (A stop string found below finishes its sequence at once; the token
-            # that step samples for it is dropped.)
-            self._send_steps()
+            step, updates = self.core.complete_step(result, now, self._send)  # and sends the next
             started = time.perf_counter()
             self.outputs.mark_scheduled((s.seq_id for s in step.plan.new_sequences), step.started)
             processed = self.outputs.process(updates, now)
@@ -150,11 +143,6 @@ class LLMEngine:
                 self.core.finish_on_stop_string(seq_id, stop_string)
             self._output_seconds += time.perf_counter() - started
         return processed.outputs
-
-    def _send_steps(self) -> None:
-        started = time.perf_counter()
-        self.core.send_steps(self._send, time.monotonic())
-        self._schedule_seconds += time.perf_counter() - started
 
     def _send(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
         return self._loop.submit(lambda: self.supervisor.submit(plan))
@@ -180,8 +168,7 @@ class LLMEngine:
             raise EngineDeadError(f"the engine failed: {self._dead}") from self._dead
 
     def statistics(self) -> EngineStatistics:
-        return collect_statistics(self.core, self.supervisor, schedule_seconds=self._schedule_seconds,
-                                  output_seconds=self._output_seconds,
+        return collect_statistics(self.core, self.supervisor, output_seconds=self._output_seconds,
                                   detokenize_seconds=self.outputs.detokenize_seconds)
 
     def close(self) -> None:

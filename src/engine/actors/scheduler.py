@@ -18,7 +18,6 @@ intake and output work overlap the step instead of the worker waiting for them."
 from __future__ import annotations
 
 import collections
-import time
 
 import trio
 
@@ -53,8 +52,6 @@ class SchedulerActor:
         self._outbox: collections.deque[OutputMessage] = collections.deque()
         self._work = trio.Event()  # set when the inbox task gave the step task something to do
         self.dead: EngineDeadError | None = None
-        # in the core, for statistics(): planning steps, and applying their results
-        self.schedule_seconds = self.apply_seconds = 0.0
 
     async def run(self, *, task_status: trio.TaskStatus[SchedulerActor] = trio.TASK_STATUS_IGNORED) -> None:
         with self._inbox, self._to_output:
@@ -106,7 +103,7 @@ class SchedulerActor:
     async def _run_steps(self) -> None:
         while True:
             await self._flush()
-            self._send_steps()
+            self.core.send_steps(self.supervisor.submit, trio.current_time())
             if (step := self.core.oldest_step()) is None:
                 await self._work.wait()
                 self._work = trio.Event()
@@ -122,17 +119,10 @@ class SchedulerActor:
                 await self._to_output.send(EngineFailed(error=error))
                 return
             now = trio.current_time()
-            timer = time.perf_counter()
-            step, updates = self.core.complete_step(result, now)
-            self.apply_seconds += time.perf_counter() - timer
-            self._send_steps()  # before the output actor gets the updates: it works beside that step
+            # It sends the next step too: the output actor works on these updates beside it.
+            step, updates = self.core.complete_step(result, now, self.supervisor.submit)
             await self._flush()  # registrations and aborts first: they came before this result
             await self._to_output.send(StepUpdates(
                 updates=tuple(updates), time=now, started=step.started,
                 scheduled=tuple(s.seq_id for s in step.plan.new_sequences),
             ))
-
-    def _send_steps(self) -> None:
-        timer = time.perf_counter()
-        self.core.send_steps(self.supervisor.submit, trio.current_time())
-        self.schedule_seconds += time.perf_counter() - timer

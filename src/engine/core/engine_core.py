@@ -13,10 +13,14 @@ drift apart:
   once (one, or two with async scheduling: the next is planned while the current one runs,
   and the workers feed it the tokens the first one samples) and hands each plan to the
   driver's ``send``, keeping what it returns as the step's ticket; ``complete_step`` applies
-  the oldest step's result; ``step_failed`` drops every step in flight when the workers lost
-  one (every running sequence is recomputed, as after a preemption). ``schedule`` and
-  ``update_from_output`` are the two halves of a step underneath;
-- the time the workers sat idle between steps while requests were unfinished;
+  the oldest step's result and sends the next steps at once, before the driver builds the
+  outputs, so that the workers run the next step while it does (a stop string found then
+  finishes its sequence, whose token from that step is dropped); ``step_failed`` drops every
+  step in flight when the workers lost one (every running sequence is recomputed, as after a
+  preemption). ``schedule`` and ``update_from_output`` are the two halves of a step
+  underneath;
+- the time the workers sat idle between steps while requests were unfinished, and the core's
+  own time on the step pipeline (planning and sending steps; applying results);
 - the prefix cache's events (``kv_cache_events``), handed to ``publish_kv_events`` after each
   step is planned and each result applied (one batch each, when there are any).
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -84,6 +89,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.idle_seconds = 0.0  # the workers waited on the engine while requests were unfinished
+        self.schedule_seconds = 0.0  # in send_steps: planning steps and handing them to ``send``
+        self.apply_seconds = 0.0  # in complete_step: applying results
         self._last_step_end: float | None = None
         self._in_flight: collections.deque[StepInFlight[Any]] = collections.deque()  # plan order
 
@@ -213,9 +220,11 @@ class EngineCore:
     def send_steps(self, send: Callable[[StepPlan], Ticket], now: float) -> None:
         """Plans steps while the core takes them and hands each to ``send``, which carries it
         to the workers and returns its ticket."""
+        started = time.perf_counter()
         while self.can_schedule() and (plan := self.schedule(now)) is not None:
             self._in_flight.append(StepInFlight(plan, now, send(plan)))
         self._flush_kv_events()
+        self.schedule_seconds += time.perf_counter() - started
 
     def oldest_step(self) -> StepInFlight[Any] | None:
         """The step whose result comes next, or None when none is out."""
@@ -224,11 +233,17 @@ class EngineCore:
     def steps_sent(self) -> tuple[StepInFlight[Any], ...]:
         return tuple(self._in_flight)
 
-    def complete_step(self, result: StepResult, now: float) -> tuple[StepInFlight[Any], list[SequenceUpdate]]:
-        """Applies the oldest step's ``result``: that step, and what changed."""
+    def complete_step(self, result: StepResult, now: float, send: Callable[[StepPlan], Ticket],
+                      ) -> tuple[StepInFlight[Any], list[SequenceUpdate]]:
+        """Applies the oldest step's ``result``, then sends the next steps (``send_steps``):
+        returns that step, and what changed, for the driver to build outputs from while the
+        workers run the next one."""
+        started = time.perf_counter()
         step = self._in_flight.popleft()
         updates = self.update_from_output(result, now)
         self._flush_kv_events()
+        self.apply_seconds += time.perf_counter() - started
+        self.send_steps(send, now)
         return step, updates
 
     def _flush_kv_events(self) -> None:
