@@ -12,8 +12,9 @@ the rest, split into where it went:
   result's unpickling (sockets, thread hand-offs);
 - prepare: the worker's host work around the forward (applying the plan, building the inputs
   and the sampler's tensors); sample: sampling;
-- outputs: applying the result to the scheduler and building ``RequestOutput``s, less
-  detokenize: the tokenizer's decoding of the output text;
+- apply: applying the result to the scheduler (before the next step is sent); outputs:
+  building ``RequestOutput``s (beside the next step), less detokenize: the tokenizer's
+  decoding of the output text;
 - other: the rest of the wall time (the worker's own loop, the engine's waits on wake-ups).
 
 The outputs of a step are built while the worker runs the next one, and with asynchronous
@@ -43,7 +44,7 @@ from triode.engine.sampling_params import SamplingParams
 PROMPT_TOKENS = 8
 TINY_VOCAB = 384
 GOALS_MS = {64: 1.5, 256: 3.0}
-PARTS = ("schedule", "encode", "ipc", "prepare", "sample", "outputs", "detokenize", "other")
+PARTS = ("schedule", "encode", "ipc", "prepare", "sample", "apply", "outputs", "detokenize", "other")
 
 
 def write_tiny_model(directory: Path, tokenizer_dir: Path, *, vocab: int = 384) -> Path:
@@ -68,14 +69,15 @@ def per_step(before: EngineStatistics, after: EngineStatistics, seconds: float) 
 
     worker = (after.rank_step_seconds_total[0] - before.rank_step_seconds_total[0]) / steps * 1e3
     total, forward = seconds / steps * 1e3, ms("worker_forward_seconds_total")
-    detokenize = ms("detokenize_seconds_total")
+    detokenize, apply = ms("detokenize_seconds_total"), ms("apply_seconds_total")
     parts = {
         "schedule": ms("schedule_seconds_total"),
         "encode": ms("plan_encode_seconds_total"),
         "ipc": ms("step_seconds_total") - worker,
         "prepare": ms("worker_prepare_seconds_total"),
         "sample": ms("worker_sample_seconds_total"),
-        "outputs": ms("output_seconds_total") - detokenize,
+        "apply": apply,
+        "outputs": ms("output_seconds_total") - apply - detokenize,
         "detokenize": detokenize,
     }
     parts["other"] = total - forward - sum(parts.values())

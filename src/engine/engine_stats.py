@@ -37,9 +37,11 @@ class EngineStatistics:
     # the engine process's own work: scheduling, applying results, detokenizing and outputs
     engine_seconds_total: float = 0.0
     # of engine_seconds_total: planning steps (and handing them to the workers' thread), and
-    # applying results and building outputs, of which the tokenizer's decoding
+    # applying results and building outputs; of the latter, applying results (before the next
+    # step is sent) and the tokenizer's decoding (beside it)
     schedule_seconds_total: float = 0.0
     output_seconds_total: float = 0.0
+    apply_seconds_total: float = 0.0
     detokenize_seconds_total: float = 0.0
     # pickling plans, and unpickling results (of step_seconds_total), in the engine's trio thread
     plan_encode_seconds_total: float = 0.0
@@ -94,6 +96,7 @@ def collect_statistics(
         engine_seconds_total=schedule_seconds + output_seconds,
         schedule_seconds_total=schedule_seconds,
         output_seconds_total=output_seconds,
+        apply_seconds_total=engine_core.apply_seconds,
         detokenize_seconds_total=detokenize_seconds,
         plan_encode_seconds_total=workers.encode_seconds_total,
         result_decode_seconds_total=workers.decode_seconds_total,
