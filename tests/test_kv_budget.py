@@ -1,5 +1,6 @@
 """Unit tests of the KV cache's automatic budget (worker/kv_budget.py): the sizing rule, the
-memory readings it starts from, and a zeroed cache that costs only what is written."""
+memory readings it starts from, the blocks a budget holds, and a zeroed cache that costs only
+what is written."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from triode.engine.config import EngineArgs
-from triode.engine.errors import InvalidRequestError
+from triode.engine.errors import InvalidRequestError, KVCacheTooSmallError
+from triode.engine.model.config import ModelConfig
 from triode.engine.worker import kv_budget
-from triode.engine.worker.kv_budget import MemoryReading, activation_bytes, automatic_kv_cache_bytes
+from triode.engine.worker.kv_budget import (
+    MemoryReading,
+    activation_bytes,
+    automatic_kv_cache_bytes,
+    blocks_for_budget,
+)
 
 GiB = 2**30
 UNBOUNDED = 1 << 62
@@ -76,6 +84,23 @@ def test_the_setting_is_a_fraction_and_an_explicit_budget_is_kept():
         with pytest.raises(InvalidRequestError, match="gpu_memory_utilization must be in") as error:
             EngineArgs(gpu_memory_utilization=wrong)
         assert error.value.field == "gpu_memory_utilization"
+
+
+def test_a_budget_becomes_blocks_and_must_hold_one_sequence_of_max_model_len():
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384,
+                                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "max_position_embeddings": 1024}, source="config.json")
+    args = EngineArgs(block_size=16)
+    block = 16 * 2 * 2 * 2 * 16 * 4  # tokens x (K, V) x layers x KV heads x head dim x float32 bytes
+    options = dict(config=config, dtype=torch.float32, kv_heads=2, max_model_len=1024)
+    assert blocks_for_budget(128 * block + block - 1, args, reserved_blocks=1, **options) == (127, 0)
+    reading = MemoryReading(total=24 * GiB, available=20 * GiB, on_gpu=False)
+    with pytest.raises(KVCacheTooSmallError, match=r"holds 1008 tokens, fewer than the 1024 one sequence of "
+                       r"max_model_len=1024 .*sized from the 20\.00 GiB of memory available"):
+        blocks_for_budget(64 * block, args, reserved_blocks=1, reading=reading, **options)
+    with pytest.raises(KVCacheTooSmallError, match=r"lower max_model_len\)$"):  # a given budget: no reading
+        blocks_for_budget(64 * block, args, reserved_blocks=1, **options)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")

@@ -14,7 +14,7 @@ Either way no rank takes more than ``max_num_seqs`` sequences of ``max_model_len
 more would never be used. The reading is logged at start-up; an explicit
 ``kv_cache_memory`` is taken as it is. The rule (:func:`automatic_kv_cache_bytes`) is
 sans-IO; :func:`read_memory` is the measurement; :func:`size_kv_cache` puts them together for
-a worker.
+a worker. :func:`blocks_for_budget` turns a budget, given or sized, into the rank's blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import attrs
 import torch
 
 from triode.engine.config import EngineArgs
+from triode.engine.core.kv_blocks import blocks_in_use_at_most
+from triode.engine.errors import KVCacheTooSmallError
 from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
 from triode.engine.worker.draft_model import draft_kv_share, kv_bytes_per_token
@@ -93,6 +95,35 @@ def size_kv_cache(args: EngineArgs, *, device: torch.device, config: ModelConfig
     sizing = f"sized as {utilization:g} of {basis}" + (
         ", capped at what max_num_seqs sequences of max_model_len fill" if budget == most_useful else "")
     return budget, sizing, reading
+
+
+def blocks_for_budget(budget: int, args: EngineArgs, *, config: ModelConfig, dtype: torch.dtype, kv_heads: int,
+                      max_model_len: int, reserved_blocks: int, reading: MemoryReading | None = None,
+                      ) -> tuple[int, int]:
+    """The blocks a rank's ``budget`` bytes hold (``kv_heads``: the most any rank holds, so that
+    every rank has as many), less ``reserved_blocks``, and the bytes a draft model's cache takes
+    of it first (the same share on every rank; only rank 0 allocates it). One sequence of
+    ``max_model_len`` must fit, or ``KVCacheTooSmallError`` says so, naming ``reading`` where
+    the budget was sized from one."""
+    per_token = kv_bytes_per_token(config, dtype, kv_heads)
+    per_block = args.block_size * per_token
+    draft_bytes = int(budget * draft_kv_share(args, per_token, dtype))
+    budget_bytes = budget - draft_bytes
+    num_blocks = budget_bytes // per_block - reserved_blocks
+    # With a window on every layer, only the part of a sequence the scheduler keeps at once
+    # must fit (its blocks behind the window are freed).
+    needed = blocks_in_use_at_most(max_model_len, args.block_size, sliding_window=config.kv_window,
+                                   max_chunk=args.max_num_batched_tokens)
+    if num_blocks < needed:
+        note = "" if reading is None else (
+            f"; the budget was sized from the {reading.available / 2**30:.2f} GiB of memory available "
+            f"once the weights were in (of {reading.total / 2**30:.2f} GiB)")
+        raise KVCacheTooSmallError(
+            f"a KV-cache budget of {budget_bytes} bytes holds {num_blocks * args.block_size} tokens, "
+            f"fewer than the {needed * args.block_size} one sequence of max_model_len={max_model_len} "
+            f"may hold at once (raise kv_cache_memory or lower max_model_len){note}"
+        )
+    return num_blocks, draft_bytes
 
 
 def read_memory(device_type: str, device_index: int | None = None) -> MemoryReading:

@@ -17,8 +17,7 @@ import torch
 
 from triode import kernels
 from triode.engine.config import EngineArgs
-from triode.engine.core.kv_blocks import blocks_in_use_at_most
-from triode.engine.errors import KVCacheTooSmallError, ModelLoadError
+from triode.engine.errors import ModelLoadError
 from triode.engine.lora.request import LoRARequest
 from triode.engine.model.config import ModelConfig
 from triode.engine.model.pooling import read_pooler_config, resolve_runner
@@ -33,11 +32,11 @@ from triode.engine.worker.checkpoint import (
 )
 from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
-from triode.engine.worker.draft_model import DraftModelProposer, draft_kv_share, kv_bytes_per_token
+from triode.engine.worker.draft_model import DraftModelProposer
 from triode.engine.worker.grammar import SequenceGrammars
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
-from triode.engine.worker.kv_budget import size_kv_cache
+from triode.engine.worker.kv_budget import MemoryReading, blocks_for_budget, size_kv_cache
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.models.registry import build_model
@@ -126,12 +125,12 @@ class ModelRunner:
             partition = Partition.of(self.config, rank, rendezvous.world_size)
             max_kv_heads = partition.max_kv_heads
             if self.kv_cache_memory is not None:
-                self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
+                self._size_blocks(args, max_kv_heads)
             kv_heads = partition.num_kv_heads
             select = checkpoint_slices(self.config, partition)
             self.parallel = TensorParallelGroup.join(partition, rendezvous, self.device, store)
         elif self.kv_cache_memory is not None:
-            self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
+            self._size_blocks(args, max_kv_heads)
         kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
         kernels.set_quantized_activations(resolve_quantized_activations(args.quantized_activations))
         self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
@@ -162,10 +161,10 @@ class ModelRunner:
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()
         if self.kv_cache_memory is None:
-            self.kv_cache_memory, self.kv_cache_sizing, self._kv_reading = size_kv_cache(
+            self.kv_cache_memory, self.kv_cache_sizing, reading = size_kv_cache(
                 args, device=self.device, config=self.config, dtype=self.dtype, kv_heads=max_kv_heads,
                 max_model_len=self.max_model_len, reserved_blocks=self._reserved_blocks, parallel=self.parallel)
-            self.num_blocks = self._num_blocks(args, max_kv_heads, self.kv_cache_memory)
+            self._size_blocks(args, max_kv_heads, reading)
         # An encoder keeps no KV: its blocks only count what the scheduler admits.
         blocks = 0 if self.config.encoder else self.num_blocks + self._reserved_blocks
         shape = (blocks, self.block_size, kv_heads, self.config.head_dim)
@@ -210,32 +209,11 @@ class ModelRunner:
             grammars=self.grammars, parallel=self.parallel, verifies=self.proposer is not None,
             follows_samples=self.parallel is not None and args.async_scheduling_on(str(self.device)))
 
-    def _num_blocks(self, args: EngineArgs, kv_heads: int, kv_cache_memory: int) -> int:
-        per_token = kv_bytes_per_token(self.config, self.dtype, kv_heads)
-        per_block = self.block_size * per_token
-        # A draft model's cache takes its share first (the same count on every rank, so that
-        # every rank has the same number of blocks; only rank 0 allocates it).
-        self._draft_kv_bytes = int(kv_cache_memory * draft_kv_share(args, per_token, self.dtype))
-        budget_bytes = kv_cache_memory - self._draft_kv_bytes
-        num_blocks = budget_bytes // per_block - self._reserved_blocks
-        # One sequence of max_model_len must fit; with a window on every layer, only the part
-        # of it the scheduler keeps at once (its blocks behind the window are freed).
-        needed = blocks_in_use_at_most(self.max_model_len, self.block_size, sliding_window=self.config.kv_window,
-                                       max_chunk=self.max_num_batched_tokens)
-        if num_blocks < needed:
-            raise KVCacheTooSmallError(
-                f"a KV-cache budget of {budget_bytes} bytes holds {num_blocks * self.block_size} tokens, "
-                f"fewer than the {needed * self.block_size} one sequence of max_model_len={self.max_model_len} "
-                f"may hold at once (raise kv_cache_memory or lower max_model_len){self._automatic_note(args)}"
-            )
-        return num_blocks
-
-    def _automatic_note(self, args: EngineArgs) -> str:
-        if args.kv_cache_memory is not None:
-            return ""
-        reading = self._kv_reading
-        return (f"; the budget was sized from the {reading.available / 2**30:.2f} GiB of memory available "
-                f"once the weights were in (of {reading.total / 2**30:.2f} GiB)")
+    def _size_blocks(self, args: EngineArgs, kv_heads: int, reading: MemoryReading | None = None) -> None:
+        assert self.kv_cache_memory is not None
+        self.num_blocks, self._draft_kv_bytes = blocks_for_budget(
+            self.kv_cache_memory, args, config=self.config, dtype=self.dtype, kv_heads=kv_heads,
+            max_model_len=self.max_model_len, reserved_blocks=self._reserved_blocks, reading=reading)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
