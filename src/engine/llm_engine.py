@@ -4,13 +4,13 @@ It drives the same ``EngineCore`` as the async engine's scheduler actor, with th
 ``InputProcessor`` and ``OutputProcessor``, and reaches the same worker-supervisor actor
 through a private trio loop. ``step`` is schedule -> run -> apply the result and send the
 next step (the core's ``complete_step``) -> build the outputs, so that detokenizing and
-building ``RequestOutput``s overlap the next step on the workers. With async scheduling (by default on GPU workers) it
-also plans the next step before it waits and sends it to the workers at once, where it starts
-the moment the current step is done, so applying the result overlaps it too. A step the caller
-stopped waiting for (KeyboardInterrupt) keeps running on the workers and is collected by the
-next ``step``, so the core and the workers never disagree about what ran. Making and
-handing over a plan, and applying a result, hold a KeyboardInterrupt off until they are
-done (a few milliseconds): it lands only in the wait.
+building ``RequestOutput``s overlap the next step on the workers. With async scheduling (by
+default on GPU workers) it also plans the next step before it waits and sends it to the
+workers at once, where it starts the moment the current step is done, so applying the result
+overlaps it too. A step the caller stopped waiting for (KeyboardInterrupt) keeps running on
+the workers and is collected by the next ``step``, so the core and the workers never disagree
+about what ran. Making and handing over a plan, and applying a result, hold a
+KeyboardInterrupt off until they are done (a few milliseconds): it lands only in the wait.
 
 The workers stop on ``close``, when the engine is garbage-collected, or at interpreter exit.
 """
@@ -67,8 +67,7 @@ class LLMEngine:
         )
         self.inputs = open_input_processor(model, args, info)
         self.outputs = OutputProcessor(self.tokenizer)
-        # in the core and the output processor, for statistics()
-        self._output_seconds = 0.0  # building outputs (the core times its own work)
+        self._output_seconds = 0.0  # building outputs, for statistics() (the core times its own work)
         self._dead: EngineDeadError | None = None
 
     @classmethod
