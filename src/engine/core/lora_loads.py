@@ -10,10 +10,12 @@ hears of one: one such plan is out at a time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from triode.engine.lora.request import LoRARequest
 from triode.engine.worker_messages import StepResult
 
-__all__ = ["LoRALoads"]
+__all__ = ["AdapterSlots", "LoRALoads"]
 
 
 class LoRALoads:
@@ -52,3 +54,32 @@ class LoRALoads:
         self.loading.clear()
         self._pending = []
         self.poll = None
+
+
+class AdapterSlots:
+    """One admission pass over the waiting sequences, as far as their adapters go: the workers
+    hold at most ``max_loras`` adapters at once (``None``: no LoRA). A sequence of an adapter
+    not read yet is passed by the others (and its adapter asked for again, in case the workers
+    dropped it); once one waits for a free slot, no adapter's sequence passes it, so the running
+    adapters' sequences end and free one."""
+
+    def __init__(self, loads: LoRALoads, max_loras: int | None, running: Iterable[LoRARequest | None]) -> None:
+        self._loads = loads
+        self._max_loras = max_loras or 0
+        self._in_use = {lora.lora_int_id for lora in running if lora is not None} if max_loras else set()
+        self._slot_wanted = False
+
+    def admits(self, lora: LoRARequest) -> bool:
+        """Whether a sequence of ``lora`` may be admitted now; if so, its adapter takes a slot."""
+        if lora.lora_int_id not in self._loads.ready:
+            self._loads.request(lora)
+            return False
+        if self._slot_wanted:
+            return False
+        if lora.lora_int_id not in self._in_use and len(self._in_use) >= self._max_loras:
+            self._slot_wanted = True
+            return False
+        return True
+
+    def admitted(self, lora: LoRARequest) -> None:
+        self._in_use.add(lora.lora_int_id)

@@ -80,6 +80,7 @@ class SpeculativeConfig:
             for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
                 if not _positive_int(value):
                     raise _error(name, f"must be a positive integer, got {value!r}")
+            assert low is not None and high is not None  # both checked just above
             if low > high:
                 raise _error("prompt_lookup_min", f"({low}) must not exceed prompt_lookup_max ({high})")
             object.__setattr__(self, "prompt_lookup_min", low)
