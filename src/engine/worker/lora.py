@@ -208,8 +208,9 @@ class WorkerLoRAs:
         if self._reading:
             concurrent.futures.wait(self._reading.values(), timeout, concurrent.futures.FIRST_COMPLETED)
 
-    def take_news(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...]]:
-        """(adapters read into host memory, dropped from it, whose read failed) since the last call."""
+    def take_news(self) -> dict[str, tuple]:
+        """The adapters read into host memory, dropped from it, and whose read failed since the
+        last call, as a step result's fields (``loaded_loras``, ``evicted_loras``, ``failed_loras``)."""
         for adapter_id, future in list(self._reading.items()):
             if future.done():
                 del self._reading[adapter_id]
@@ -220,7 +221,7 @@ class WorkerLoRAs:
                     self._news[2].append((adapter_id, str(error)))
         loaded, evicted, failed = (tuple(news) for news in self._news)
         self._news = ([], [], [])
-        return loaded, evicted, failed
+        return {"loaded_loras": loaded, "evicted_loras": evicted, "failed_loras": failed}
 
     def _keep(self, adapter_id: int, weights: SlotWeights) -> None:
         """Holds an adapter's weights, dropping the least recently used beyond max_cpu_loras

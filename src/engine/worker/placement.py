@@ -1,16 +1,27 @@
 """Where and how a runner holds its model: the device, the dtype, which of a checkpoint's
-quantized tensors stay quantized, and the longest sequence it serves."""
+quantized tensors stay quantized, the longest sequence it serves, and the weights loaded so,
+with the kernels set up for them."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import InvalidRequestError, ModelLoadError
 from triode.engine.model.config import ModelConfig
+from triode.engine.worker.checkpoint import (
+    SliceSelector,
+    blocks_kept_by_shards,
+    iter_safetensors,
+    quantized_tensors,
+)
+from triode.engine.worker.distributed import TensorParallelGroup
+from triode.engine.worker.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +90,28 @@ def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
             field="max_model_len",
         )
     return requested
+
+
+def load_weights(path: Path, args: EngineArgs, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+                 max_positions: int, select: SliceSelector | None = None,
+                 parallel: TensorParallelGroup | None = None, head: bool = True) -> tuple[nn.Module, dict[str, str]]:
+    """The model from the checkpoint at ``path`` (``select``: this rank's slices under tensor
+    parallelism; ``head``: False for a pooling model), and the quantized tensors it keeps as
+    blocks, with the kernels set up for them: compiled, their activations chosen, batch
+    invariance on or off as ``args`` asks (refused where a kernel would not honour it)."""
+    kernels.prepare(device, cache_dir=args.resolved_cache_dir())
+    kernels.set_quantized_activations(resolve_quantized_activations(args.quantized_activations))
+    quantized = kept_quantized(quantized_tensors(path), args, device)
+    if select is not None:
+        quantized = blocks_kept_by_shards(quantized, select)
+    model = build_model(config, iter_safetensors(path, select=select), dtype=dtype, device=device,
+                        max_positions=max_positions, source=str(path), parallel=parallel, quantized=quantized,
+                        head=head)
+    if args.batch_invariant:  # after the build, which decides whether the weights interleave
+        check_batch_invariant(quantized=bool(quantized))
+    kernels.set_batch_invariant(args.batch_invariant)
+    if quantized:
+        logger.info("%d quantized tensors kept as blocks, %s activations%s", len(quantized),
+                    kernels.quantized_activations(),
+                    " over rows interleaved 16 at a time" if kernels.quant_linear.interleaving() else "")
+    return model, quantized

@@ -15,50 +15,41 @@ from pathlib import Path
 
 import torch
 
-from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError
-from triode.engine.lora.request import LoRARequest
 from triode.engine.model.config import ModelConfig
 from triode.engine.model.pooling import read_pooler_config, resolve_runner
 from triode.engine.model_files.layout import load_hf_config
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.tensor_parallel import Rendezvous
 from triode.engine.worker.block_tables import BlockTables
-from triode.engine.worker.checkpoint import (
-    blocks_kept_by_shards,
-    iter_safetensors,
-    quantized_tensors,
-)
 from triode.engine.worker.cuda_graphs import DecodeGraphs, GraphCapture, capture_decode_graphs
 from triode.engine.worker.distributed import Partition, TensorParallelGroup, peak_resident_bytes
-from triode.engine.worker.draft_model import DraftModelProposer
 from triode.engine.worker.grammar import SequenceGrammars
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.kv_budget import MemoryReading, blocks_for_budget, size_kv_cache
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
-from triode.engine.worker.models.registry import build_model
 from triode.engine.worker.placement import (
-    check_batch_invariant,
-    kept_quantized,
+    load_weights,
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
-    resolve_quantized_activations,
 )
 from triode.engine.worker.pooler import Pooler
-from triode.engine.worker.row_sampling import RowSampling, WorkerSequence
-from triode.engine.worker.sampler import Sampler, compute_logprobs
-from triode.engine.worker.speculation import NgramProposer, Proposer, expand_drafts
+from triode.engine.worker.row_sampling import RowSampling
+from triode.engine.worker.sampler import Sampler, prompt_logprobs_of_step
+from triode.engine.worker.sequence_table import SequenceTable, batch_order
+from triode.engine.worker.speculation import (
+    expand_drafts,
+    propose_after_step,
+    proposer_for,
+)
 from triode.engine.worker.step_inputs import StepInputs
 from triode.engine.worker_messages import (
     AcceptedDrafts,
-    PooledOutput,
-    Proposal,
     SampledToken,
-    ScheduledChunk,
     StepPlan,
     StepResult,
 )
@@ -131,16 +122,9 @@ class ModelRunner:
             self.parallel = TensorParallelGroup.join(partition, rendezvous, self.device, store)
         elif self.kv_cache_memory is not None:
             self._size_blocks(args, max_kv_heads)
-        kernels.prepare(self.device, cache_dir=args.resolved_cache_dir())
-        kernels.set_quantized_activations(resolve_quantized_activations(args.quantized_activations))
-        self.quantized = kept_quantized(quantized_tensors(path), args, self.device)
-        if select is not None:
-            self.quantized = blocks_kept_by_shards(self.quantized, select)
-        self.model = build_model(
-            self.config, iter_safetensors(path, select=select), dtype=self.dtype,
-            device=self.device, max_positions=self.max_model_len, source=str(path),
-            parallel=self.parallel, quantized=self.quantized, head=self.pooler is None,
-        )
+        self.model, self.quantized = load_weights(
+            path, args, self.config, device=self.device, dtype=self.dtype, max_positions=self.max_model_len,
+            select=select, parallel=self.parallel, head=self.pooler is None)
         self.loras: WorkerLoRAs | None = None
         if args.enable_lora:
             if self.pooler is not None:
@@ -150,13 +134,6 @@ class ModelRunner:
                                      max_cpu_loras=args.resolved_max_cpu_loras(),
                                      dtype=torch.bfloat16 if self.quantized else self.dtype,
                                      partition=self.parallel.partition if self.parallel is not None else None)
-        if args.batch_invariant:
-            check_batch_invariant(quantized=bool(self.quantized))
-        kernels.set_batch_invariant(args.batch_invariant)
-        if self.quantized:
-            logger.info("%d quantized tensors kept as blocks, %s activations%s", len(self.quantized),
-                        kernels.quantized_activations(),
-                        " over rows interleaved 16 at a time" if kernels.quant_linear.interleaving() else "")
         # Peak resident memory once the weights are in (before the KV cache): what loading
         # this rank's shard cost, for `triode bench tp`.
         self.weights_peak_rss_bytes = peak_resident_bytes()
@@ -171,24 +148,22 @@ class ModelRunner:
         self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device), zeroed_tensor(shape, self.dtype, self.device))
                           for _ in range(self.config.num_layers)]
         self.sampler = Sampler(args.seed)
-        self.sequences: dict[str, WorkerSequence] = {}
-        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), rows=args.max_num_seqs)
         # Only rank 0 samples, so only it follows grammars (built on first use).
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
                                          reasoning_parser=args.reasoning_parser) \
             if rank == 0 and self.pooler is None else None
         self._grammar_seconds = 0.0
-        # Speculative decoding: every rank runs a verifying chunk's rows; rank 0 verifies
-        # them and proposes the next tokens.
         self.speculative = args.speculative_config
         if self.speculative is not None and self.pooler is not None:
             raise ModelLoadError("speculative decoding applies to generation models; this one is a pooling "
                                  "model (drop --speculative-config)", path=str(path))
-        self.proposer: Proposer | None = None
-        if self.speculative is not None and rank == 0:
-            self.proposer = NgramProposer(self.speculative) if self.speculative.method == "ngram" else \
-                DraftModelProposer(args, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
-                                   budget_bytes=self._draft_kv_bytes, block_size=self.block_size)
+        self.proposer = proposer_for(args, rank=rank, device=self.device, dtype=self.dtype,
+                                     max_model_len=self.max_model_len, budget_bytes=self._draft_kv_bytes,
+                                     block_size=self.block_size)
+        self.table = SequenceTable(
+            BlockTables(-(-self.max_model_len // self.block_size), rows=args.max_num_seqs), grammars=self.grammars,
+            keepers=(self.pooler, self.proposer), proposer=self.proposer)
+        self.sequences, self.block_tables = self.table.sequences, self.table.block_tables
         self._step_speculates = False
         self._sample_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
@@ -218,44 +193,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
-        for seq_id in plan.finished_seq_ids:
-            self.sequences.pop(seq_id, None)
-            self.block_tables.remove(seq_id)
-            if self.grammars is not None:
-                self.grammars.forget(seq_id)
-            if self.pooler is not None:
-                self.pooler.forget(seq_id)
-            if self.proposer is not None:
-                self.proposer.forget(seq_id)
-        self._grammar_seconds = 0.0
         self.row_sampling.grammar_seconds = self.row_sampling.prepare_seconds = 0.0
-        for new in plan.new_sequences:
-            if self.proposer is not None:
-                self.proposer.forget(new.seq_id)
-            self.sequences[new.seq_id] = WorkerSequence(
-                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.eos_token_ids, new.pooling,
-                new.lora,
-            )
-            self.block_tables.add(new.seq_id)
-            if self.grammars is not None and new.params.structured_outputs is not None:
-                grammar_started = time.perf_counter()
-                self.grammars.start(new.seq_id, new.params.structured_outputs, new.eos_token_ids,
-                                    new.output_token_ids)
-                self._grammar_seconds += time.perf_counter() - grammar_started
-        chunks, chunk_tokens = plan.chunks, self._chunk_tokens(plan.chunks)
+        self._grammar_seconds = self.table.apply(plan)
+        chunks, chunk_tokens = plan.chunks, self.table.chunk_tokens(plan.chunks)
         drafts = None
         if self.speculative is not None:
             chunks, chunk_tokens, drafts = expand_drafts(chunks, chunk_tokens)
             self._step_speculates = drafts is not None or any(chunk.propose for chunk in plan.chunks)
-        adapters = self._adapters(chunks)
-        if adapters is not None or any(len(tokens) != 1 for tokens in chunk_tokens):
-            # Decodes (one query token) go first: the attention ops batch them together; then
-            # each adapter's rows together, the segments of the LoRA op.
-            ids = [0 if adapter is None else adapter.lora_int_id for adapter in adapters] if adapters else None
-            order = sorted(range(len(chunks)), key=lambda i: (len(chunk_tokens[i]) != 1, ids[i] if ids else 0))
-            chunks, chunk_tokens = [chunks[i] for i in order], [chunk_tokens[i] for i in order]
-            if adapters is not None:
-                adapters = [adapters[i] for i in order]
+        adapters = self.table.adapters(chunks) if self.loras is not None else None
+        chunks, chunk_tokens, adapters = batch_order(chunks, chunk_tokens, adapters)
         self.block_tables.extend_many((chunk.seq_id, chunk.new_block_ids) for chunk in chunks if chunk.new_block_ids)
         if self.loras is not None and plan.load_loras:
             self.loras.prefetch(plan.load_loras)
@@ -285,7 +231,8 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
             accepted=accepted,
-            proposals=self._propose(plan.chunks) if self._step_speculates and self.proposer is not None else (),
+            proposals=(propose_after_step(self.proposer, plan.chunks, self.sequences)
+                       if self._step_speculates and self.proposer is not None else ()),
             execute_seconds=time.perf_counter() - started,
             grammar_seconds=self._grammar_seconds + self.row_sampling.grammar_seconds,
             collective_seconds=self.parallel.collective_seconds if self.parallel is not None else 0.0,
@@ -295,63 +242,29 @@ class ModelRunner:
             **self._lora_news(),
         )
 
-    def _lora_news(self) -> dict:
-        if self.loras is None:
-            return {}
-        loaded, evicted, failed = self.loras.take_news()
-        return {"loaded_loras": loaded, "evicted_loras": evicted, "failed_loras": failed}
-
-    def _adapters(self, chunks) -> list[LoRARequest | None] | None:
-        """Each chunk's adapter, or None when no chunk of the step has one."""
-        if self.loras is None:
-            return None
-        adapters = [self.sequences[chunk.seq_id].lora for chunk in chunks]
-        return adapters if any(adapters) else None
+    def _lora_news(self) -> dict[str, tuple]:
+        return self.loras.take_news() if self.loras is not None else {}
 
     def _run(self, chunks, inputs: StepInputs, *, lora: bool, drafts: dict[str, tuple[int, ...]] | None):
         """((sampled, accepted proposals), prompt logprobs, pooled) of the step; ``lora``: some
         rows have an adapter (captured decode graphs have none); ``drafts``: the proposals
         the step's verifying sequences feed (``speculation.expand_drafts``)."""
-        pooled: tuple[PooledOutput, ...] = ()
         if self.pooler is not None:
             hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
             params = {c.seq_id: self.sequences[c.seq_id].pooling or PoolingParams() for c in chunks}
-            pooled = self.pooler.pool(chunks, inputs, hidden, params)
-            sampled, prompt_logprobs = ((), ()), ()
-        elif not lora and self._replays(chunks, inputs):
+            return ((), ()), (), self.pooler.pool(chunks, inputs, hidden, params)
+        # a decode graph keeps no hidden states, which prompt logprobs need
+        if not lora and self.graphs is not None and self.graphs.takes(inputs.metadata) and all(
+                self.sequences[c.seq_id].params.prompt_logprobs is None for c in chunks):
             logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
-            sampled, prompt_logprobs = self._sample(chunks, inputs, logits=logits, drafts=drafts), ()
-        else:
-            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            sampled = self._sample(chunks, inputs, hidden=hidden, drafts=drafts)
-            prompt_logprobs = self._prompt_logprobs(chunks, inputs, hidden)
-        return sampled, prompt_logprobs, pooled
-
-    def _propose(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[Proposal, ...]:
-        """Proposed tokens for the sequences whose chunks ask for them, after this step's."""
-        assert self.proposer is not None
-        requests = [(chunk.seq_id, (seq := self.sequences[chunk.seq_id]).prompt_token_ids, seq.output_token_ids,
-                     chunk.propose) for chunk in chunks if chunk.propose]
-        proposed = self.proposer.propose(requests) if requests else []
-        return tuple(Proposal(request[0], tokens) for request, tokens in zip(requests, proposed, strict=True) if tokens)
-
-    def _chunk_tokens(self, chunks) -> list[tuple[int, ...]]:
-        """Every chunk's input tokens. A plan made ahead (async scheduling) feeds a sequence the
-        token the step before it sampled (``sampled_input``), which the engine did not know when
-        it sent the plan: this worker sampled it, and ran that step first."""
-        sequences = self.sequences
-        return [(*chunk.token_ids, sequences[chunk.seq_id].output_token_ids[-1]) if chunk.sampled_input
-                else chunk.token_ids for chunk in chunks]
+            return self._sample(chunks, inputs, logits=logits, drafts=drafts), (), ()
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        sampled = self._sample(chunks, inputs, hidden=hidden, drafts=drafts)
+        return sampled, prompt_logprobs_of_step(self.model, chunks, inputs, hidden, self.sequences), ()
 
     def _logits_of_step(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
         """Every row's logits: what a decode graph captures."""
         return self.model.compute_logits(self.model(token_ids, positions, self.kv_caches, metadata))
-
-    def _replays(self, chunks: list[ScheduledChunk], inputs: StepInputs) -> bool:
-        """Whether a decode graph runs this step; not for prompt logprobs, which need the
-        hidden states the graph does not keep."""
-        return (self.graphs is not None and self.graphs.takes(inputs.metadata)
-                and all(self.sequences[c.seq_id].params.prompt_logprobs is None for c in chunks))
 
     def _sample(self, chunks, inputs: StepInputs, *, hidden: torch.Tensor | None = None,
                 logits: torch.Tensor | None = None, drafts: dict[str, tuple[int, ...]] | None = None,
@@ -372,27 +285,6 @@ class ModelRunner:
                                     speculates=self._step_speculates)
         finally:  # the sampling batch's rows are counted as preparation, not here
             self._sample_seconds += time.perf_counter() - started - (self.row_sampling.prepare_seconds - prepared)
-
-    def _prompt_logprobs(self, chunks: list[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor):
-        results = []
-        for index, chunk in enumerate(chunks):
-            seq = self.sequences[chunk.seq_id]
-            if seq.params.prompt_logprobs is None:
-                continue
-            prompt = seq.prompt_token_ids
-            # Row p predicts prompt[p + 1]; only positions inside the prompt have a target.
-            end = min(chunk.start_position + chunk.num_tokens, len(prompt) - 1)
-            if end <= chunk.start_position:
-                continue
-            first_row = inputs.first_token_rows[index]
-            rows = hidden[first_row : first_row + end - chunk.start_position]
-            logits = self.model.compute_logits(rows)
-            if logits is None:
-                continue  # not rank 0 (which computes them); the gather above was its part
-            targets = torch.tensor(prompt[chunk.start_position + 1 : end + 1], device=self.device)
-            logprobs = compute_logprobs(logits, targets, seq.params.prompt_logprobs)
-            results.append((chunk.seq_id, tuple(logprobs)))
-        return tuple(results)
 
     def close(self) -> None:
         """Leaves the process group (if any)."""

@@ -5,21 +5,26 @@ Processing order follows vLLM: logit bias and banned tokens, repetition penalty,
 presence penalties; then greedy rows take the argmax while random rows go through temperature,
 top-k, top-p and min-p, softmax and an exponential race. Logprobs describe the raw model
 distribution (vLLM v1's default), not the processed one. The step's rows arrive as a
-:class:`~triode.engine.worker.sampling_batch.SamplingBatch`.
+:class:`~triode.engine.worker.sampling_batch.SamplingBatch`. Prompt logprobs come from here too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from triode import kernels
 from triode.engine.worker.sampling_batch import SamplingBatch
-from triode.engine.worker_messages import TokenLogprobs
+from triode.engine.worker_messages import ScheduledChunk, TokenLogprobs
+
+if TYPE_CHECKING:
+    from triode.engine.worker.row_sampling import WorkerSequence
+    from triode.engine.worker.step_inputs import StepInputs
 
 _NEG_INF = float("-inf")
 # Exp(1) noise can be exactly 0; 0/0 would be NaN and argmax picks NaN, so floor it.
@@ -153,6 +158,30 @@ def compute_logprobs(
         shapes = f"{tuple(logits.shape)} and {tuple(ids.shape)}"
         raise ValueError(f"logits and token ids do not match: {shapes}")
     return _logprobs(logits, ids, [num_top] * len(ids))
+
+
+def prompt_logprobs_of_step(model: Any, chunks: Sequence[ScheduledChunk], inputs: StepInputs, hidden: torch.Tensor,
+                            sequences: Mapping[str, WorkerSequence]) -> tuple[tuple[str, tuple[TokenLogprobs, ...]], ...]:
+    """(seq id, logprobs of the prompt tokens its chunk predicts) for the sequences that asked,
+    from the step's ``hidden`` states (``model.compute_logits`` is None but on rank 0)."""
+    results = []
+    for index, chunk in enumerate(chunks):
+        seq = sequences[chunk.seq_id]
+        if seq.params.prompt_logprobs is None:
+            continue
+        prompt = seq.prompt_token_ids
+        # Row p predicts prompt[p + 1]; only positions inside the prompt have a target.
+        end = min(chunk.start_position + chunk.num_tokens, len(prompt) - 1)
+        if end <= chunk.start_position:
+            continue
+        first_row = inputs.first_token_rows[index]
+        logits = model.compute_logits(hidden[first_row : first_row + end - chunk.start_position])
+        if logits is None:
+            continue  # not rank 0 (which computes them); the gather above was its part
+        targets = torch.tensor(prompt[chunk.start_position + 1 : end + 1], device=hidden.device)
+        logprobs = compute_logprobs(logits, targets, seq.params.prompt_logprobs)
+        results.append((chunk.seq_id, tuple(logprobs)))
+    return tuple(results)
 
 
 def _derive_seed(seed: int, index: int, stream: int = 0) -> int:

@@ -16,19 +16,23 @@ sit in the same place, after the step's sampling, with the step's hidden states 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from triode.engine.config import EngineArgs
 from triode.engine.spec_decode.config import SpeculativeConfig
 from triode.engine.spec_decode.ngram import NgramIndex
-from triode.engine.worker.draft_model import ProposalRequest
+from triode.engine.worker.draft_model import DraftModelProposer, ProposalRequest
 from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from triode.engine.worker.rejection import DraftRows, verify
 from triode.engine.worker.sampler import Sampler, compute_logprobs
 from triode.engine.worker.sampling_batch import SamplingBatch, SamplingRow
-from triode.engine.worker_messages import AcceptedDrafts, SampledToken, ScheduledChunk
+from triode.engine.worker_messages import AcceptedDrafts, Proposal, SampledToken, ScheduledChunk
+
+if TYPE_CHECKING:
+    from triode.engine.worker.row_sampling import WorkerSequence
 
 
 def expand_drafts(chunks: Sequence[ScheduledChunk], chunk_tokens: Sequence[tuple[int, ...]]):
@@ -87,6 +91,28 @@ class Proposer(Protocol):
     def forget(self, seq_id: str) -> None: ...
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[tuple[int, ...]]: ...
+
+
+def propose_after_step(proposer: Proposer, chunks: Sequence[ScheduledChunk],
+                       sequences: Mapping[str, WorkerSequence]) -> tuple[Proposal, ...]:
+    """Proposed tokens for the sequences whose chunks ask for them, after this step's."""
+    requests = [(chunk.seq_id, (seq := sequences[chunk.seq_id]).prompt_token_ids, seq.output_token_ids,
+                 chunk.propose) for chunk in chunks if chunk.propose]
+    proposed = proposer.propose(requests) if requests else []
+    return tuple(Proposal(request[0], tokens) for request, tokens in zip(requests, proposed, strict=True) if tokens)
+
+
+def proposer_for(args: EngineArgs, *, rank: int, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 budget_bytes: int, block_size: int) -> Proposer | None:
+    """What proposes tokens on this rank: rank 0 proposes and verifies (every rank runs a
+    verifying chunk's rows); None without speculative decoding."""
+    config = args.speculative_config
+    if config is None or rank != 0:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config)
+    return DraftModelProposer(args, device=device, dtype=dtype, max_model_len=max_model_len,
+                              budget_bytes=budget_bytes, block_size=block_size)
 
 
 class DraftVerifier:
