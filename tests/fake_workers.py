@@ -9,7 +9,7 @@ import contextlib
 
 import trio
 
-from triode.engine.actors.workers import StepTicket, WorkerCrashed
+from triode.engine.actors.worker_group import StepTicket, WorkerCrashed
 from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, WorkerInfo
 
 

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 import attrs
 
 from triode.engine.errors import InvalidRequestError, TriodeError
+from triode.engine.model.config import ModelConfig
+from triode.engine.model_files.layout import load_hf_config
 
 if TYPE_CHECKING:
-    from triode.engine.model.config import ModelConfig
+    from triode.engine.config import EngineArgs
 
 MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
@@ -174,3 +176,18 @@ def check_tensor_parallel(
                 f"tensor_parallel_size={size}{here} needs one CUDA device per rank, but only "
                 f"{available} {'is' if available == 1 else 'are'} available"
             )
+
+
+def check_before_spawn(args: EngineArgs, model_path: str) -> None:
+    """The start-up checks of a tensor-parallel group that need no worker: the size against
+    the model's heads (and the CUDA devices), and a MASTER_PORT that must be free."""
+    if args.tensor_parallel_size == 1:
+        return
+    config = ModelConfig.from_hf(load_hf_config(model_path), source=f"{model_path}/config.json")
+    check_tensor_parallel(
+        config, args.tensor_parallel_size, device=args.device,
+        local_ranks=local_rank_count(args.tensor_parallel_size),
+    )
+    _, port = rendezvous_address()
+    if port is not None:
+        check_port_free(port)

@@ -25,7 +25,8 @@ import attrs
 import trio
 
 from triode.engine.actors.step_channel import StepRaised
-from triode.engine.actors.workers import ProcessWorkerGroup, StepTicket, WorkerCrashed, WorkerGroup
+from triode.engine.actors.worker_group import StepTicket, WorkerCrashed, WorkerGroup
+from triode.engine.actors.workers import ProcessWorkerGroup
 from triode.engine.config import EngineArgs
 from triode.engine.errors import EngineDeadError, StepTimeout, WorkerFailure
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo

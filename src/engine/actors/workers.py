@@ -1,30 +1,26 @@
-"""Worker groups: the ranks that execute steps. The supervisor drives any ``WorkerGroup``;
-``ProcessWorkerGroup`` is the real one (one trio-parallel worker process per rank), and
-tests substitute an in-process fake so actor behaviour runs under trio's mock clock.
+"""The real worker group (``actors.worker_group.WorkerGroup``): ``ProcessWorkerGroup``, the
+ranks that execute steps, one trio-parallel worker process per rank.
 
 A group loads its ranks with trio-parallel calls, then keeps each rank's step channel open
 (``actors/step_channel.py``): ``submit`` sends a plan to every rank at once, in call order, and
-never waits, so a plan made ahead reaches the workers while the step before it runs; the
-ticket it returns (an async function) gives rank 0's result once every rank has replied.
+never waits, so a plan made ahead reaches the workers while the step before it runs.
 
 With ``tensor_parallel_size`` N > 1 the N ranks form one ``torch.distributed`` process group:
 rank 0 serves the rendezvous (a TCPStore on a free loopback port, or on MASTER_ADDR /
 MASTER_PORT when set), then every rank loads its shard and joins. A bad size or a taken
-port fails in ``open`` before any process is spawned. Every step goes to every rank; rank 0's
-result comes back, carrying each rank's step and collective times. One rank failing fails
-the step at once (the others are cancelled, which kills their processes: a rank blocked in
-a collective would otherwise wait for its dead peer), and ``kill`` ends every rank."""
+port fails in ``open`` before any process is spawned. One rank failing fails the step at
+once (the others are cancelled, which kills their processes: a rank blocked in a collective
+would otherwise wait for its dead peer), and ``kill`` ends every rank."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import trio
@@ -38,21 +34,19 @@ from triode.engine.actors.step_channel import (
     new_token,
     open_listener,
 )
-from triode.engine.actors.worker_spawn import starting_engine_workers
+from triode.engine.actors.worker_group import StepTicket, WorkerCrashed, rank0_result
+from triode.engine.actors.worker_spawn import open_worker_context, starting_engine_workers
 from triode.engine.config import EngineArgs
 from triode.engine.cpus import usable_cpus
-from triode.engine.model.config import ModelConfig
-from triode.engine.model_files.layout import load_hf_config
 from triode.engine.tensor_parallel import (
     Rendezvous,
-    check_port_free,
-    check_tensor_parallel,
+    check_before_spawn,
     local_rank_count,
     rendezvous_address,
 )
 from triode.engine.worker import calls
 from triode.engine.worker.faults import fault_plan_from_env
-from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
+from triode.engine.worker_messages import StepPlan, WorkerInfo
 
 _CONNECT_SECONDS = 60.0  # from a loaded worker's serving call to its step channel
 _CLOSE_SECONDS = 5.0
@@ -72,83 +66,6 @@ async def _first_of(accepting: Awaitable[trio.SocketStream], died: Awaitable[Non
         nursery.start_soon(run, accepting, nursery.cancel_scope)
         nursery.start_soon(run, died, nursery.cancel_scope)
     return outcome[0] if outcome and isinstance(outcome[0], trio.SocketStream) else None
-
-
-class WorkerCrashed(Exception):
-    """A rank's process died; ``exit_code`` as the OS reported it."""
-
-    def __init__(self, message: str, exit_code: int | None = None) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# Worker processes inherit this at spawn (torch's libgomp reads it when torch loads). By
-# default an OpenMP thread spins about 300k times at every barrier before it sleeps; when the
-# worker shares its cores with the server, the engine, a client or another rank, the spinning
-# thread burns the time slice the thread it waits for needs. Measured on 2 cores, 64 decodes
-# per step: quiet, 302 ms default, 275 ms at 2000 spins, 340 ms passive (no spinning); with
-# one core kept busy by another process, 1216 ms default, 640 ms at 2000 spins, 520 passive.
-# 2000 spins keep the quiet speed and halve the loss when shared. A user's setting wins.
-WORKER_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
-
-
-@contextlib.asynccontextmanager
-async def _worker_context() -> AsyncIterator[trio_parallel.WorkerContext]:
-    for name, value in WORKER_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    # On the way out a context reports a worker that was killed (by a fault, or by us after
-    # a failed step) as BrokenWorkerError; at shutdown that is not an error.
-    with contextlib.suppress(trio_parallel.BrokenWorkerError):
-        async with trio_parallel.open_worker_context(idle_timeout=math.inf, grace_period=5.0) as context:
-            yield context
-
-
-# A step on the workers: awaiting it gives its result (or raises what failed it).
-StepTicket = Callable[[], Awaitable[StepResult]]
-
-
-class WorkerGroup(Protocol):
-    pids: tuple[int, ...]
-
-    async def load(self) -> WorkerInfo: ...
-
-    def submit(self, plan: StepPlan) -> StepTicket: ...
-
-    async def kill(self) -> None: ...
-
-
-async def _rank0_result(pendings: list[PendingStep]) -> StepResult:
-    """Rank 0's result once every rank has replied; the first failure (a crash before the
-    errors it causes on its peers) is raised instead."""
-    for pending in pendings:
-        await pending.done.wait()
-    errors = [(rank, p.error) for rank, p in enumerate(pendings) if p.error is not None]
-    if errors:
-        crashes = [(rank, e) for rank, e in errors if isinstance(e, WorkerCrashed)]
-        raise min(crashes or errors, key=lambda entry: entry[0])[1]
-    results = [p.result for p in pendings if p.result is not None]  # each settled with one
-    if len(results) == 1:
-        return results[0]
-    return attrs.evolve(
-        results[0],
-        rank_execute_seconds=tuple(r.execute_seconds for r in results),
-        rank_collective_seconds=tuple(r.collective_seconds for r in results),
-    )
-
-
-def check_before_spawn(args: EngineArgs, model_path: str) -> None:
-    """The start-up checks of a tensor-parallel group that need no worker: the size against
-    the model's heads (and the CUDA devices), and a MASTER_PORT that must be free."""
-    if args.tensor_parallel_size == 1:
-        return
-    config = ModelConfig.from_hf(load_hf_config(model_path), source=f"{model_path}/config.json")
-    check_tensor_parallel(
-        config, args.tensor_parallel_size, device=args.device,
-        local_ranks=local_rank_count(args.tensor_parallel_size),
-    )
-    _, port = rendezvous_address()
-    if port is not None:
-        check_port_free(port)
 
 
 class ProcessWorkerGroup:
@@ -182,7 +99,7 @@ class ProcessWorkerGroup:
         async with contextlib.AsyncExitStack() as stack:
             # Ranks past TRIODE_TP_LOCAL_RANKS run on other nodes (followers), not here.
             local = local_rank_count(args.tensor_parallel_size)
-            contexts = [await stack.enter_async_context(_worker_context()) for _ in range(local)]
+            contexts = [await stack.enter_async_context(open_worker_context()) for _ in range(local)]
             listeners = [await stack.enter_async_context(open_listener()) for _ in range(local)]
             nursery = await stack.enter_async_context(trio.open_nursery())
             group = cls(args, model_path, fault_plan, contexts, listeners, nursery)
@@ -268,11 +185,11 @@ class ProcessWorkerGroup:
         if not self._channels:
             pending = PendingStep()
             pending._settle(error=WorkerCrashed("the workers are not loaded", None))
-            return functools.partial(_rank0_result, [pending])
+            return functools.partial(rank0_result, [pending])
         started = time.perf_counter()
         frame = encode_plan(plan)  # once, whatever the number of ranks
         self._encode_seconds += time.perf_counter() - started
-        return functools.partial(_rank0_result, [channel.send_frame(frame) for channel in self._channels])
+        return functools.partial(rank0_result, [channel.send_frame(frame) for channel in self._channels])
 
     @property
     def encode_seconds(self) -> float:
