@@ -33,8 +33,9 @@ from triode.engine.config import EngineArgs
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.model_files import default_model
 from triode.frontend.cli import build_parser
+from triode.frontend.server.engine_metrics import CacheConfig
 from triode.frontend.server.lifecycle import ABORT_GRACE_SECONDS
-from triode.frontend.server.metrics import CacheConfig, ServerMetrics
+from triode.frontend.server.metrics import ServerMetrics
 from triode.frontend.server.serve import hypercorn_config
 
 ROOT = Path(__file__).resolve().parent.parent

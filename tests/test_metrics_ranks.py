@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.spec_decode.policy import SpecDecodeStats
-from triode.frontend.server.metrics import CacheConfig, ServerMetrics
+from triode.frontend.server.engine_metrics import CacheConfig
+from triode.frontend.server.metrics import ServerMetrics
 
 
 def _two_rank_statistics() -> EngineStatistics:

@@ -20,7 +20,8 @@ from triode.engine.model.generation_config import GenerationDefaults
 from triode.frontend.openai.errors import APIError, shutting_down
 from triode.frontend.openai.logprobs import TokenText
 from triode.frontend.server.adapters import ServedAdapters
-from triode.frontend.server.metrics import CacheConfig, ServerMetrics
+from triode.frontend.server.engine_metrics import CacheConfig
+from triode.frontend.server.metrics import ServerMetrics
 from triode.frontend.server.settings import LoRAModule, served_model_name
 
 log = logging.getLogger("triode.frontend")
