@@ -40,7 +40,7 @@ from triode.engine.core.scheduler_output import (
     SequenceUpdate,
 )
 from triode.engine.core.sequence import Sequence, SequenceStatus
-from triode.engine.core.sequence_queues import SequenceQueues
+from triode.engine.core.sequence_queues import SequenceQueues, adapter_names
 from triode.engine.core.step_results import PlannedChunk, abort_failed_adapters, apply_step_result
 from triode.engine.spec_decode.policy import SpeculationPolicy, speculation_policy
 from triode.engine.spec_decode.scheduling import ask_for_proposals, drafts_to_verify
@@ -136,7 +136,7 @@ class Scheduler(SequenceQueues):
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._num_to_schedule(seq, min(threshold, budget))
+            num_new = seq.num_to_feed(min(threshold, budget))
             if num_new == 0:
                 i += 1
                 continue
@@ -231,18 +231,6 @@ class Scheduler(SequenceQueues):
         """Whether some sequence waits for an adapter the workers are reading."""
         return bool(self.lora_loads.loading)
 
-    @staticmethod
-    def _num_to_schedule(seq: Sequence, limit: int) -> int:
-        """The tokens to feed a running sequence now, at most ``limit``: the rest of those it
-        has (with the one a step in flight samples), or none if that step ends it by length."""
-        # Plain attributes rather than Sequence's properties: this runs for every sequence of
-        # every step.
-        pending = seq.num_in_flight_samples
-        num_tokens = len(seq.all_token_ids)
-        if pending and num_tokens + pending >= seq.max_num_tokens:
-            return 0
-        return min(num_tokens + pending - seq.num_computed_tokens - seq.num_in_flight_tokens, limit)
-
     def can_schedule(self) -> bool:
         """Whether a step may be planned now: fewer are out than the engine runs at once, and
         none of them speculates (what it emits is unknown until it returns)."""
@@ -290,9 +278,6 @@ class Scheduler(SequenceQueues):
 
     # ---- state ---------------------------------------------------------------------------
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.sequences)
-
     @property
     def steps_in_flight(self) -> int:
         return len(self._in_flight)
@@ -309,11 +294,7 @@ class Scheduler(SequenceQueues):
             prefix_cache_hits=bm.prefix_cache_hits,
             iteration_tokens=tuple(self._iteration_tokens),
             iteration_tokens_sum=self._iteration_tokens_sum,
-            running_lora_adapters=_adapter_names(self.running),
-            waiting_lora_adapters=_adapter_names(self.waiting),
+            running_lora_adapters=adapter_names(self.running),
+            waiting_lora_adapters=adapter_names(self.waiting),
             spec_decode=self.speculation.statistics() if self.speculation is not None else None,
         )
-
-
-def _adapter_names(sequences: list[Sequence]) -> tuple[str, ...]:
-    return tuple(sorted({seq.lora.lora_name for seq in sequences if seq.lora is not None}))

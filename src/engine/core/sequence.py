@@ -147,6 +147,16 @@ class Sequence:
         """Tokens whose KV is computed or being computed by a step in flight."""
         return self.num_computed_tokens + self.num_in_flight_tokens
 
+    def num_to_feed(self, limit: int) -> int:
+        """The tokens to feed this running sequence now, at most ``limit``: the rest of those it
+        has (with the one a step in flight samples), or none if that step ends it by length."""
+        # Plain attributes rather than the properties: this runs for every sequence of every step.
+        pending = self.num_in_flight_samples
+        num_tokens = len(self.all_token_ids)
+        if pending and num_tokens + pending >= self.max_num_tokens:
+            return 0
+        return min(num_tokens + pending - self.num_computed_tokens - self.num_in_flight_tokens, limit)
+
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]

@@ -160,3 +160,8 @@ class SequenceQueues:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.sequences)
+
+
+def adapter_names(sequences: list[Sequence]) -> tuple[str, ...]:
+    """The LoRA adapters of ``sequences``, by name (what vllm:lora_requests_info lists)."""
+    return tuple(sorted({seq.lora.lora_name for seq in sequences if seq.lora is not None}))
