@@ -29,7 +29,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "triode.engine.async_llm",
     "EngineArgs": "triode.engine.config",
     "EngineStatistics": "triode.engine.engine_stats",
-    "ChatOptions": "triode.engine.inputs",
+    "ChatOptions": "triode.engine.chat_options",
     "CompletionOutput": "triode.engine.outputs",
     "EmbeddingOutput": "triode.engine.outputs",
     "EmbeddingRequestOutput": "triode.engine.outputs",
@@ -96,6 +96,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from triode.engine.async_llm import AsyncLLM, AsyncLLMEngine
+    from triode.engine.chat_options import ChatOptions
     from triode.engine.config import EngineArgs
     from triode.engine.engine_stats import EngineStatistics
     from triode.engine.errors import (
@@ -108,7 +109,7 @@ if TYPE_CHECKING:
         TriodeError,
         UnsupportedModelError,
     )
-    from triode.engine.inputs import ChatOptions, TextPrompt, TokensPrompt
+    from triode.engine.inputs import TextPrompt, TokensPrompt
     from triode.engine.llm import LLM
     from triode.engine.llm_engine import LLMEngine
     from triode.engine.lora.peft_files import LoRAAdapterError

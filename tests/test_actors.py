@@ -15,9 +15,9 @@ import trio.testing
 
 from tests.fake_workers import FakeWorkerGroup, fake_token
 from triode.engine.async_llm import AsyncLLM
+from triode.engine.chat_options import ChatOptions
 from triode.engine.config import EngineArgs
 from triode.engine.errors import EngineDeadError, InvalidRequestError, QueueFull
-from triode.engine.inputs import ChatOptions
 from triode.engine.sampling_params import OutputKind, SamplingParams
 from triode.engine.worker_messages import StepPlan
 

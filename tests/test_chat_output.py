@@ -93,7 +93,8 @@ def test_forced_choices_build_their_schema_and_read_their_json():
 
 
 def test_a_template_that_ignores_tools_is_replaced_by_the_shipped_one(tiny_tokenizer):
-    from triode.engine.inputs import ChatOptions, InputProcessor
+    from triode.engine.chat_options import ChatOptions
+    from triode.engine.inputs import InputProcessor
 
     processor = InputProcessor(tiny_tokenizer, max_model_len=512, vocab_size=len(tiny_tokenizer))
     messages = [
@@ -120,8 +121,8 @@ def test_a_template_that_ignores_tools_is_replaced_by_the_shipped_one(tiny_token
     ("f", "tools"),
 ])
 def test_bad_tools_raise_before_anything_renders(tools, field):
+    from triode.engine.chat_options import ChatOptions
     from triode.engine.errors import InvalidRequestError
-    from triode.engine.inputs import ChatOptions
 
     with pytest.raises(InvalidRequestError) as caught:
         ChatOptions(messages=[{"role": "user", "content": "x"}], tools=tools)

@@ -24,12 +24,13 @@ from triode.engine.actors.output import OutputActor
 from triode.engine.actors.scheduler import SchedulerActor
 from triode.engine.actors.streams import RequestStream
 from triode.engine.actors.supervisor import GroupOpener, WorkerSupervisor
+from triode.engine.chat_options import ChatMessage, ChatOptions
 from triode.engine.config import EngineArgs
 from triode.engine.core.engine_core import EngineCore, check_runner
 from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, EngineShutdownError, InvalidRequestError
-from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
+from triode.engine.inputs import PromptInput
 from triode.engine.kv_events.publisher import open_kv_event_publisher
 from triode.engine.lora.request import LoRARequest
 from triode.engine.model.setup import EngineModel, open_engine_model, open_input_processor

@@ -16,8 +16,9 @@ from typing import Any
 import attrs
 from tqdm import tqdm
 
+from triode.engine.chat_options import ChatMessage, ChatOptions
 from triode.engine.config import EngineArgs
-from triode.engine.inputs import ChatMessage, ChatOptions, PromptInput
+from triode.engine.inputs import PromptInput
 from triode.engine.llm_engine import LLMEngine
 from triode.engine.lora.request import LoRARequest
 from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput

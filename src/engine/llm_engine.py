@@ -24,12 +24,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from triode.engine.actors.supervisor import WorkerSupervisor
+from triode.engine.chat_options import ChatOptions
 from triode.engine.config import EngineArgs
 from triode.engine.core.engine_core import EngineCore, check_runner
 from triode.engine.core.output_processor import OutputProcessor
 from triode.engine.engine_stats import EngineStatistics, collect_statistics
 from triode.engine.errors import EngineDeadError, WorkerFailure
-from triode.engine.inputs import ChatOptions, PromptInput
+from triode.engine.inputs import PromptInput
 from triode.engine.kv_events.publisher import ZmqEventPublisher, start_kv_event_publisher
 from triode.engine.lora.request import LoRARequest
 from triode.engine.model.setup import open_engine_model, open_input_processor

@@ -9,8 +9,9 @@ from __future__ import annotations
 import attrs
 
 from triode.engine.actors.streams import RequestStream
+from triode.engine.chat_options import ChatOptions
 from triode.engine.core.scheduler_output import SequenceUpdate
-from triode.engine.inputs import ChatOptions, ProcessedPrompt, PromptInput
+from triode.engine.inputs import ProcessedPrompt, PromptInput
 from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import SamplingParams

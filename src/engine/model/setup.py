@@ -9,14 +9,10 @@ from typing import Any
 
 import attrs
 
+from triode.engine.chat_options import TOOL_TEMPLATE_NAME, template_reads_tools
 from triode.engine.config import EngineArgs
 from triode.engine.errors import InvalidRequestError
-from triode.engine.inputs import (
-    TOOL_TEMPLATE_NAME,
-    InputProcessor,
-    load_tokenizer,
-    template_reads_tools,
-)
+from triode.engine.inputs import InputProcessor, load_tokenizer
 from triode.engine.lora.adapters import LoRAAdapters
 from triode.engine.model.config import ModelConfig
 from triode.engine.model.generation_config import GenerationDefaults, read_generation_defaults

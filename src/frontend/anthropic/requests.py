@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from triode.engine.chat_options import ChatOptions, checked_tools
 from triode.engine.errors import InvalidRequestError
-from triode.engine.inputs import ChatOptions, checked_tools
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.structured.params import StructuredOutputsParams
 from triode.frontend.openai.errors import bad_request, from_engine_error, renamed

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from triode.engine.inputs import ChatOptions
+from triode.engine.chat_options import ChatOptions
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import SamplingParams
 from triode.frontend.openai.errors import bad_request

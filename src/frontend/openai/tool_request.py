@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
+from triode.engine.chat_options import checked_tools
 from triode.engine.errors import InvalidRequestError
-from triode.engine.inputs import checked_tools
 from triode.engine.structured.params import StructuredOutputsParams
 from triode.frontend.openai.errors import bad_request, from_engine_error
 from triode.frontend.openai.request_body import Reader

@@ -21,8 +21,8 @@ from typing import Any
 
 import attrs
 
+from triode.engine.chat_options import ChatOptions
 from triode.engine.errors import InvalidRequestError
-from triode.engine.inputs import ChatOptions
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.structured.params import StructuredOutputsParams

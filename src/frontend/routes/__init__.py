@@ -9,7 +9,7 @@ import uuid
 import attrs
 from quart import Quart, current_app, g, request
 
-from triode.engine.inputs import ChatOptions
+from triode.engine.chat_options import ChatOptions
 from triode.engine.lora.request import LoRARequest
 from triode.frontend.openai.errors import APIError
 from triode.frontend.openai.requests import ChatServing
