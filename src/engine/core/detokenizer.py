@@ -25,6 +25,8 @@ replayed): a decode step then costs nothing per token.
 Stop strings are searched in the decoded text. Unless ``include_stop_str_in_output``, the last
 ``len(longest stop) - 1`` characters are held back until the request finishes, so no part of a
 stop string is ever streamed; on a match the output ends before (or after) it.
+
+Logprobs name tokens one by one: ``TokenDecoder`` decodes each on its own, once per process.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from typing import Any
 
 import attrs
 
+from triode.engine.outputs import Logprob
 from triode.engine.sampling_params import SamplingParams
+from triode.engine.worker_messages import TokenLogprobs
 
 # Prompt tokens decoded as context for the first output token (vLLM uses 5 as well): with
 # SentencePiece, "▁Paris" right after the prompt streams as " Paris", not "Paris".
@@ -205,3 +209,26 @@ class IncrementalDetokenizer:
         end, start, self.stop_string = best
         self._text = self._text[: end if self._include_stop else start]
         return True
+
+
+class TokenDecoder:
+    """Each token decoded on its own (``Logprob.decoded_token``), cached: logprobs name the same
+    few thousand tokens again and again."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._backend.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's dict for one position: the chosen token first, then the top-N (a chosen token
+        among them keeps its place and takes its top-N rank, as in vLLM)."""
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank, self(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            out[token_id] = Logprob(logprob, rank, self(token_id))
+        return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from triode.engine.core.detokenizer import DecodeClock, IncrementalDetokenizer
+from triode.engine.core.detokenizer import DecodeClock, IncrementalDetokenizer, TokenDecoder
 from triode.engine.core.scheduler_output import SequenceUpdate
 from triode.engine.outputs import (
     CompletionOutput,
@@ -27,30 +27,6 @@ from triode.engine.outputs import (
 )
 from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
-from triode.engine.worker_messages import TokenLogprobs
-
-
-class TokenDecoder:
-    """Each token decoded on its own (``Logprob.decoded_token``), cached: logprobs name the same
-    few thousand tokens again and again."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._backend.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        """vLLM's dict for one position: the chosen token first, then the top-N (a chosen token
-        among them keeps its place and takes its top-N rank, as in vLLM)."""
-        out = {entry.token_id: Logprob(entry.logprob, entry.rank, self(entry.token_id))}
-        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-            out[token_id] = Logprob(logprob, rank, self(token_id))
-        return out
 
 
 @attrs.define
