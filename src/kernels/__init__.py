@@ -14,7 +14,8 @@ and benchmarks: ``torch`` runs only the references; forcing triton on CPU needs
 
 One module per op, each with its torch reference, its Triton kernel and the launcher that checks
 the arguments: :mod:`triode.kernels.kv_write`, :mod:`triode.kernels.decode_attention`,
-:mod:`triode.kernels.prefill_attention` (composed by :mod:`triode.kernels.paged_attention`),
+:mod:`triode.kernels.prefill_attention` (composed by :mod:`triode.kernels.paged_attention`, whose
+checks are :mod:`triode.kernels.attention_checks`),
 :mod:`triode.kernels.rms_norm`, :mod:`triode.kernels.rotary`, :mod:`triode.kernels.silu_mul`,
 :mod:`triode.kernels.lora` (batched adapters). This package imports
 only torch; triton is imported, and the kernels jitted, on the first Triton launch

@@ -20,11 +20,11 @@ import attrs
 import torch
 
 from triode.kernels import quant_linear
+from triode.kernels.attention_checks import check_decode_metadata
 from triode.kernels.invariance import batch_invariant
 from triode.kernels.lora import LoRAMatrix, lora_matrix
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.native import bind
-from triode.kernels.paged_attention import check_decode_metadata
 from triode.kernels.quant_linear import QuantizedWeight
 
 MAX_PARTS = 3  # as in the C source

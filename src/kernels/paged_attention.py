@@ -19,14 +19,17 @@ orders that follow the batch), the Triton one through the decode kernel with its
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 
+from triode.kernels.attention_checks import (
+    check_attention_args,
+    check_decode_metadata,
+    check_host_metadata,
+    once_per_step,
+)
 from triode.kernels.checks import (
-    check_kv_cache,
     check_launch_device,
     check_score_rules,
     check_tensor,
@@ -37,11 +40,7 @@ from triode.kernels.invariance import batch_invariant
 from triode.kernels.metadata import AttentionMetadata
 from triode.kernels.prefill_attention import gather_kv, launch_prefill, prefill_attention_reference
 
-_T = TypeVar("_T")
-
 __all__ = [
-    "check_attention_args",
-    "check_decode_metadata",
     "gather_kv",
     "length_buckets",
     "paged_attention_cpu",
@@ -128,19 +127,6 @@ def paged_attention_cpu(
     return out
 
 
-def check_decode_metadata(metadata: AttentionMetadata, k_cache: torch.Tensor) -> None:
-    """The checks of what the native decode kernel reads and trusts (lengths within each
-    block table, block ids within the cache, int32 rows it can stride over); each runs once
-    per step, not per layer."""
-    tables, seq_lens = metadata.block_tables, metadata.seq_lens
-    if not (tables.dtype == seq_lens.dtype == torch.int32 and tables.dim() == 2
-            and tables.shape[0] >= metadata.num_seqs and tables.stride(1) == 1
-            and seq_lens.shape == (metadata.num_seqs,) and seq_lens.is_contiguous()):
-        raise ValueError("block_tables and seq_lens: int32, a contiguous row and a length per sequence")
-    _check_host_metadata(metadata, tables.shape[1] * k_cache.shape[1])
-    _check_block_ids(metadata, k_cache.shape[0])
-
-
 # A bucket's sequences are padded to its longest; a shorter one starts a new bucket once the
 # padding would exceed this share of its length, unless the bucket is short anyway (then one
 # more call costs more than the padding). Measured on the CPU path at 128 decodes with 16-528
@@ -165,21 +151,7 @@ def length_buckets(lengths: Sequence[int], block_size: int) -> list[tuple[list[i
     return buckets
 
 
-def _once_per_step(compute: Callable[..., _T]) -> Callable[..., _T]:
-    """Every layer of a step passes the same metadata: ``compute`` runs once per step (the
-    last metadata and arguments are kept, not a growing cache)."""
-    last: list = [None, None, None]
-
-    @functools.wraps(compute)
-    def cached(metadata: AttentionMetadata, *arguments: int) -> _T:
-        if last[0] is not metadata or last[1] != arguments:
-            last[:] = [metadata, arguments, compute(metadata, *arguments)]
-        return last[2]
-
-    return cached
-
-
-@_once_per_step
+@once_per_step
 def _decode_buckets(metadata: AttentionMetadata, block_size: int) -> list:
     """(row indices, or None for all the decodes, padded length) per bucket."""
     buckets = length_buckets(metadata.seq_lens_host[:metadata.num_decodes], block_size)
@@ -189,7 +161,7 @@ def _decode_buckets(metadata: AttentionMetadata, block_size: int) -> list:
             for members, longest in buckets]
 
 
-@_once_per_step
+@once_per_step
 def _rows_as_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """(block table, context length) of every query row: a prefill chunk's token at position
     p is a decode of a sequence p + 1 tokens long, so that it is computed exactly as it would be
@@ -206,69 +178,6 @@ def _rows_as_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.T
     device = metadata.block_tables.device
     tables = metadata.block_tables.index_select(0, owner.to(device)).contiguous()
     return tables, lengths.to(device).contiguous()
-
-
-@_once_per_step
-def _check_block_ids(metadata: AttentionMetadata, num_blocks: int) -> None:
-    tables = metadata.block_tables
-    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
-        raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), got "
-                         f"{int(tables.min())}..{int(tables.max())}")
-
-
-def check_attention_args(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-) -> None:
-    check_kv_cache(k_cache, v_cache)
-    _, _, kv_heads, head_dim = k_cache.shape
-    device = k_cache.device
-    check_tensor("query", query, ndim=3, dtype=k_cache.dtype, device=device)
-    num_tokens, num_heads, query_dim = query.shape
-    if query_dim != head_dim or num_heads % kv_heads:
-        raise ValueError(
-            f"query: expected [tokens, a multiple of {kv_heads} heads, {head_dim}], got {list(query.shape)}"
-        )
-    num_seqs = metadata.num_seqs
-    check_tensor("query_start_loc", metadata.query_start_loc, shape=(num_seqs + 1,),
-                 dtype=torch.int32, device=device, contiguous=True)
-    check_tensor("seq_lens", metadata.seq_lens, shape=(num_seqs,), dtype=torch.int32,
-                 device=device, contiguous=True)
-    check_tensor("block_tables", metadata.block_tables, ndim=2, dtype=torch.int32,
-                 device=device, contiguous=True)
-    if metadata.block_tables.shape[0] < num_seqs:
-        raise ValueError(f"block_tables: {metadata.block_tables.shape[0]} rows for {num_seqs} sequences")
-    capacity = metadata.block_tables.shape[1] * k_cache.shape[1]
-    if metadata.max_seq_len > capacity:
-        raise ValueError(f"seq_lens: max {metadata.max_seq_len} exceeds the block table's {capacity} slots")
-    if metadata.query_start_loc_host[-1] != num_tokens:
-        raise ValueError(f"query_start_loc: ends at {metadata.query_start_loc_host[-1]}, query has {num_tokens} rows")
-
-
-@_once_per_step
-def _check_host_metadata(metadata: AttentionMetadata, capacity: int) -> tuple[int, int]:
-    """Checks the host copies that bound what the kernels read; returns (max decode seq_len,
-    max prefill chunk length)."""
-    starts, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
-    num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs
-    if len(starts) != num_seqs + 1 or starts[0] != 0:
-        raise ValueError(f"query_start_loc: expected {num_seqs + 1} offsets starting at 0, got {len(starts)}")
-    if not 0 <= num_decodes <= num_seqs or starts[num_decodes] != num_decodes:
-        raise ValueError(f"num_decodes: {num_decodes} decodes must own one query row each "
-                         f"(query_start_loc[{num_decodes}] = {starts[min(num_decodes, num_seqs)]})")
-    max_decode_len = max_chunk = 0
-    for seq in range(num_seqs):
-        chunk, seq_len = starts[seq + 1] - starts[seq], seq_lens[seq]
-        if chunk < 0 or seq_len < chunk or seq_len > capacity:
-            raise ValueError(f"seq_lens: sequence {seq} has {seq_len} tokens for a chunk of {chunk} "
-                             f"and a block table of {capacity} slots")
-        if seq < num_decodes:
-            max_decode_len = max(max_decode_len, seq_len)
-        else:
-            max_chunk = max(max_chunk, chunk)
-    return max_decode_len, max_chunk
 
 
 def paged_attention_triton(
@@ -297,7 +206,7 @@ def paged_attention_triton(
         if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
             raise ValueError(f"block_m: expected a power of two >= 16, got {block_m}")
     capacity = metadata.block_tables.shape[1] * k_cache.shape[1]
-    max_decode_len, max_chunk = _check_host_metadata(metadata, capacity)
+    max_decode_len, max_chunk = check_host_metadata(metadata, capacity)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     else:
