@@ -18,7 +18,7 @@ from triode.engine.errors import InvalidRequestError
 ChatMessage = Mapping[str, Any]
 
 
-def _checked_kwargs(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+def _checked_kwargs(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
         raise InvalidRequestError(
             f"chat_template_kwargs: expected a mapping of names to values, got {type(value).__name__}",
@@ -26,7 +26,7 @@ def _checked_kwargs(instance: object, attribute: attrs.Attribute, value: Any) ->
         )
 
 
-def _checked_template(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+def _checked_template(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise InvalidRequestError(
             f"chat_template: expected a Jinja template string, got {type(value).__name__}",
@@ -69,6 +69,10 @@ def checked_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return checked
 
 
+def _checked_tools_or_none(tools: Any) -> tuple[dict[str, Any], ...] | None:
+    return None if tools is None else checked_tools(tools)
+
+
 def _message_tuple(messages: Iterable[ChatMessage]) -> tuple[ChatMessage, ...]:
     return tuple(messages)
 
@@ -85,8 +89,7 @@ class ChatOptions:
     chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None, validator=_checked_kwargs)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: tuple[Mapping[str, Any], ...] | None = attrs.field(
-        default=None, converter=lambda value: None if value is None else checked_tools(value))
+    tools: tuple[Mapping[str, Any], ...] | None = attrs.field(default=None, converter=_checked_tools_or_none)
 
 
 TOOL_TEMPLATE_NAME = "chatml_tools.jinja"
@@ -99,4 +102,4 @@ def shipped_tool_template() -> str:
 
 
 def template_reads_tools(template: str | None) -> bool:
-    return bool(template) and "tools" in template
+    return template is not None and "tools" in template

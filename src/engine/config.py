@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -21,18 +21,18 @@ QUANTIZED_ACTIVATIONS = ("auto", "float32", "int8", "int16")
 GiB = 1 << 30
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is not None and value <= 0:
         raise InvalidRequestError(f"{attribute.name} must be positive, got {value}", field=attribute.name)
 
 
-def _non_empty(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not value:
         raise InvalidRequestError(f"{attribute.name} must not be empty", field=attribute.name)
 
 
-def _one_of(choices: tuple[str, ...]):
-    def check(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _one_of(choices: tuple[str, ...]) -> Callable[[object, attrs.Attribute[Any], str], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if value not in choices:
             raise InvalidRequestError(
                 f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}",
@@ -77,12 +77,12 @@ _VLLM_ONLY_ARGS = {
 }
 
 
-def _fraction(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is not None and not 0 < value <= 1:
         raise InvalidRequestError(f"{attribute.name} must be in (0, 1]; got {value!r}", field=attribute.name)
 
 
-def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+def _reasoning_parser(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
     from triode.engine.structured.reasoning import REASONING_PARSERS
 
     if value is not None and value not in REASONING_PARSERS:
@@ -90,7 +90,7 @@ def _reasoning_parser(instance: object, attribute: attrs.Attribute, value: str |
                                   f"got {value!r}", field="reasoning_parser")
 
 
-def _quantization(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+def _quantization(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
     from triode.engine.model_files.quantize import QUANTIZATIONS
 
     if value is not None and value not in QUANTIZATIONS:
@@ -230,7 +230,7 @@ class EngineArgs:
         return os.path.join(base, "triode")
 
 
-def _parse(field: attrs.Attribute, raw: str) -> Any:
+def _parse(field: attrs.Attribute[Any], raw: str) -> Any:
     kind = str(field.type)
     name = field.name
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 import attrs
 from transformers import PreTrainedTokenizerFast
@@ -48,7 +48,8 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerFast:
     # The fast tokenizer straight from tokenizer.json: AutoTokenizer may swap in a class
     # with a different pre-tokenizer (seen with Qwen2).
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(model_path))
+        tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(str(model_path))
+        return tokenizer
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the tokenizer: {e}", path=str(model_path)) from e
 
@@ -58,7 +59,8 @@ def parse_prompt(prompt: PromptInput) -> tuple[str | None, tuple[int, ...] | Non
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, Mapping):
-        keys = set(prompt)
+        fields: Mapping[str, Any] = prompt  # a TextPrompt, a TokensPrompt, or a dict to check
+        keys = set(fields)
         unsupported = sorted(keys & _UNSUPPORTED_PROMPT_KEYS)
         if unsupported:
             raise InvalidRequestError(f"prompt: {unsupported[0]!r} is not supported (text models only)",
@@ -68,11 +70,11 @@ def parse_prompt(prompt: PromptInput) -> tuple[str | None, tuple[int, ...] | Non
             raise InvalidRequestError(
                 f"prompt: unknown key {', '.join(unknown)} in a prompt dict; it takes 'prompt' "
                 f"(text) or 'prompt_token_ids'", field="prompt")
-        text = prompt.get("prompt")
+        text = fields.get("prompt")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt: 'prompt' must be a string", field="prompt")
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
+        if "prompt_token_ids" in fields:
+            ids = fields["prompt_token_ids"]
             if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
                 raise InvalidRequestError("prompt: 'prompt_token_ids' must be a list of token ids",
                                           field="prompt")
@@ -82,7 +84,7 @@ def parse_prompt(prompt: PromptInput) -> tuple[str | None, tuple[int, ...] | Non
                                       field="prompt")
         return text, None
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-        return None, tuple(prompt)
+        return None, tuple(cast("Sequence[int]", prompt))  # checked as token ids later
     raise InvalidRequestError(
         f"prompt: expected text, token ids or a prompt dict, got {type(prompt).__name__}", field="prompt"
     )
@@ -136,7 +138,7 @@ class InputProcessor:
             if template is None and not template_reads_tools(self.tokenizer.chat_template):
                 template = shipped_tool_template()
         try:
-            return self.tokenizer.apply_chat_template(
+            rendered = self.tokenizer.apply_chat_template(
                 [dict(m) for m in chat.messages], chat_template=template,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message, tokenize=False, **kwargs,
@@ -145,6 +147,7 @@ class InputProcessor:
             field = "chat_template" if chat.chat_template is not None else "messages"
             raise InvalidRequestError(f"{field}: the chat template did not render: "
                                       f"{type(e).__name__}: {e}", field=field) from e
+        return cast(str, rendered)  # tokenize=False: the text
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raises ``LoRAAdapterError`` for an adapter the model cannot run (its files are read

@@ -11,7 +11,7 @@ list of ``{token_id: Logprob}`` dicts. It works at a script's top level, with or
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from tqdm import tqdm
@@ -76,7 +76,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the model's chat template (or
         ``chat_template``; ``chat_template_kwargs`` are the template's extra variables)."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        conversations = cast("list[Sequence[ChatMessage]]",
+                             [messages] if messages and isinstance(messages[0], Mapping) else list(messages))
         chats = [
             ChatOptions(messages=conversation, chat_template=chat_template,
                         chat_template_kwargs=chat_template_kwargs,
@@ -176,15 +177,15 @@ def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [cast("list[int]", items)]  # one prompt given as token ids
+    return cast("list[PromptInput]", items)
 
 
 def _per_prompt(params: Any, count: int, kind: type) -> list[Any]:
     """One ``kind`` (SamplingParams or PoolingParams) for every prompt, or one per prompt."""
     if isinstance(params, kind):
         return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"{kind.__name__}: {len(params)} given for {count} prompts")
-    return params
+    each: list[Any] = list(params)
+    if len(each) != count:
+        raise ValueError(f"{kind.__name__}: {len(each)} given for {count} prompts")
+    return each

@@ -3,17 +3,19 @@ names it. A request without them gets the model's own pooling (``PoolerConfig``)
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from triode.engine.errors import InvalidRequestError
 
 
-def _dimensions(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _dimensions(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise InvalidRequestError(f"dimensions: expected a positive integer, got {value!r}", field="dimensions")
 
 
-def _truncation(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _truncation(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1):
         raise InvalidRequestError(f"truncate_prompt_tokens: expected -1 or a positive integer, got {value!r}",
                                   field="truncate_prompt_tokens")

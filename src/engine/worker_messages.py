@@ -14,7 +14,8 @@ attrs classes took 274 (measured on this project's 2-core CPU).
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -83,12 +84,14 @@ class StepPlan:
     # (or after a short wait), so that an engine with nothing else to run learns of it.
     wait_for_loads: bool = False
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., StepPlan], tuple[Any, ...]]:
         return _plan_from_columns, (self.step_id, self.new_sequences, self.finished_seq_ids,
                                     tuple(zip(*self.chunks, strict=True)), self.load_loras, self.wait_for_loads)
 
 
-def _plan_from_columns(step_id, new_sequences, finished_seq_ids, columns, load_loras, wait_for_loads) -> StepPlan:
+def _plan_from_columns(step_id: int, new_sequences: tuple[NewSequence, ...], finished_seq_ids: tuple[str, ...],
+                       columns: tuple[tuple[Any, ...], ...], load_loras: tuple[LoRARequest, ...],
+                       wait_for_loads: bool) -> StepPlan:
     chunks = tuple(map(ScheduledChunk._make, zip(*columns, strict=True)))
     return StepPlan(step_id=step_id, new_sequences=new_sequences, chunks=chunks, finished_seq_ids=finished_seq_ids,
                     load_loras=load_loras, wait_for_loads=wait_for_loads)
@@ -159,13 +162,13 @@ class StepResult:
     rank_execute_seconds: tuple[float, ...] = ()
     rank_collective_seconds: tuple[float, ...] = ()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., StepResult], tuple[Any, ...]]:
         fields = {field.name: getattr(self, field.name) for field in attrs.fields(StepResult)
                   if field.name != "sampled"}
         return _result_from_columns, (fields, tuple(zip(*self.sampled, strict=True)))
 
 
-def _result_from_columns(fields: dict, columns: tuple) -> StepResult:
+def _result_from_columns(fields: dict[str, Any], columns: tuple[tuple[Any, ...], ...]) -> StepResult:
     return StepResult(sampled=tuple(map(SampledToken._make, zip(*columns, strict=True))), **fields)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from triode.engine.errors import InvalidRequestError
@@ -9,13 +11,13 @@ from triode.engine.errors import InvalidRequestError
 __all__ = ["LoRARequest"]
 
 
-def _positive_id(instance: object, attribute: attrs.Attribute, value: int) -> None:
+def _positive_id(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRequestError(f"lora_int_id: must be an int >= 1 (0 is the base model), got {value!r}",
                                   field="lora_request")
 
 
-def _text(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _text(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{attribute.name}: must be a non-empty string, got {value!r}",
                                   field="lora_request")

@@ -32,7 +32,8 @@ def _schema(value: str | Mapping[str, Any] | bool | None) -> str | Mapping[str, 
     # A JSON string is parsed here so that the error names the field, not the backend.
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            parsed: str | Mapping[str, Any] | bool | None = json.loads(value)
+            return parsed
         except json.JSONDecodeError as error:
             _fail("json", f"is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})")
     return value
@@ -122,7 +123,7 @@ def _closed_objects(schema: Any, which: str) -> Any:
         return [_closed_objects(item, which) for item in schema]
     if not isinstance(schema, Mapping):
         return schema
-    closed = {}
+    closed: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, Mapping):
             closed[key] = {name: _closed_objects(sub, which) for name, sub in value.items()}
@@ -144,10 +145,10 @@ def _source(kind: str, value: str, compact: bool, closed: str) -> str:
         return LLMatcher.grammar_from_lark(value)
     if kind == "choice":
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(value)))
-    schema = {"type": "object"} if kind == "json_object" else json.loads(value)
+    schema: Any = {"type": "object"} if kind == "json_object" else json.loads(value)
     if closed != "none":
         schema = _closed_objects(schema, closed)
-    options = {"whitespace_flexible": False} if compact else None
+    options: Any = {"whitespace_flexible": False} if compact else None  # llguidance's JsonCompileOptions
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
 
 
