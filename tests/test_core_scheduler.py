@@ -9,6 +9,7 @@ writes blocks that no other live sequence uses.
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import attrs
@@ -18,10 +19,17 @@ from hypothesis import strategies as st
 
 from triode.engine.core.kv_blocks import BlockManager
 from triode.engine.core.scheduler import Scheduler
+from triode.engine.core.scheduler_output import SequenceUpdate
 from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
-from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, TokenLogprobs
+from triode.engine.worker_messages import (
+    SampledToken,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 EOS = 0
 
@@ -431,6 +439,27 @@ def test_chunked_prefill_covers_the_prompt_once_in_order():
     assert chunks[3].token_ids == (worker.seqs["a"].tokens[10],)  # the decode feeds the sample
     assert not scheduler.has_unfinished_requests()
     assert plans[3].chunks and scheduler.schedule().finished_seq_ids == ("a",)
+
+
+def test_the_records_a_step_builds_hold_every_field_across_the_wire():
+    """Chunks and updates are built with tuple.__new__, which checks no length: a short
+    record would read as fine until some field past its end was asked for."""
+    scheduler = make_scheduler(num_blocks=8, block_size=4, budget=16)
+    worker = FakeWorker(8, 4)
+    for name in "ab":
+        scheduler.add_sequence(make_request(name, [1, 2, 3], max_tokens=3))
+    plan, updates = step(scheduler, worker)
+    plan, updates = step(scheduler, worker)  # decodes, the common step
+    received = pickle.loads(pickle.dumps(plan))
+    assert len(plan.chunks) == len(received.chunks) == 2 and len(updates) == 2
+    assert received == plan
+    for chunk in received.chunks:
+        assert len(chunk) == len(ScheduledChunk._fields) and chunk.propose == 0
+    for update in updates:
+        assert len(update) == len(SequenceUpdate._fields) and update.embedding is None
+    result = pickle.loads(pickle.dumps(worker.run(scheduler.schedule())))
+    assert len(result.sampled) == 2
+    assert all(len(token) == len(SampledToken._fields) for token in result.sampled)
 
 
 def test_long_prefill_threshold_chunks_a_prompt_and_lets_decodes_through():

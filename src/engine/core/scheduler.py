@@ -253,9 +253,11 @@ class Scheduler(SequenceQueues):
         sample = end == len(token_ids) + seq.num_in_flight_samples
         seq.num_in_flight_tokens += num_new + len(drafts)
         seq.num_in_flight_samples += sample
-        planned[seq.seq_id] = PlannedChunk(seq, seq.incarnation, start, num_new + len(drafts), sample, len(drafts))
-        return ScheduledChunk(seq.seq_id, (*token_ids[start:end], *drafts), start, new_block_ids, sample,
-                              sampled_input, len(drafts))
+        # tuple.__new__ with every field: see worker_messages.records
+        planned[seq.seq_id] = tuple.__new__(
+            PlannedChunk, (seq, seq.incarnation, start, num_new + len(drafts), sample, len(drafts)))
+        return tuple.__new__(ScheduledChunk, (seq.seq_id, (*token_ids[start:end], *drafts), start, new_block_ids,
+                                              sample, sampled_input, len(drafts), 0))
 
     def update_from_output(self, result: StepResult) -> list[SequenceUpdate]:
         """Applies a step's result: advances computed tokens, caches newly full blocks, appends

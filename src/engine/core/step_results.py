@@ -90,12 +90,12 @@ def apply_step_result(queues: SequenceQueues, speculation: SpeculationPolicy | N
             queues.retire(seq, status)
         elif seq_id in proposals:
             seq.draft_token_ids = proposals[seq_id]
-        updates.append(SequenceUpdate(
+        updates.append(tuple.__new__(SequenceUpdate, (  # every field: see worker_messages.records
             seq_id, seq.request_id, seq.index, new_ids,
             logprobs if seq.params.logprobs is not None else (), plp,
             None if status is None else status.finish_reason,
-            None if status is None else seq.stop_reason, seq.num_cached_tokens,
-        ))
+            None if status is None else seq.stop_reason, seq.num_cached_tokens, None,
+        )))
     return updates
 
 

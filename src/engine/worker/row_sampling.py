@@ -27,7 +27,7 @@ from triode.engine.worker.sampling_batch import (
     rows_repeat_after,
 )
 from triode.engine.worker.speculation import DraftVerifier
-from triode.engine.worker_messages import AcceptedDrafts, SampledToken
+from triode.engine.worker_messages import AcceptedDrafts, SampledToken, records
 
 __all__ = ["RowSampling", "WorkerSequence"]
 
@@ -108,7 +108,7 @@ class RowSampling:
             for seq_id, token_id in zip(seq_ids, output.token_ids, strict=True):
                 if seq_id in constrained:
                     self.grammars.accept(seq_id, token_id)
-        return tuple(map(SampledToken, seq_ids, output.token_ids, output.logprobs)), ()
+        return records(SampledToken, zip(seq_ids, output.token_ids, output.logprobs, strict=True)), ()
 
     def _batch(self, seq_ids: list[str], sequences: list[WorkerSequence]) -> SamplingBatch:
         def rows() -> list[SamplingRow]:
