@@ -95,7 +95,6 @@ class ModelRunner:
                        if self.runner == "pooling" else None)
         self.max_model_len = resolve_max_model_len(self.config, args.max_model_len)
         self.block_size = args.block_size
-        self.max_num_batched_tokens = args.max_num_batched_tokens
         self.rank = rank
         self.parallel: TensorParallelGroup | None = None
         kv_heads = self.config.num_kv_heads
