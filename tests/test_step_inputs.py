@@ -50,16 +50,16 @@ def test_a_step_extends_many_tables_in_one_write_as_one_by_one():
     for seq_id, blocks in additions:
         one_by_one.extend(seq_id, blocks)
     at_once.extend_many(additions)
-    assert torch.equal(at_once.table, one_by_one.table) and at_once.lengths == one_by_one.lengths
+    assert torch.equal(at_once.table, one_by_one.table) and at_once.lengths.tolist() == one_by_one.lengths.tolist()
     assert at_once.table[at_once.row("a"), :3].tolist() == [3, 4, 8]
 
 
 def test_extending_many_writes_nothing_when_one_table_would_overflow():
     tables = _tables({"a": [1], "b": list(range(8))})
-    before, lengths = tables.table.clone(), list(tables.lengths)
+    before, lengths = tables.table.clone(), tables.lengths.tolist()
     with pytest.raises(ValueError, match="'b': 9 blocks"):
         tables.extend_many([("a", [2]), ("b", [9])])
-    assert torch.equal(tables.table, before) and tables.lengths == lengths
+    assert torch.equal(tables.table, before) and tables.lengths.tolist() == lengths
 
 
 def _expected(chunks, tokens, sequences):
@@ -97,6 +97,12 @@ def test_inputs_match_the_tables_position_by_position(prefill):
         assert not md.block_tables[row, len(table):].any()  # padding: block 0
     assert inputs.last_token_rows == ((0, 1, 6) if prefill else (0, 1))
     assert md.query_start_loc.tolist() == list(md.query_start_loc_host)
+    dtypes = {"slot_mapping": torch.int64, "query_start_loc": torch.int32, "seq_lens": torch.int32,
+              "block_tables": torch.int32}
+    for name, dtype in dtypes.items():
+        tensor = getattr(md, name)
+        assert tensor.dtype == dtype and tensor.is_contiguous(), name
+    assert inputs.token_ids.dtype == inputs.positions.dtype == torch.int64
 
 
 def test_a_chunk_past_its_blocks_is_refused_naming_the_sequence():

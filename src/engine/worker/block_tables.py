@@ -5,11 +5,14 @@ it, the cache write maps positions to slots). Kept as Python lists, a step rebui
 padded tensor and computed every slot in Python: at 256 decodes of a tiny model that was a
 third of the worker's step. Here a plan's new blocks are written into the sequence's row as
 they arrive, and a step gathers the rows it needs with one indexing operation
-(:class:`triode.engine.worker.step_inputs.StepInputs`).
+(:class:`triode.engine.worker.step_inputs.StepInputs`), through a numpy view of the same
+memory (``host``): on arrays of a few hundred entries numpy's indexing costs a quarter of
+torch's, whose per-operation dispatch dominates there.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["BlockTables"]
@@ -21,7 +24,8 @@ class BlockTables:
         size); ``rows``: sequences held before the tensor grows (it doubles)."""
         self.max_blocks = max_blocks
         self.table = torch.zeros((rows, max_blocks), dtype=torch.int32)
-        self.lengths = [0] * rows  # blocks in each row's table
+        self.host = self.table.numpy()  # the same memory
+        self.lengths = np.zeros(rows, dtype=np.int64)  # blocks in each row's table
         self._rows: dict[str, int] = {}
         self._free = list(range(rows - 1, -1, -1))
 
@@ -30,6 +34,10 @@ class BlockTables:
 
     def row(self, seq_id: str) -> int:
         return self._rows[seq_id]
+
+    def rows(self, seq_ids: list[str]) -> np.ndarray:
+        """The rows of ``seq_ids`` (int64)."""
+        return np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
 
     def add(self, seq_id: str) -> None:
         """A sequence with an empty table (a sequence that restarts gets a fresh one)."""
@@ -40,7 +48,7 @@ class BlockTables:
         row = self._free.pop()
         self._rows[seq_id] = row
         self.lengths[row] = 0
-        self.table[row].zero_()  # past its length a row reads as padding, block 0, as before
+        self.host[row] = 0  # past its length a row reads as padding, block 0, as before
 
     def remove(self, seq_id: str) -> None:
         row = self._rows.pop(seq_id, None)
@@ -55,27 +63,29 @@ class BlockTables:
         """Appends blocks to several tables, ``(seq_id, block_ids)`` pairs, in one tensor write:
         a step's new blocks, which one write each took 0.1-0.2 ms of a 256-decode step. Nothing
         is written if any table would pass ``max_blocks`` (ValueError)."""
-        rows, columns, values = [], [], []
+        rows, columns, values, extended, ends = [], [], [], [], []
         lengths = self.lengths
         for seq_id, block_ids in additions:
             if not block_ids:
                 continue
             row = self._rows[seq_id]
-            start = lengths[row]
+            start = int(lengths[row])
             end = start + len(block_ids)
             if end > self.max_blocks:
                 raise ValueError(f"sequence {seq_id!r}: {end} blocks, more than the {self.max_blocks} a table holds")
             rows.extend([row] * len(block_ids))
             columns.extend(range(start, end))
             values.extend(block_ids)
+            extended.append(row)
+            ends.append(end)
         if not values:
             return
-        self.table[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(values, dtype=torch.int32)
-        for row, column in zip(rows, columns, strict=True):
-            lengths[row] = column + 1
+        self.host[rows, columns] = values
+        lengths[extended] = ends
 
     def _grow(self) -> None:
         rows = self.table.shape[0]
         self.table = torch.cat([self.table, torch.zeros_like(self.table)])
-        self.lengths.extend([0] * rows)
+        self.host = self.table.numpy()
+        self.lengths = np.concatenate([self.lengths, np.zeros(rows, dtype=np.int64)])
         self._free.extend(range(2 * rows - 1, rows - 1, -1))
