@@ -8,8 +8,21 @@ from collections.abc import Sequence
 from triode.engine.lora.request import LoRARequest
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker.runner import ModelRunner
-from triode.engine.worker_messages import NewSequence, ScheduledChunk, StepPlan, TokenLogprobs
+from triode.engine.worker_messages import (
+    NewSequence,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
+
+def sampled_by_sequence(result: StepResult) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    """seq_id -> (token id, logprobs or None) of a step's sampled tokens."""
+    sampled = result.sampled
+    logprobs = sampled.logprobs or (None,) * len(sampled.seq_ids)
+    return {seq_id: (token_id, entry)
+            for seq_id, token_id, entry in zip(sampled.seq_ids, sampled.token_ids, logprobs, strict=True)}
 
 class Driver:
     def __init__(self, runner: ModelRunner) -> None:
@@ -33,7 +46,7 @@ class Driver:
         plan = StepPlan(step_id=next(self.step_ids), new_sequences=tuple(new_sequences),
                         chunks=tuple(plan_chunks))
         result = self.runner.execute(plan)
-        return {s.seq_id: (s.token_id, s.logprobs) for s in result.sampled}
+        return sampled_by_sequence(result)
 
     def generate(
         self,

@@ -10,7 +10,7 @@ import contextlib
 import trio
 
 from triode.engine.actors.worker_group import StepTicket, WorkerCrashed
-from triode.engine.worker_messages import SampledToken, StepPlan, StepResult, WorkerInfo
+from triode.engine.worker_messages import SampledTokens, StepPlan, StepResult, WorkerInfo
 
 
 def fake_token(seq_id: str, position: int) -> int:
@@ -137,5 +137,6 @@ class FakeWorkerGroup:
                 position = chunk.start_position + len(tokens)
                 token = fake_token(chunk.seq_id, position)
                 self.last_sampled[chunk.seq_id] = token
-                sampled.append(SampledToken(seq_id=chunk.seq_id, token_id=token))
-        return StepResult(step_id=plan.step_id, sampled=tuple(sampled))
+                sampled.append((chunk.seq_id, token))
+        return StepResult(step_id=plan.step_id, sampled=SampledTokens(tuple(s for s, _ in sampled),
+                                                                      tuple(t for _, t in sampled)))

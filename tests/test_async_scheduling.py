@@ -30,7 +30,7 @@ from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
-from triode.engine.worker_messages import SampledToken, StepPlan, StepResult
+from triode.engine.worker_messages import SampledTokens, StepPlan, StepResult
 
 
 def _greedy_token(tokens: list[int], vocab: int) -> int:
@@ -138,7 +138,7 @@ def test_a_plan_made_ahead_feeds_the_token_in_flight():
     worker = FakeWorker(8, 4, max_discarded=1)
     first_result = worker.run(first)
     second_result = worker.run(ahead)  # fed the token the worker sampled in the first step
-    assert worker.seqs["a"].tokens[3] == first_result.sampled[0].token_id
+    assert worker.seqs["a"].tokens[3] == first_result.sampled.token_ids[0]
     scheduler.update_from_output(first_result)
     scheduler.update_from_output(second_result)
     assert scheduler.sequences["a"].num_output_tokens == 2
@@ -149,8 +149,7 @@ def test_results_must_come_back_in_plan_order():
     scheduler.add_sequence(_request("a", [1, 2, 3]))
     first, ahead = scheduler.schedule(), scheduler.schedule()
     with pytest.raises(RuntimeError, match="does not match the next step in flight"):
-        scheduler.update_from_output(StepResult(step_id=ahead.step_id, sampled=(
-            SampledToken(seq_id="a", token_id=1),)))
+        scheduler.update_from_output(StepResult(step_id=ahead.step_id, sampled=SampledTokens(("a",), (1,))))
     assert first.step_id < ahead.step_id
 
 

@@ -19,7 +19,7 @@ from triode.engine.pooling_params import PoolingParams
 from triode.engine.sampling_params import OutputKind, SamplingParams
 from triode.engine.worker_messages import (
     PooledOutput,
-    SampledToken,
+    SampledTokens,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -40,9 +40,9 @@ def params(**fields) -> SamplingParams:
 
 def result_for(plan: StepPlan, tokens: dict[str, int]) -> StepResult:
     """Samples ``tokens[seq_id]`` (default 1) for every chunk of the plan that samples."""
-    sampled = tuple(SampledToken(seq_id=c.seq_id, token_id=tokens.get(c.seq_id, 1))
-                    for c in plan.chunks if c.sample)
-    return StepResult(step_id=plan.step_id, sampled=sampled)
+    seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
+    return StepResult(step_id=plan.step_id,
+                      sampled=SampledTokens(seq_ids, tuple(tokens.get(seq_id, 1) for seq_id in seq_ids)))
 
 
 def test_a_request_with_a_colliding_sample_id_is_rejected_whole():

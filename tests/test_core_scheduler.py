@@ -24,7 +24,7 @@ from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
 from triode.engine.errors import InvalidRequestError
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker_messages import (
-    SampledToken,
+    SampledTokens,
     ScheduledChunk,
     StepPlan,
     StepResult,
@@ -119,8 +119,9 @@ class FakeWorker:
                 token = forced.pop(0) if forced else self.rng.randrange(self.vocab)
                 seq.tokens.append(token)
                 self.history[chunk.seq_id].append(token)
-                sampled.append(SampledToken(seq_id=chunk.seq_id, token_id=token))
-        return StepResult(step_id=plan.step_id, sampled=tuple(sampled))
+                sampled.append((chunk.seq_id, token))
+        return StepResult(step_id=plan.step_id, sampled=SampledTokens(tuple(s for s, _ in sampled),
+                                                                      tuple(t for _, t in sampled)))
 
     def _first_visible(self, position: int) -> int:
         """The first key a query at ``position`` sees."""
@@ -443,7 +444,8 @@ def test_chunked_prefill_covers_the_prompt_once_in_order():
 
 def test_the_records_a_step_builds_hold_every_field_across_the_wire():
     """Chunks and updates are built with tuple.__new__, which checks no length: a short
-    record would read as fine until some field past its end was asked for."""
+    record would read as fine until some field past its end was asked for. (A result's sampled
+    tokens are columns, which cross as they are.)"""
     scheduler = make_scheduler(num_blocks=8, block_size=4, budget=16)
     worker = FakeWorker(8, 4)
     for name in "ab":
@@ -457,9 +459,9 @@ def test_the_records_a_step_builds_hold_every_field_across_the_wire():
         assert len(chunk) == len(ScheduledChunk._fields) and chunk.propose == 0
     for update in updates:
         assert len(update) == len(SequenceUpdate._fields) and update.embedding is None
-    result = pickle.loads(pickle.dumps(worker.run(scheduler.schedule())))
-    assert len(result.sampled) == 2
-    assert all(len(token) == len(SampledToken._fields) for token in result.sampled)
+    result = worker.run(scheduler.schedule())
+    received_result = pickle.loads(pickle.dumps(result))
+    assert len(result.sampled.seq_ids) == 2 and received_result == result
 
 
 def test_long_prefill_threshold_chunks_a_prompt_and_lets_decodes_through():

@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from tests.driver import sampled_by_sequence
 from triode.engine.config import EngineArgs
 from triode.engine.sampling_params import SamplingParams
 from triode.engine.worker.cuda_graphs import EagerReplay, batch_buckets
@@ -63,14 +64,14 @@ def _run(runner: ModelRunner, prompts: dict[str, list[int]], schedule: list[list
         positions[seq_id] = len(prompt)
     new = tuple(NewSequence(seq_id=s, prompt_token_ids=tuple(p), params=params) for s, p in prompts.items())
     result = runner.execute(StepPlan(step_id=0, new_sequences=new, chunks=tuple(chunks)))
-    for token in result.sampled:
-        out[token.seq_id] = [(token.token_id, token.logprobs)]
+    for seq_id, token in sampled_by_sequence(result).items():
+        out[seq_id] = [token]
     for step, decoding in enumerate(schedule, start=1):
         plan = StepPlan(step_id=step, chunks=tuple(
             ScheduledChunk(seq_id=s, token_ids=(out[s][-1][0],), start_position=positions[s]) for s in decoding))
-        for token in runner.execute(plan).sampled:
-            out[token.seq_id].append((token.token_id, token.logprobs))
-            positions[token.seq_id] += 1
+        for seq_id, token in sampled_by_sequence(runner.execute(plan)).items():
+            out[seq_id].append(token)
+            positions[seq_id] += 1
     runner.execute(StepPlan(step_id=len(schedule) + 1, finished_seq_ids=tuple(prompts)))
     return out
 

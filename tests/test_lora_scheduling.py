@@ -13,7 +13,7 @@ from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.sequence import Sequence, SequenceStatus
 from triode.engine.lora.request import LoRARequest
 from triode.engine.sampling_params import SamplingParams
-from triode.engine.worker_messages import SampledToken, StepPlan, StepResult
+from triode.engine.worker_messages import SampledTokens, StepPlan, StepResult
 
 A, B = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -31,8 +31,8 @@ def _add(scheduler: Scheduler, seq_id: str, lora: LoRARequest | None, tokens=(1,
 
 
 def _result(plan: StepPlan, **news) -> StepResult:
-    return StepResult(step_id=plan.step_id, sampled=tuple(SampledToken(c.seq_id, 7) for c in plan.chunks if c.sample),
-                      **news)
+    seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
+    return StepResult(step_id=plan.step_id, sampled=SampledTokens(seq_ids, (7,) * len(seq_ids)), **news)
 
 
 def _scheduled(plan: StepPlan) -> set[str]:

@@ -25,7 +25,7 @@ from triode.engine.spec_decode.policy import SpeculationPolicy
 from triode.engine.worker_messages import (
     AcceptedDrafts,
     Proposal,
-    SampledToken,
+    SampledTokens,
     StepPlan,
     StepResult,
 )
@@ -85,14 +85,14 @@ class SpeculatingWorker(FakeWorker):
             emitted = [*kept, truth(chunk.seq_id, len(seq.tokens) + len(kept))]
             seq.tokens.extend(emitted)
             seq.next_position += len(kept)
-            sampled.append(SampledToken(chunk.seq_id, emitted[-1]))
+            sampled.append((chunk.seq_id, emitted[-1]))
             if kept:
                 accepted.append(AcceptedDrafts(chunk.seq_id, tuple(kept), ()))
             if chunk.propose:
                 future = [truth(chunk.seq_id, len(seq.tokens) + i) for i in range(chunk.propose)]
                 wrong = [t if self.rng.random() >= self.error_rate else t % (VOCAB - 1) + 1 for t in future]
                 proposals.append(Proposal(chunk.seq_id, tuple(wrong)))
-        return StepResult(step_id=plan.step_id, sampled=tuple(sampled), accepted=tuple(accepted),
+        return StepResult(step_id=plan.step_id, sampled=SampledTokens(tuple(s for s, _ in sampled), tuple(t for _, t in sampled)), accepted=tuple(accepted),
                           proposals=tuple(proposals))
 
 

@@ -19,7 +19,7 @@ from triode.engine.actors.step_channel import (
     open_listener,
 )
 from triode.engine.worker import step_server
-from triode.engine.worker_messages import SampledToken, ScheduledChunk, StepPlan, StepResult
+from triode.engine.worker_messages import SampledTokens, ScheduledChunk, StepPlan, StepResult
 
 
 def _plan(step_id: int) -> StepPlan:
@@ -29,7 +29,7 @@ def _plan(step_id: int) -> StepPlan:
 def _execute(plan: StepPlan) -> StepResult:
     if plan.step_id == 2:
         raise KeyError("no such sequence")
-    return StepResult(step_id=plan.step_id, sampled=(SampledToken("a", 100 + plan.step_id),))
+    return StepResult(step_id=plan.step_id, sampled=SampledTokens(("a",), (100 + plan.step_id,)))
 
 
 async def _serve_in_thread(address: str, token: bytes, done: list) -> None:
@@ -51,7 +51,7 @@ async def test_plans_sent_ahead_come_back_in_order_and_a_raising_step_is_reporte
                 await pending.done.wait()
             assert [p.result.step_id for p in pendings if p.result] == [0, 1, 3]
             assert isinstance(pendings[2].error, StepRaised) and pendings[2].error.remote_type == "KeyError"
-            assert pendings[3].result.sampled[0].token_id == 103
+            assert pendings[3].result.sampled.token_ids == (103,)
             channel.close()  # the worker's loop ends, and with it the call
     assert served == [True]
 

@@ -62,7 +62,7 @@ def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int,
         blocks = tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
         chunks.append(ScheduledChunk(seq_id=seq_id, token_ids=ids, start_position=0, new_block_ids=blocks))
     result = runner.execute(StepPlan(step_id=0, new_sequences=tuple(new), chunks=tuple(chunks)))
-    last = {s.seq_id: s.token_id for s in result.sampled}
+    last = dict(zip(result.sampled.seq_ids, result.sampled.token_ids, strict=True))
     times = []
     for step in range(steps):
         plan = StepPlan(step_id=step + 1, chunks=tuple(
@@ -72,7 +72,7 @@ def time_ours(runner: ModelRunner, prompts: torch.Tensor, steps: int,
         started = time.perf_counter()
         result = runner.execute(plan)
         times.append(time.perf_counter() - started)
-        last = {s.seq_id: s.token_id for s in result.sampled}
+        last = dict(zip(result.sampled.seq_ids, result.sampled.token_ids, strict=True))
     runner.execute(StepPlan(step_id=steps + 1, finished_seq_ids=tuple(last)))
     return statistics.median(times)
 

@@ -271,7 +271,7 @@ class Scheduler(SequenceQueues):
             return aborted
         expected = self._in_flight[0][0] if self._in_flight else None
         if expected != result.step_id:
-            if result.step_id == self._step_id and not result.sampled and not result.pooled:
+            if result.step_id == self._step_id and not result.sampled.seq_ids and not result.pooled:
                 return []  # the result of a plan without chunks, sent anyway
             raise RuntimeError(f"result of step {result.step_id} does not match the next step in flight "
                                f"({expected})")

@@ -36,7 +36,9 @@ def apply_step_result(queues: SequenceQueues, speculation: SpeculationPolicy | N
     """Applies ``result`` to the sequences of the step it answers (``planned``, by seq id);
     those it finishes leave the queues. Returns an update for each sequence that sampled, or
     received prompt logprobs."""
-    sampled = {token.seq_id: token for token in result.sampled}
+    sampled = result.sampled
+    token_ids = dict(zip(sampled.seq_ids, sampled.token_ids, strict=True))
+    token_logprobs = dict(zip(sampled.seq_ids, sampled.logprobs, strict=True)) if sampled.logprobs else {}
     accepted = {entry.seq_id: entry for entry in result.accepted}
     proposals = dict(result.proposals)
     pooled = dict(result.pooled)
@@ -75,17 +77,17 @@ def apply_step_result(queues: SequenceQueues, speculation: SpeculationPolicy | N
             updates.append(SequenceUpdate(seq_id, seq.request_id, seq.index, finish_reason="stop",
                                           num_cached_tokens=seq.num_cached_tokens, embedding=pooled[seq_id]))
             continue
-        token = sampled.get(seq_id)
-        if token is None:
+        token_id = token_ids.get(seq_id)
+        if token_id is None:
             raise RuntimeError(f"step {result.step_id} sampled no token for {seq_id!r}")
         if step.num_drafts:
             assert speculation is not None
             new_ids, logprobs, status = apply_verified(speculation, bm, seq, step.num_drafts,
-                                                       accepted.get(seq_id), token)
+                                                       accepted.get(seq_id), token_id, token_logprobs.get(seq_id))
         else:
-            seq.all_token_ids.append(token.token_id)  # append_output_token, without the call
+            seq.all_token_ids.append(token_id)  # append_output_token, without the call
             status = seq.check_stop()
-            new_ids, logprobs = (token.token_id,), (token.logprobs,)
+            new_ids, logprobs = (token_id,), (token_logprobs.get(seq_id),)
         if status is not None:
             queues.retire(seq, status)
         elif seq_id in proposals:

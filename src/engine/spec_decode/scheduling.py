@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from triode.engine.core.sequence import Sequence, SequenceStatus
     from triode.engine.worker_messages import (
         AcceptedDrafts,
-        SampledToken,
         ScheduledChunk,
         TokenLogprobs,
     )
@@ -55,14 +54,14 @@ def ask_for_proposals(policy: SpeculationPolicy, chunks: dict[str, ScheduledChun
 
 def apply_verified(
     policy: SpeculationPolicy, block_manager: BlockManager, seq: Sequence, num_drafts: int,
-    accepted: AcceptedDrafts | None, token: SampledToken,
+    accepted: AcceptedDrafts | None, token_id: int, token_logprobs: TokenLogprobs | None,
 ) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...], SequenceStatus | None]:
-    """Appends a verified chunk's accepted tokens and the one sampled after them, up to a
-    stop; their KV, but the last token's, is now computed. Returns (tokens, logprobs,
-    finished status or None)."""
-    ids = (*accepted.token_ids, token.token_id) if accepted else (token.token_id,)
+    """Appends a verified chunk's accepted tokens and the one sampled after them
+    (``token_id``, with ``token_logprobs``), up to a stop; their KV, but the last token's, is
+    now computed. Returns (tokens, logprobs, finished status or None)."""
+    ids = (*accepted.token_ids, token_id) if accepted else (token_id,)
     # (the accepted tokens' logprobs are empty where the request asked for none; unread then)
-    logprobs = (*accepted.logprobs, token.logprobs) if accepted else (token.logprobs,)
+    logprobs = (*accepted.logprobs, token_logprobs) if accepted else (token_logprobs,)
     assert seq.speculation is not None
     policy.record(seq.speculation, num_drafts, len(ids) - 1)
     status = None

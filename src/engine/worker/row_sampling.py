@@ -27,7 +27,7 @@ from triode.engine.worker.sampling_batch import (
     rows_repeat_after,
 )
 from triode.engine.worker.speculation import DraftVerifier
-from triode.engine.worker_messages import AcceptedDrafts, SampledToken, records
+from triode.engine.worker_messages import AcceptedDrafts, SampledTokens
 
 __all__ = ["RowSampling", "WorkerSequence"]
 
@@ -80,7 +80,7 @@ class RowSampling:
         self.grammar_seconds = 0.0
 
     def sample(self, logits: torch.Tensor | None, seq_ids: list[str], drafts: dict[str, tuple[int, ...]] | None, *,
-               speculates: bool) -> tuple[tuple[SampledToken, ...], tuple[AcceptedDrafts, ...]]:
+               speculates: bool) -> tuple[SampledTokens, tuple[AcceptedDrafts, ...]]:
         """(sampled, accepted proposals) of the rows of ``seq_ids`` (``logits``: rank 0's, one
         row each; None on the other ranks); ``drafts``: the proposals a verifying step feeds;
         ``speculates``: the step verifies or proposes (no plan is made ahead of it)."""
@@ -90,7 +90,7 @@ class RowSampling:
                 tokens = self.parallel.broadcast_tokens(None, len(seq_ids))
                 for seq_id, token_id in zip(seq_ids, tokens, strict=True):
                     self.sequences[seq_id].output_token_ids.append(token_id)
-            return (), ()
+            return SampledTokens(), ()
         if drafts is not None:
             assert self.verifier is not None
             return self.verifier.sample(logits, seq_ids, self.sequences, drafts)
@@ -108,7 +108,8 @@ class RowSampling:
             for seq_id, token_id in zip(seq_ids, output.token_ids, strict=True):
                 if seq_id in constrained:
                     self.grammars.accept(seq_id, token_id)
-        return records(SampledToken, zip(seq_ids, output.token_ids, output.logprobs, strict=True)), ()
+        logprobs = tuple(output.logprobs) if batch.logprob_rows is not None else ()
+        return SampledTokens(tuple(seq_ids), tuple(output.token_ids), logprobs), ()
 
     def _batch(self, seq_ids: list[str], sequences: list[WorkerSequence]) -> SamplingBatch:
         def rows() -> list[SamplingRow]:

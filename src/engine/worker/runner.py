@@ -49,7 +49,7 @@ from triode.engine.worker.speculation import (
 from triode.engine.worker.step_inputs import StepInputs
 from triode.engine.worker_messages import (
     AcceptedDrafts,
-    SampledToken,
+    SampledTokens,
     StepPlan,
     StepResult,
 )
@@ -251,7 +251,7 @@ class ModelRunner:
         if self.pooler is not None:
             hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.metadata)
             params = {c.seq_id: self.sequences[c.seq_id].pooling or PoolingParams() for c in chunks}
-            return ((), ()), (), self.pooler.pool(chunks, inputs, hidden, params)
+            return (SampledTokens(), ()), (), self.pooler.pool(chunks, inputs, hidden, params)
         # a decode graph keeps no hidden states, which prompt logprobs need
         if not lora and self.graphs is not None and self.graphs.takes(inputs.metadata) and all(
                 self.sequences[c.seq_id].params.prompt_logprobs is None for c in chunks):
@@ -267,12 +267,12 @@ class ModelRunner:
 
     def _sample(self, chunks, inputs: StepInputs, *, hidden: torch.Tensor | None = None,
                 logits: torch.Tensor | None = None, drafts: dict[str, tuple[int, ...]] | None = None,
-                ) -> tuple[tuple[SampledToken, ...], tuple[AcceptedDrafts, ...]]:
+                ) -> tuple[SampledTokens, tuple[AcceptedDrafts, ...]]:
         """(sampled, accepted proposals) of the chunks that sample, from the step's ``hidden``
         states, or from ``logits`` of every row (a decode graph's)."""
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not sampling:
-            return (), ()
+            return SampledTokens(), ()
         rows = logits if logits is not None else hidden
         if len(sampling) != rows.shape[0]:  # not every row samples (a prefill chunk's do not)
             rows = rows.index_select(0, torch.tensor([inputs.last_token_rows[i] for i in sampling],

@@ -29,7 +29,7 @@ from triode.engine.worker.grammar import SequenceGrammars, apply_allowed_tokens_
 from triode.engine.worker.rejection import DraftRows, verify
 from triode.engine.worker.sampler import Sampler, compute_logprobs
 from triode.engine.worker.sampling_batch import SamplingBatch, SamplingRow
-from triode.engine.worker_messages import AcceptedDrafts, Proposal, SampledToken, ScheduledChunk
+from triode.engine.worker_messages import AcceptedDrafts, Proposal, SampledTokens, ScheduledChunk
 
 if TYPE_CHECKING:
     from triode.engine.worker.row_sampling import WorkerSequence
@@ -129,7 +129,7 @@ class DraftVerifier:
         self.banned = banned
 
     def sample(self, logits: torch.Tensor, seq_ids: Sequence[str], sequences: dict[str, Any],
-               drafts: dict[str, tuple[int, ...]]) -> tuple[tuple[SampledToken, ...], tuple[AcceptedDrafts, ...]]:
+               drafts: dict[str, tuple[int, ...]]) -> tuple[SampledTokens, tuple[AcceptedDrafts, ...]]:
         """``seq_ids``: each logits row's sequence (a verifying one's rows consecutive)."""
         groups: list[tuple[str, tuple[int, ...], int]] = []
         row = 0
@@ -149,7 +149,7 @@ class DraftVerifier:
         batch = SamplingBatch.build(rows, vocab_size=self.vocab_size, device=logits.device)
         verified = verify(self.sampler, logits, batch,
                           [DraftRows(first_row=first, drafts=proposed) for _, proposed, first in groups])
-        sampled, accepted = [], []
+        sampled_ids, sampled_logprobs, accepted = [], [], []
         for (seq_id, _, _), result in zip(groups, verified, strict=True):
             seq = sequences[seq_id]
             tokens = result.token_ids
@@ -160,11 +160,14 @@ class DraftVerifier:
             if self.grammars is not None and seq_id in self.grammars:
                 for token_id in tokens:
                     self.grammars.accept(seq_id, token_id)
-            sampled.append(SampledToken(seq_id, tokens[-1], logprobs[-1]))
+            sampled_ids.append(tokens[-1])
+            sampled_logprobs.append(logprobs[-1])
             if len(tokens) > 1:
                 accepted.append(AcceptedDrafts(seq_id, tokens[:-1], logprobs[:-1] if seq.params.logprobs is not None
                                                else ()))
-        return tuple(sampled), tuple(accepted)
+        asked = any(entry is not None for entry in sampled_logprobs)
+        return (SampledTokens(tuple(seq_id for seq_id, _, _ in groups), tuple(sampled_ids),
+                              tuple(sampled_logprobs) if asked else ()), tuple(accepted))
 
     def _constrain_(self, logits: torch.Tensor, groups) -> list[list[bool]]:
         """Masks the rows of the sequences that follow a grammar, in place; returns, for every
