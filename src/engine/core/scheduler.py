@@ -134,9 +134,10 @@ class Scheduler(SequenceQueues):
         # block manager only when the sequence's last block lacks room.
         block_size = bm.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = seq.num_to_feed(min(threshold, budget))
+        running = self.running
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = seq.num_to_feed(threshold if threshold < budget else budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -244,20 +245,22 @@ class Scheduler(SequenceQueues):
         start = seq.num_computed_tokens + seq.num_in_flight_tokens
         end = start + num_new
         token_ids = seq.all_token_ids
-        sampled_input = end > len(token_ids)  # the token a step in flight samples
+        num_known = len(token_ids)
+        num_drafts = len(drafts)
+        sampled_input = end > num_known  # the token a step in flight samples
         block_ids = seq.block_ids
         new_block_ids: tuple[int, ...] = ()
         if seq.num_blocks_sent < len(block_ids):
             new_block_ids = tuple(block_ids[seq.num_blocks_sent:])
             seq.num_blocks_sent = len(block_ids)
-        sample = end == len(token_ids) + seq.num_in_flight_samples
-        seq.num_in_flight_tokens += num_new + len(drafts)
+        sample = end == num_known + seq.num_in_flight_samples
+        seq.num_in_flight_tokens += num_new + num_drafts
         seq.num_in_flight_samples += sample
         # tuple.__new__ with every field: see worker_messages.records
         planned[seq.seq_id] = tuple.__new__(
-            PlannedChunk, (seq, seq.incarnation, start, num_new + len(drafts), sample, len(drafts)))
+            PlannedChunk, (seq, seq.incarnation, start, num_new + num_drafts, sample, num_drafts))
         return tuple.__new__(ScheduledChunk, (seq.seq_id, (*token_ids[start:end], *drafts), start, new_block_ids,
-                                              sample, sampled_input, len(drafts), 0))
+                                              sample, sampled_input, num_drafts, 0))
 
     def update_from_output(self, result: StepResult) -> list[SequenceUpdate]:
         """Applies a step's result: advances computed tokens, caches newly full blocks, appends

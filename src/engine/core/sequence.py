@@ -155,7 +155,8 @@ class Sequence:
         num_tokens = len(self.all_token_ids)
         if pending and num_tokens + pending >= self.max_num_tokens:
             return 0
-        return min(num_tokens + pending - self.num_computed_tokens - self.num_in_flight_tokens, limit)
+        left = num_tokens + pending - self.num_computed_tokens - self.num_in_flight_tokens
+        return left if left < limit else limit
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -187,7 +188,8 @@ class Sequence:
         what vLLM reports for the extra ids of generation_config.json (Llama 3's
         ``<|eom_id|>`` and ``<|eot_id|>`` can be told apart that way)."""
         params, token_ids = self.params, self.all_token_ids
-        if len(token_ids) - self.num_prompt_tokens >= params.min_tokens:
+        num_tokens = len(token_ids)
+        if num_tokens - self.num_prompt_tokens >= params.min_tokens:
             last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 if last != self.eos_token_ids[0]:
@@ -196,7 +198,7 @@ class Sequence:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return SequenceStatus.FINISHED_STOPPED
-        if len(token_ids) >= self.max_num_tokens:
+        if num_tokens >= self.max_num_tokens:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
 
