@@ -60,7 +60,7 @@ class BlockTables:
         self.extend_many(((seq_id, block_ids),))
 
     def extend_many(self, additions) -> None:
-        """Appends blocks to several tables, ``(seq_id, block_ids)`` pairs, in one tensor write:
+        """Appends blocks to several tables, ``(seq_id, block_ids)`` pairs, in one write:
         a step's new blocks, which one write each took 0.1-0.2 ms of a 256-decode step. Nothing
         is written if any table would pass ``max_blocks`` (ValueError)."""
         rows, columns, values, extended, ends = [], [], [], [], []

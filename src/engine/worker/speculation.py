@@ -149,7 +149,7 @@ class DraftVerifier:
         batch = SamplingBatch.build(rows, vocab_size=self.vocab_size, device=logits.device)
         verified = verify(self.sampler, logits, batch,
                           [DraftRows(first_row=first, drafts=proposed) for _, proposed, first in groups])
-        sampled_ids, sampled_logprobs, accepted = [], [], []
+        sampled_token_ids, sampled_logprobs, accepted = [], [], []
         for (seq_id, _, _), result in zip(groups, verified, strict=True):
             seq = sequences[seq_id]
             tokens = result.token_ids
@@ -160,13 +160,13 @@ class DraftVerifier:
             if self.grammars is not None and seq_id in self.grammars:
                 for token_id in tokens:
                     self.grammars.accept(seq_id, token_id)
-            sampled_ids.append(tokens[-1])
+            sampled_token_ids.append(tokens[-1])
             sampled_logprobs.append(logprobs[-1])
             if len(tokens) > 1:
                 accepted.append(AcceptedDrafts(seq_id, tokens[:-1], logprobs[:-1] if seq.params.logprobs is not None
                                                else ()))
         asked = any(entry is not None for entry in sampled_logprobs)
-        return (SampledTokens(tuple(seq_id for seq_id, _, _ in groups), tuple(sampled_ids),
+        return (SampledTokens(tuple(seq_id for seq_id, _, _ in groups), tuple(sampled_token_ids),
                               tuple(sampled_logprobs) if asked else ()), tuple(accepted))
 
     def _constrain_(self, logits: torch.Tensor, groups) -> list[list[bool]]:
