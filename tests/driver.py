@@ -24,6 +24,7 @@ def sampled_by_sequence(result: StepResult) -> dict[str, tuple[int, TokenLogprob
     return {seq_id: (token_id, entry)
             for seq_id, token_id, entry in zip(sampled.seq_ids, sampled.token_ids, logprobs, strict=True)}
 
+
 class Driver:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
