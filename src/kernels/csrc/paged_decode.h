@@ -82,12 +82,30 @@ typedef struct {
     float *running_max, *denominator;
 } State;
 
+/* Row t's vector v of the tile's keys, from `staged` where TILE_BODY staged them. */
+#define KEY(STAGE, LOADV, t, v)                                                                 \
+    ((STAGE) ? staged[(STAGE) ? (t) : 0][(STAGE) ? (v) : 0] : LOADV(keys + (t) * row_stride + (v) * LANES))
+
 /* One tile (count <= 16 rows, row stride row_stride) of one KV head for its GROUP query
- * heads of VEC vectors each. With GROUP and VEC literals the local arrays are registers. */
-#define TILE_BODY(ELEM, LOADV, GROUP, VEC)                                                      \
+ * heads of VEC vectors each. With GROUP and VEC literals the local arrays are registers.
+ * STAGE: the tile's keys are widened to float32 once, into `staged`, and every head of the
+ * group reads them there; for bfloat16 keys and groups of more than one head, widening each
+ * head's keys again cost more than the stores (the same floats either way, so the same bits). */
+#define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE)                                               \
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                 \
     const i32x16 valid = lane < count;                                                          \
     float weights[GROUP][LANES], rescale[GROUP];                                                \
+    f32x16 staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                    \
+    if (STAGE) {                                                                                \
+        UNROLL                                                                                  \
+        for (int t = 0; t < LANES; t++) {                                                       \
+            if (t < count) {                                                                    \
+                UNROLL                                                                          \
+                for (int v = 0; v < (VEC); v++)                                                 \
+                    staged[(STAGE) ? t : 0][(STAGE) ? v : 0] = LOADV(keys + t * row_stride + v * LANES); \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
         f32x16 q[VEC], half[LANES / 2];                                                         \
@@ -98,11 +116,11 @@ typedef struct {
             f32x16 even = {0}, odd = {0};                                                       \
             if (t < count) {                                                                    \
                 UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++) even += q[v] * LOADV(keys + t * row_stride + v * LANES); \
+                for (int v = 0; v < (VEC); v++) even += q[v] * KEY(STAGE, LOADV, t, v);        \
             }                                                                                   \
             if (t + 1 < count) {                                                                \
                 UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++) odd += q[v] * LOADV(keys + (t + 1) * row_stride + v * LANES); \
+                for (int v = 0; v < (VEC); v++) odd += q[v] * KEY(STAGE, LOADV, t + 1, v);     \
             }                                                                                   \
             half[t / 2] = pair_rows(even, odd);                                                 \
         }                                                                                       \
@@ -146,7 +164,9 @@ typedef struct {
     float *restrict denominator, float softcap
 
 #define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
-    static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) { TILE_BODY(ELEM, LOADV, GROUP, VEC) }
+    static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) {                          \
+        TILE_BODY(ELEM, LOADV, GROUP, VEC, sizeof(ELEM) < sizeof(float) && (GROUP) > 1)         \
+    }
 
 /* One sequence: SPECIALISED[d][g] takes a tile for head dim 16, 32, 64 or 128 (d = 0..3) and
  * groups of g + 1 query heads; any other shape goes one query head at a time, its vector
@@ -173,7 +193,7 @@ static inline int specialised_dim(int dim) {
         TILES_FOR_DIM(SUFFIX, 1), TILES_FOR_DIM(SUFFIX, 2), TILES_FOR_DIM(SUFFIX, 4),           \
         TILES_FOR_DIM(SUFFIX, 8)};                                                              \
     static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
-        TILE_BODY(ELEM, LOADV, 1, vec)                                                          \
+        TILE_BODY(ELEM, LOADV, 1, vec, 0)                                                       \
     }                                                                                           \
     static void sequence_##SUFFIX(const State *s, const ELEM *query, const ELEM *k_cache,       \
                                   const ELEM *v_cache, const int32_t *table, int seq_len,       \
