@@ -21,8 +21,14 @@ def machine_description() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
-        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+        first_cpu = lines[:lines.index("")] if "" in lines else lines
+        fields = dict(tuple(part.strip() for part in line.split(":", 1)) for line in first_cpu if ":" in line)
+        cpu = fields.get("model name", cpu)
+        # Under a hypervisor the model name can be as bare as "AMD EPYC": the family and model
+        # tell a Zen 4 (family 25) from a Zen 5 (family 26), whose speeds differ twofold.
+        if "cpu family" in fields and "model" in fields:
+            cpu += f" family {fields['cpu family']} model {fields['model']}"
+        flags = set(fields.get("flags", "").split())
     except OSError:
         pass
     features = " ".join(name for flag, name in _CPU_FEATURES.items() if flag in flags)

@@ -1,0 +1,48 @@
+"""unit: how every benchmark names the machine it ran on (``bench/report.py``)."""
+
+from __future__ import annotations
+
+import builtins
+import io
+
+import pytest
+
+from triode.bench.report import machine_description
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16
+
+"""
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch):
+    def read(text):
+        real_open = builtins.open
+        monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(text)
+                            if path == "/proc/cpuinfo" else real_open(path, *a, **k))
+    return read
+
+
+def test_a_bare_model_name_gets_the_family_and_model(cpuinfo):
+    """Under KVM a Zen 4 and a Zen 5 both say "AMD EPYC"; their speeds differ twofold."""
+    cpuinfo(CPUINFO)
+    assert machine_description().startswith("AMD EPYC family 26 model 2 (AVX2 AVX-512 VNNI BF16), ")
+
+
+def test_the_first_cpu_alone_is_read_with_or_without_a_closing_blank_line(cpuinfo):
+    cpuinfo(CPUINFO.split("\n\n")[0])
+    assert machine_description().startswith("AMD EPYC family 26 model 2 (AVX2 AVX-512 VNNI BF16), ")
+    cpuinfo("model name\t: Some CPU\nflags\t\t: fpu avx2\n")
+    assert machine_description().startswith("Some CPU (AVX2), ")
