@@ -2,8 +2,9 @@
 
 The torch reference gathers every sequence's blocks into a padded copy before its fused
 attention call; on a CPU that copy and the padded math were half of a large decode step. This
-kernel walks each sequence's block table instead, one sequence per OpenMP task. It is built
-and loaded by :mod:`triode.kernels.native`; without it decode attention takes the torch reference.
+kernel walks each sequence's block table instead, one sequence (or two consecutive rows of
+one prompt, computed together) per OpenMP task. It is built and loaded by
+:mod:`triode.kernels.native`; without it decode attention takes the torch reference.
 """
 
 from __future__ import annotations

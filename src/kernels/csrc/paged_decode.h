@@ -3,9 +3,17 @@
  * One query token per sequence attends to the sequence's cached tokens, read in place from
  * its blocks (no gathered copy). A sequence is one unit of work (one KV head of it when
  * there are fewer sequences than twice the threads). Its cache is walked in tiles
- * of up to 16 consecutive rows of one block; for each KV head, the tile's keys and values are
- * loaded once and serve every query head of the head's group, and softmax is computed online,
- * one tile at a time.
+ * of up to 16 consecutive rows of one block (paged_decode_tile.h); for each KV head, the tile's
+ * keys and values are loaded once and serve every query head of the head's group, and softmax
+ * is computed online, one tile at a time.
+ *
+ * A prompt's tokens come here as decodes of their own contexts (kernels/paged_attention.py), so
+ * neighbouring rows are often two consecutive tokens of one sequence. Such a pair is one unit:
+ * the tiles both rows read whole go through the tile for twice the group, both rows' heads at
+ * once, so that their independent chains (the score tree, the exponentials, the running max)
+ * overlap; each head still takes the same operations in the same order, so the bits are those
+ * of the rows one at a time. At the default model's shape, 30 layers, one 512-token prompt:
+ * float32 59.6 -> 45.2 ms, bfloat16 (with the staged keys below) 64.6 -> 46.3 (AMD EPYC Zen 5).
  *
  * A head's 16 scores of a tile come from 16 partial-sum vectors (vec16.h) added together in a
  * transpose-and-add tree instead of 16 horizontal sums, and their exponentials are one vector
@@ -39,134 +47,32 @@
 #include <float.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <omp.h>
 
 #include "bf16.h"
 #include "exports.h"
+#include "paged_decode_tile.h"
 #include "vec16.h"
 
 #define MAX_HEADS 64
 #define MAX_DIM 256
 #define MAX_BLOCK 64
 
-/* Rows of a sequence's cache from token `start`: within one block, at most one tile. */
-static inline int tile_rows(int start, int seq_len, int block_size) {
-    const int left_in_block = block_size - start % block_size, left = seq_len - start;
-    const int rows = left < LANES ? left : LANES;
-    return left_in_block < rows ? left_in_block : rows;
-}
+/* Where pair_ keeps row r's head h (of KV head kv's group, `group` heads a KV head): KV head by
+ * KV head, the group's heads of the first row and then of the second, so that the tile for
+ * twice the group runs both rows' heads. */
+#define PAIR_SLOT(kv, r, h) (((kv) * 2 + (r)) * group + (h) - (kv) * group)
 
-/* Element offset of token `token`'s row in the cache. */
-static inline int64_t row_offset(const int32_t *table, int token, int block_size, int64_t row_stride) {
-    return ((int64_t)table[token / block_size] * block_size + token % block_size) * row_stride;
-}
-
-/* Into L2, ahead of use: the tiles are read one KV head at a time (a strided pattern the
- * hardware prefetchers follow poorly), so the next tile is fetched while this one is computed,
- * a share of it before each KV head rather than all at once (more requests than the miss
- * queues hold). At 64 sequences of 96-192 tokens, float32, 30 layers: 25.0 -> 22.6 ms in
- * blocks in order, 29.0 -> 25.1 scattered with the whole tile fetched first; spread out,
- * 23.6 -> 22.1 and 25.0 -> 24.4 more (bfloat16 scattered 18.5 -> 16.6). Two tiles ahead
- * gained nothing; into L1 (prefetcht0) lost 5-10%. */
-static inline void prefetch_rows(const char *keys, const char *values, int64_t bytes) {
-    for (int64_t offset = 0; offset < bytes; offset += 64) {
-        __builtin_prefetch(keys + offset, 0, 2);
-        __builtin_prefetch(values + offset, 0, 2);
+/* Head `at` of `from` into head `head` of `to`: query, accumulator, running max, denominator. */
+static inline void move_head(const State *from, int at, const State *to, int head, int vec) {
+    for (int v = 0; v < vec; v++) {
+        to->query[head * vec + v] = from->query[at * vec + v];
+        to->acc[head * vec + v] = from->acc[at * vec + v];
     }
+    to->running_max[head] = from->running_max[at];
+    to->denominator[head] = from->denominator[at];
 }
-
-/* A sequence's running state, per query head: the pre-scaled query, the accumulator, the
- * running max and the softmax denominator. */
-typedef struct {
-    f32x16 *query, *acc;
-    float *running_max, *denominator;
-} State;
-
-/* Row t's vector v of the tile's keys, from `staged` where TILE_BODY staged them. */
-#define KEY(STAGE, LOADV, t, v)                                                                 \
-    ((STAGE) ? staged[(STAGE) ? (t) : 0][(STAGE) ? (v) : 0] : LOADV(keys + (t) * row_stride + (v) * LANES))
-
-/* One tile (count <= 16 rows, row stride row_stride) of one KV head for its GROUP query
- * heads of VEC vectors each. With GROUP and VEC literals the local arrays are registers.
- * STAGE: the tile's keys are widened to float32 once, into `staged`, and every head of the
- * group reads them there; for bfloat16 keys and groups of more than one head, widening each
- * head's keys again cost more than the stores (the same floats either way, so the same bits). */
-#define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE)                                               \
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                 \
-    const i32x16 valid = lane < count;                                                          \
-    float weights[GROUP][LANES], rescale[GROUP];                                                \
-    f32x16 staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                    \
-    if (STAGE) {                                                                                \
-        UNROLL                                                                                  \
-        for (int t = 0; t < LANES; t++) {                                                       \
-            if (t < count) {                                                                    \
-                UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++)                                                 \
-                    staged[(STAGE) ? t : 0][(STAGE) ? v : 0] = LOADV(keys + t * row_stride + v * LANES); \
-            }                                                                                   \
-        }                                                                                       \
-    }                                                                                           \
-    UNROLL                                                                                      \
-    for (int h = 0; h < (GROUP); h++) {                                                         \
-        f32x16 q[VEC], half[LANES / 2];                                                         \
-        UNROLL                                                                                  \
-        for (int v = 0; v < (VEC); v++) q[v] = query[h * (VEC) + v];                            \
-        UNROLL                                                                                  \
-        for (int t = 0; t < LANES; t += 2) {                                                    \
-            f32x16 even = {0}, odd = {0};                                                       \
-            if (t < count) {                                                                    \
-                UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++) even += q[v] * KEY(STAGE, LOADV, t, v);        \
-            }                                                                                   \
-            if (t + 1 < count) {                                                                \
-                UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++) odd += q[v] * KEY(STAGE, LOADV, t + 1, v);     \
-            }                                                                                   \
-            half[t / 2] = pair_rows(even, odd);                                                 \
-        }                                                                                       \
-        f32x16 raw = finish_rows(half);                                                         \
-        if (softcap > 0.0f) raw = soft_cap(raw, softcap);                                       \
-        const f32x16 scores = select(valid, raw, splat(-FLT_MAX));                              \
-        const float previous = running_max[h], tile_max = lane_max(scores);                     \
-        const float new_max = tile_max > previous ? tile_max : previous;                        \
-        rescale[h] = new_max > previous ? exp_nonpositive(splat(previous - new_max))[0] : 1.0f; \
-        const f32x16 p = select(valid, exp_nonpositive(scores - new_max), splat(0.0f));         \
-        store_f32(weights[h], p);                                                               \
-        denominator[h] = denominator[h] * rescale[h] + lane_sum(p);                             \
-        running_max[h] = new_max;                                                               \
-    }                                                                                           \
-    f32x16 acc[GROUP][VEC];                                                                     \
-    UNROLL                                                                                      \
-    for (int h = 0; h < (GROUP); h++) {                                                         \
-        UNROLL                                                                                  \
-        for (int v = 0; v < (VEC); v++) acc[h][v] = accumulators[h * (VEC) + v] * rescale[h];   \
-    }                                                                                           \
-    for (int t = 0; t < count; t++) {                                                           \
-        f32x16 row[VEC];                                                                        \
-        UNROLL                                                                                  \
-        for (int v = 0; v < (VEC); v++) row[v] = LOADV(values + t * row_stride + v * LANES);    \
-        UNROLL                                                                                  \
-        for (int h = 0; h < (GROUP); h++) {                                                     \
-            const f32x16 w = splat(weights[h][t]);                                              \
-            UNROLL                                                                              \
-            for (int v = 0; v < (VEC); v++) acc[h][v] += w * row[v];                            \
-        }                                                                                       \
-    }                                                                                           \
-    UNROLL                                                                                      \
-    for (int h = 0; h < (GROUP); h++) {                                                         \
-        UNROLL                                                                                  \
-        for (int v = 0; v < (VEC); v++) accumulators[h * (VEC) + v] = acc[h][v];                \
-    }
-
-#define TILE_ARGS(ELEM)                                                                         \
-    const ELEM *restrict keys, const ELEM *restrict values, int64_t row_stride, int count,      \
-    const f32x16 *restrict query, f32x16 *restrict accumulators, float *restrict running_max,   \
-    float *restrict denominator, float softcap
-
-#define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
-    static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) {                          \
-        TILE_BODY(ELEM, LOADV, GROUP, VEC, sizeof(ELEM) < sizeof(float) && (GROUP) > 1)         \
-    }
 
 /* One sequence: SPECIALISED[d][g] takes a tile for head dim 16, 32, 64 or 128 (d = 0..3) and
  * groups of g + 1 query heads; any other shape goes one query head at a time, its vector
@@ -195,27 +101,15 @@ static inline int specialised_dim(int dim) {
     static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
         TILE_BODY(ELEM, LOADV, 1, vec, 0)                                                       \
     }                                                                                           \
-    static void sequence_##SUFFIX(const State *s, const ELEM *query, const ELEM *k_cache,       \
-                                  const ELEM *v_cache, const int32_t *table, int seq_len,       \
-                                  ELEM *out, int heads, int kv_heads, int dim, int block_size,  \
-                                  float scale, int window, float softcap, int kv_begin,         \
-                                  int kv_end) {                                                 \
-        const int group = heads / kv_heads, vec = dim / LANES;                                  \
-        const int first_head = kv_begin * group, end_head = kv_end * group;                     \
+    static void tiles_##SUFFIX(const State *s, const ELEM *k_cache, const ELEM *v_cache,        \
+                               const int32_t *table, int start, int seq_len, int kv_heads, int dim, \
+                               int block_size, int group, float softcap, int kv_begin, int kv_end) { \
+        const int vec = dim / LANES;                                                            \
         const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
         void (*specialised)(TILE_ARGS(ELEM)) =                                                  \
             specialised_dim(dim) >= 0 && group <= 8 ? SPECIALISED_##SUFFIX[specialised_dim(dim)][group - 1] \
                                                     : NULL;                                     \
-        for (int h = first_head; h < end_head; h++) {                                           \
-            for (int v = 0; v < vec; v++) {                                                     \
-                s->query[h * vec + v] = LOADV(query + h * dim + v * LANES) * scale;             \
-                s->acc[h * vec + v] = splat(0.0f);                                              \
-            }                                                                                   \
-            s->running_max[h] = -FLT_MAX;                                                       \
-            s->denominator[h] = 0.0f;                                                           \
-        }                                                                                       \
-        const int first_key = window > 0 && seq_len > window ? seq_len - window : 0;            \
-        for (int start = first_key, count; start < seq_len; start += count) {                   \
+        for (int count; start < seq_len; start += count) {                                      \
             count = tile_rows(start, seq_len, block_size);                                      \
             const int64_t row = row_offset(table, start, block_size, row_stride);               \
             int64_t next_row = 0, next_bytes = 0;                                               \
@@ -224,7 +118,7 @@ static inline int specialised_dim(int dim) {
                 next_row = row_offset(table, next, block_size, row_stride);                     \
                 next_bytes = tile_rows(next, seq_len, block_size) * row_stride * (int64_t)sizeof(ELEM); \
             }                                                                                   \
-            const int64_t share = (next_bytes / kv_heads + 63) & ~(int64_t)63;                   \
+            const int64_t share = (next_bytes / kv_heads + 63) & ~(int64_t)63;                  \
             for (int kv = kv_begin; kv < kv_end; kv++) {                                        \
                 const int64_t from = kv * share;                                                \
                 const int64_t upto = from + share < next_bytes ? from + share : next_bytes;     \
@@ -245,12 +139,70 @@ static inline int specialised_dim(int dim) {
                                              s->denominator + h, softcap, vec);                 \
             }                                                                                   \
         }                                                                                       \
+    }                                                                                           \
+    static void begin_##SUFFIX(const State *s, int at, const ELEM *query, int vec, float scale) { \
+        for (int v = 0; v < vec; v++) {                                                         \
+            s->query[at * vec + v] = LOADV(query + v * LANES) * scale;                          \
+            s->acc[at * vec + v] = splat(0.0f);                                                 \
+        }                                                                                       \
+        s->running_max[at] = -FLT_MAX;                                                          \
+        s->denominator[at] = 0.0f;                                                              \
+    }                                                                                           \
+    static void finish_##SUFFIX(const State *s, ELEM *out, int first_head, int end_head, int dim) { \
+        const int vec = dim / LANES;                                                            \
         for (int h = first_head; h < end_head; h++) {                                           \
             const float inverse = 1.0f / s->denominator[h];                                     \
             for (int v = 0; v < vec; v++) {                                                     \
                 const f32x16 result = s->acc[h * vec + v] * inverse;                            \
                 for (int i = 0; i < LANES; i++) out[h * dim + v * LANES + i] = STORE(result[i]); \
             }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    static void sequence_##SUFFIX(const State *s, const ELEM *query, const ELEM *k_cache,       \
+                                  const ELEM *v_cache, const int32_t *table, int seq_len,       \
+                                  ELEM *out, int heads, int kv_heads, int dim, int block_size,  \
+                                  float scale, int window, float softcap, int kv_begin,         \
+                                  int kv_end) {                                                 \
+        const int group = heads / kv_heads, vec = dim / LANES;                                  \
+        for (int h = kv_begin * group; h < kv_end * group; h++)                                 \
+            begin_##SUFFIX(s, h, query + h * dim, vec, scale);                                  \
+        const int first_key = window > 0 && seq_len > window ? seq_len - window : 0;            \
+        tiles_##SUFFIX(s, k_cache, v_cache, table, first_key, seq_len, kv_heads, dim, block_size, \
+                       group, softcap, kv_begin, kv_end);                                       \
+        finish_##SUFFIX(s, out, kv_begin * group, kv_end * group, dim);                         \
+    }                                                                                           \
+    static void pair_##SUFFIX(const State *pair, const State *const rows[2],                    \
+                              const ELEM *const queries[2], const ELEM *k_cache, const ELEM *v_cache, \
+                              const int32_t *table, int seq_len, ELEM *const outs[2], int heads, \
+                              int kv_heads, int dim, int block_size, float scale, float softcap, \
+                              int kv_begin, int kv_end) {                                       \
+        const int group = heads / kv_heads, vec = dim / LANES;                                  \
+        const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
+        void (*const both)(TILE_ARGS(ELEM)) = SPECIALISED_##SUFFIX[specialised_dim(dim)][2 * group - 1]; \
+        for (int kv = kv_begin; kv < kv_end; kv++)                                              \
+            for (int r = 0; r < 2; r++)                                                         \
+                for (int h = kv * group; h < (kv + 1) * group; h++)                             \
+                    begin_##SUFFIX(pair, PAIR_SLOT(kv, r, h), queries[r] + h * dim, vec, scale); \
+        int start = 0;                                                                          \
+        for (int count; start < seq_len; start += count) {                                      \
+            count = tile_rows(start, seq_len, block_size);                                      \
+            if (count != tile_rows(start, seq_len + 1, block_size)) break;                      \
+            const int64_t row = row_offset(table, start, block_size, row_stride);               \
+            for (int kv = kv_begin; kv < kv_end; kv++) {                                        \
+                const int first = PAIR_SLOT(kv, 0, kv * group);                                 \
+                both(k_cache + row + kv * dim, v_cache + row + kv * dim, row_stride, count,     \
+                     pair->query + first * vec, pair->acc + first * vec, pair->running_max + first, \
+                     pair->denominator + first, softcap);                                       \
+            }                                                                                   \
+        }                                                                                       \
+        for (int kv = kv_begin; kv < kv_end; kv++)                                              \
+            for (int r = 0; r < 2; r++)                                                         \
+                for (int h = kv * group; h < (kv + 1) * group; h++)                             \
+                    move_head(pair, PAIR_SLOT(kv, r, h), rows[r], h, vec);                      \
+        for (int r = 0; r < 2; r++) {                                                           \
+            tiles_##SUFFIX(rows[r], k_cache, v_cache, table, start, seq_len + r, kv_heads, dim, \
+                           block_size, group, softcap, kv_begin, kv_end);                       \
+            finish_##SUFFIX(rows[r], outs[r], kv_begin * group, kv_end * group, dim);           \
         }                                                                                       \
     }
 
@@ -274,10 +226,23 @@ static inline int parallel_pays(const int32_t *seq_lens, int num_seqs, int heads
     return tokens * heads * (dim + 32) >= PARALLEL_MIN_WORK;
 }
 
+/* Whether rows a and a + 1 are two consecutive tokens of one prompt, as pair_ takes them: one
+ * token apart, reading the same blocks, every key of each (no window cuts them), and a
+ * specialised tile for twice the group. */
+static inline int pairable(const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, int a,
+                           int group, int dim, int block_size, int window) {
+    const int length = seq_lens[a + 1];
+    if (length != seq_lens[a] + 1 || (window > 0 && length > window) || 2 * group > 8
+        || specialised_dim(dim) < 0)
+        return 0;
+    const int blocks = (length + block_size - 1) / block_size;
+    return !memcmp(tables + a * table_stride, tables + (a + 1) * table_stride, blocks * sizeof(int32_t));
+}
+
 /* NAME: returns 0, or -1 for a shape beyond the limits above. NAME##_units: units
  * [first, first + count) of the split (attention_units_per_sequence) on the calling thread, for a
  * caller that runs its own team (decode_stack.c); count = 0 checks the shape. */
-#define DEFINE_ENTRY(NAME, SEQUENCE, ELEM)                                                      \
+#define DEFINE_ENTRY(NAME, SUFFIX, ELEM)                                                      \
 static inline void NAME##_unit(const State *state, int unit, int split, const ELEM *query,      \
                                int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,      \
                                const int32_t *tables, int64_t table_stride,                     \
@@ -286,7 +251,7 @@ static inline void NAME##_unit(const State *state, int unit, int split, const EL
                                int window, float softcap)                                       \
 {                                                                                               \
     const int seq = unit / split, per_unit = kv_heads / split, kv_begin = unit % split * per_unit; \
-    SEQUENCE(state, query + seq * q_stride, k_cache, v_cache, tables + seq * table_stride,      \
+    sequence_##SUFFIX(state, query + seq * q_stride, k_cache, v_cache, tables + seq * table_stride, \
              seq_lens[seq], out + seq * out_stride, heads, kv_heads, dim, block_size, scale,    \
              window, softcap, kv_begin, kv_begin + per_unit);                                   \
 }                                                                                               \
@@ -298,16 +263,34 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
     if (unsupported_shape(heads, kv_heads, dim, block_size)) return -1;                         \
     const int vectors = heads * (dim / LANES);                                                  \
     const int split = attention_units_per_sequence(num_seqs, kv_heads, omp_get_max_threads()); \
+    const int per_unit = kv_heads / split, group = heads / kv_heads;                            \
     _Pragma("omp parallel if (parallel_pays(seq_lens, num_seqs, heads, dim, window))")         \
     {                                                                                           \
-        f32x16 queries[vectors], accumulators[vectors];                                         \
-        float running_max[heads], denominator[heads];                                           \
-        const State state = {queries, accumulators, running_max, denominator};                  \
+        f32x16 queries[2][vectors], accumulators[2][vectors];                                   \
+        float running_max[2][heads], denominator[2][heads];                                     \
+        f32x16 pair_queries[2 * vectors], pair_accumulators[2 * vectors];                       \
+        float pair_max[2 * heads], pair_denominator[2 * heads];                                 \
+        const State first = {queries[0], accumulators[0], running_max[0], denominator[0]};      \
+        const State second = {queries[1], accumulators[1], running_max[1], denominator[1]};     \
+        const State pair = {pair_queries, pair_accumulators, pair_max, pair_denominator};       \
+        const State *const rows[2] = {&first, &second};                                         \
         _Pragma("omp for schedule(dynamic, 1)")                                                 \
-        for (int unit = 0; unit < num_seqs * split; unit++)                                     \
-            NAME##_unit(&state, unit, split, query, q_stride, k_cache, v_cache, tables,         \
-                        table_stride, seq_lens, out, out_stride, heads, kv_heads, dim,          \
-                        block_size, scale, window, softcap);                                    \
+        for (int unit = 0; unit < (num_seqs + 1) / 2 * split; unit++) {                         \
+            const int a = unit / split * 2, part = unit % split, kv_begin = part * per_unit;    \
+            if (a + 1 < num_seqs && pairable(tables, table_stride, seq_lens, a, group, dim,     \
+                                             block_size, window)) {                             \
+                const ELEM *const pair_queries_in[2] = {query + a * q_stride, query + (a + 1) * q_stride}; \
+                ELEM *const outs[2] = {out + a * out_stride, out + (a + 1) * out_stride};       \
+                pair_##SUFFIX(&pair, rows, pair_queries_in, k_cache, v_cache,                   \
+                              tables + a * table_stride, seq_lens[a], outs, heads, kv_heads, dim, \
+                              block_size, scale, softcap, kv_begin, kv_begin + per_unit);       \
+                continue;                                                                       \
+            }                                                                                   \
+            for (int seq = a; seq < a + 2 && seq < num_seqs; seq++)                             \
+                NAME##_unit(&first, seq * split + part, split, query, q_stride, k_cache,        \
+                            v_cache, tables, table_stride, seq_lens, out, out_stride, heads,    \
+                            kv_heads, dim, block_size, scale, window, softcap);                 \
+        }                                                                                       \
     }                                                                                           \
     return 0;                                                                                   \
 }                                                                                               \

@@ -2,4 +2,4 @@
 #include "paged_decode.h"
 
 DEFINE_SEQUENCE(bf16, uint16_t, load_bf16, float_to_bf16)
-DEFINE_ENTRY(triode_paged_decode_bf16, sequence_bf16, uint16_t)
+DEFINE_ENTRY(triode_paged_decode_bf16, bf16, uint16_t)

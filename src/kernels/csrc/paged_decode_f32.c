@@ -4,4 +4,4 @@
 
 #define STORE_F32(x) (x)
 DEFINE_SEQUENCE(f32, float, load_f32, STORE_F32)
-DEFINE_ENTRY(triode_paged_decode_f32, sequence_f32, float)
+DEFINE_ENTRY(triode_paged_decode_f32, f32, float)
