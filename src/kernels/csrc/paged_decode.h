@@ -275,21 +275,22 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
         const State pair = {pair_queries, pair_accumulators, pair_max, pair_denominator};       \
         const State *const rows[2] = {&first, &second};                                         \
         _Pragma("omp for schedule(dynamic, 1)")                                                 \
-        for (int unit = 0; unit < (num_seqs + 1) / 2 * split; unit++) {                         \
-            const int a = unit / split * 2, part = unit % split, kv_begin = part * per_unit;    \
-            if (a + 1 < num_seqs && pairable(tables, table_stride, seq_lens, a, group, dim,     \
-                                             block_size, window)) {                             \
+        for (int unit = 0; unit < num_seqs * split; unit++) {                                   \
+            /* Rows 2k and 2k + 1 pair up where they can; row 2k's unit takes both. */          \
+            const int seq = unit / split, part = unit % split, kv_begin = part * per_unit;      \
+            const int a = seq & ~1, paired = a + 1 < num_seqs                                   \
+                && pairable(tables, table_stride, seq_lens, a, group, dim, block_size, window); \
+            if (!paired) {                                                                      \
+                NAME##_unit(&first, unit, split, query, q_stride, k_cache, v_cache, tables,     \
+                            table_stride, seq_lens, out, out_stride, heads, kv_heads, dim,      \
+                            block_size, scale, window, softcap);                                \
+            } else if (seq == a) {                                                              \
                 const ELEM *const pair_queries_in[2] = {query + a * q_stride, query + (a + 1) * q_stride}; \
                 ELEM *const outs[2] = {out + a * out_stride, out + (a + 1) * out_stride};       \
                 pair_##SUFFIX(&pair, rows, pair_queries_in, k_cache, v_cache,                   \
                               tables + a * table_stride, seq_lens[a], outs, heads, kv_heads, dim, \
                               block_size, scale, softcap, kv_begin, kv_begin + per_unit);       \
-                continue;                                                                       \
             }                                                                                   \
-            for (int seq = a; seq < a + 2 && seq < num_seqs; seq++)                             \
-                NAME##_unit(&first, seq * split + part, split, query, q_stride, k_cache,        \
-                            v_cache, tables, table_stride, seq_lens, out, out_stride, heads,    \
-                            kv_heads, dim, block_size, scale, window, softcap);                 \
         }                                                                                       \
     }                                                                                           \
     return 0;                                                                                   \

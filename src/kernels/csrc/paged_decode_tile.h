@@ -60,9 +60,13 @@ typedef struct {
         UNROLL                                                                                  \
         for (int t = 0; t < LANES; t++) {                                                       \
             UNROLL                                                                              \
-            for (int v = 0; v < (VEC); v++) /* rows past count: never read, zeroed for GCC */   \
-                staged[(STAGE) ? t : 0][(STAGE) ? v : 0] =                                      \
-                    t < count ? LOADV(keys + t * row_stride + v * LANES) : splat(0.0f);         \
+            for (int v = 0; v < (VEC); v++) {                                                   \
+                f32x16 *const slot = &staged[(STAGE) ? t : 0][(STAGE) ? v : 0];                 \
+                if (count == LANES) /* a whole tile, most of them: no test per row */           \
+                    *slot = LOADV(keys + t * row_stride + v * LANES);                           \
+                else /* rows past count are never read; zeroed so that GCC sees them written */ \
+                    *slot = t < count ? LOADV(keys + t * row_stride + v * LANES) : splat(0.0f); \
+            }                                                                                   \
         }                                                                                       \
     }                                                                                           \
     UNROLL                                                                                      \
