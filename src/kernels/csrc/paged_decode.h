@@ -242,7 +242,7 @@ static inline int pairable(const int32_t *tables, int64_t table_stride, const in
 /* NAME: returns 0, or -1 for a shape beyond the limits above. NAME##_units: units
  * [first, first + count) of the split (attention_units_per_sequence) on the calling thread, for a
  * caller that runs its own team (decode_stack.c); count = 0 checks the shape. */
-#define DEFINE_ENTRY(NAME, SUFFIX, ELEM)                                                      \
+#define DEFINE_ENTRY(NAME, SUFFIX, ELEM)                                                        \
 static inline void NAME##_unit(const State *state, int unit, int split, const ELEM *query,      \
                                int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,      \
                                const int32_t *tables, int64_t table_stride,                     \
@@ -252,8 +252,8 @@ static inline void NAME##_unit(const State *state, int unit, int split, const EL
 {                                                                                               \
     const int seq = unit / split, per_unit = kv_heads / split, kv_begin = unit % split * per_unit; \
     sequence_##SUFFIX(state, query + seq * q_stride, k_cache, v_cache, tables + seq * table_stride, \
-             seq_lens[seq], out + seq * out_stride, heads, kv_heads, dim, block_size, scale,    \
-             window, softcap, kv_begin, kv_begin + per_unit);                                   \
+                      seq_lens[seq], out + seq * out_stride, heads, kv_heads, dim, block_size,  \
+                      scale, window, softcap, kv_begin, kv_begin + per_unit);                   \
 }                                                                                               \
 int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,         \
          const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, ELEM *out,       \
