@@ -147,6 +147,29 @@ async def test_each_step_is_planned_while_the_one_before_runs(model_dir, autojum
         assert not any(planned_ahead)
 
 
+async def test_reset_prefix_cache_forgets_the_cached_prompts_only_while_no_request_runs(model_dir, autojump_clock):
+    group = FakeWorkerGroup(step_seconds=0.05)
+    async with open_engine(model_dir, group) as llm:
+        prompt = list(range(1, 41))  # two full blocks of 16 and a part
+        assert (await collect(llm, prompt, greedy(2))).num_cached_tokens == 0
+        assert (await collect(llm, prompt, greedy(2))).num_cached_tokens == 32
+        async with trio.open_nursery() as nursery:
+            running = trio.Event()
+
+            async def long_request() -> None:
+                async for _ in llm.generate([7] * 20, greedy(50)):
+                    running.set()
+
+            nursery.start_soon(long_request)
+            await running.wait()
+            assert await llm.reset_prefix_cache() is False  # its blocks are in use: nothing changes
+        assert (await collect(llm, prompt, greedy(2))).num_cached_tokens == 32
+        assert await llm.reset_prefix_cache() is True
+        assert (await collect(llm, prompt, greedy(2))).num_cached_tokens == 0
+        stats = llm.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
 async def test_a_steps_outputs_are_built_while_the_next_step_runs(model_dir, autojump_clock, monkeypatch):
     group = FakeWorkerGroup(step_seconds=0.05)
     sent: list[StepPlan] = []

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triode.engine.core.kv_blocks import BlockManager, hash_block
+from triode.engine.core.kv_cache_events import AllBlocksCleared
 from triode.engine.core.sequence import Sequence
 from triode.engine.sampling_params import SamplingParams
 
@@ -152,15 +153,18 @@ def test_prompt_logprobs_requests_skip_the_cache():
     assert bm.get_computed_blocks(request([1, 2, 3], "b", prompt_logprobs=1)) == ([], 0)
 
 
-def test_reset_prefix_cache_needs_every_block_free():
-    bm = BlockManager(4, 2)
+def test_reset_prefix_cache_only_while_every_block_is_free():
+    bm = BlockManager(4, 2, record_events=True)
     a = request([1, 2, 3])
     compute(bm, a)
-    with pytest.raises(RuntimeError):
-        bm.reset_prefix_cache()
+    bm.take_events()
+    assert bm.reset_prefix_cache() is False  # a holds blocks: nothing changes
+    assert bm.get_computed_blocks(request([1, 2, 3], "b"))[1] == 2
+    assert bm.take_events() == []
     bm.free(a)
-    bm.reset_prefix_cache()
+    assert bm.reset_prefix_cache() is True
     assert not bm.cached and bm.get_computed_blocks(request([1, 2, 3], "b")) == ([], 0)
+    assert bm.take_events() == [AllBlocksCleared()]
 
 
 @settings(max_examples=100, deadline=None)

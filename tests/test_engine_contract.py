@@ -70,6 +70,16 @@ def test_llm_generate_matches_hf(llm, prompts, reference):
     assert_all_blocks_free(llm.llm_engine.statistics())
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(llm, prompts, reference):
+    long_prompt = prompts[5]  # the one longer than a block
+    first, again = (llm.generate([long_prompt], greedy(), use_tqdm=False)[0] for _ in range(2))
+    assert again.num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    after = llm.generate([long_prompt], greedy(), use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0
+    assert [list(o.outputs[0].token_ids) for o in (first, again, after)] == [reference[5]] * 3
+
+
 def test_llm_chat_answers(llm):
     (output,) = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],

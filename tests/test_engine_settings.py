@@ -121,6 +121,13 @@ def test_request_chat_templates_are_trusted_only_when_asked():
         ServerSettings.from_env({"TRIODE_TRUST_REQUEST_CHAT_TEMPLATE": "maybe"})
 
 
+def test_development_mode_is_off_unless_asked_under_triodes_or_vllms_name():
+    assert not ServerSettings.from_env({}).server_dev_mode
+    assert ServerSettings.from_env({"TRIODE_SERVER_DEV_MODE": "1"}).server_dev_mode
+    assert ServerSettings.from_env({"VLLM_SERVER_DEV_MODE": "1"}).server_dev_mode
+    assert not ServerSettings.from_env({"VLLM_SERVER_DEV_MODE": "1"}, server_dev_mode=False).server_dev_mode
+
+
 def test_tool_reasoning_and_template_settings(tmp_path):
     settings = ServerSettings.from_env({"TRIODE_TOOL_CALL_PARSER": "hermes", "TRIODE_ENABLE_AUTO_TOOL_CHOICE": "on"})
     assert (settings.tool_call_parser, settings.enable_auto_tool_choice) == ("hermes", True)

@@ -12,7 +12,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.http_server import running, triode_serve
+from tests.http_server import metric, running, triode_serve, wait_until
 
 MODEL = "tiny"
 
@@ -20,7 +20,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
     model = tiny_model_factory("llama")
-    flags = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--trust-request-chat-template"]
+    flags = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--trust-request-chat-template",
+             "--server-dev-mode"]
     with running(triode_serve(model, *flags)) as s:
         yield s
 
@@ -474,6 +475,41 @@ async def test_an_error_after_the_stream_started_is_an_sse_error_event():
     error = json.loads(events[1].split(b"data: ", 1)[1])["error"]
     assert error["code"] == "engine_dead" and "workers failed" in error["message"]
     assert events[2:] == [sse.DONE]
+
+
+def test_reset_prefix_cache_in_development_mode(client, url):
+    prompt = "A paged key-value cache keeps attention keys in blocks of sixteen tokens, " * 3
+
+    def hits_after_a_request() -> float:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, **greedy())
+        return metric(url, "vllm:prefix_cache_hits_total")
+
+    first = hits_after_a_request()
+    assert hits_after_a_request() > first  # the same prompt again: its blocks are hit
+    assert httpx2.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 200
+    before = metric(url, "vllm:prefix_cache_hits_total")
+    assert hits_after_a_request() == before  # forgotten: computed again
+    with client.completions.create(model=MODEL, prompt="Count:", max_tokens=200, stream=True,
+                                   extra_body={"ignore_eos": True}) as stream:
+        next(iter(stream))  # running, holding blocks
+        busy = httpx2.post(f"{url}/reset_prefix_cache", timeout=30)
+        assert busy.status_code == 409
+        assert busy.json()["error"]["code"] == "requests_running"
+    wait_until(lambda: httpx2.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 200,
+               what="the reset once the aborted stream's blocks are free")
+    refused = httpx2.post(f"{url}/reset_prefix_cache?reset_running_requests=true", timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reset_running_requests"
+
+
+def test_reset_prefix_cache_is_not_served_outside_development_mode():
+    from triode.frontend.server.factory import create_app
+    from triode.frontend.server.settings import ServerSettings
+
+    async def post() -> int:
+        app = create_app(settings=ServerSettings.from_env({}))
+        return (await app.test_client().post("/reset_prefix_cache")).status_code
+
+    assert trio.run(post) == 404
 
 
 def test_app_is_importable_without_starting_anything():

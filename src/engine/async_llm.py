@@ -252,6 +252,13 @@ class AsyncLLM:
         """The chat template applied to ``chat`` (InvalidRequestError if it does not render)."""
         return await trio.to_thread.run_sync(self.intake.processor.render_chat, chat)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block where no request holds KV blocks; False, changing
+        nothing, while some do (as vLLM's does without ``reset_running_requests``)."""
+        self.check_health()
+        await trio.lowlevel.checkpoint()
+        return self.scheduler.core.reset_prefix_cache()
+
     def check_health(self) -> None:
         if self.scheduler.dead is not None:
             raise EngineDeadError(f"the engine failed: {self.scheduler.dead}") from self.scheduler.dead

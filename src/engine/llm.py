@@ -152,6 +152,11 @@ class LLM:
             raise
         return [finished[request_id] for request_id in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block: the next ``generate`` computes its prompts again,
+        as a benchmark that repeats them needs. True between calls, when no request holds KV."""
+        return self.llm_engine.reset_prefix_cache()
+
     def close(self) -> None:
         self.llm_engine.close()
 

@@ -163,6 +163,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block, so that the next requests compute their prompts
+        again (a benchmark that repeats prompts, new weights behind the same name). Only while
+        no request is unfinished: returns False, and changes nothing, otherwise (as vLLM does
+        while blocks are in use)."""
+        self._check_alive()
+        return self.core.reset_prefix_cache()
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed: {self._dead}") from self._dead

@@ -32,6 +32,7 @@ def _serve(namespace: argparse.Namespace) -> int:
         responses_store_max_age=namespace.responses_store_max_age,
         lora_modules=namespace.lora_modules,
         allow_runtime_lora_updating=namespace.allow_runtime_lora_updating,
+        server_dev_mode=namespace.server_dev_mode,
     )
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                             "$TRIODE_ALLOW_RUNTIME_LORA_UPDATING or $VLLM_ALLOW_RUNTIME_LORA_UPDATING, else no)")
+    serve.add_argument("--server-dev-mode", action="store_true", default=None,
+                       help="serve the development endpoint POST /reset_prefix_cache (default: "
+                            "$TRIODE_SERVER_DEV_MODE or $VLLM_SERVER_DEV_MODE, else no)")
     add_engine_flags(serve)
     # once a flag; now refused with where it belongs rather than as an unknown argument
     serve.add_argument("--fault-plan", help=argparse.SUPPRESS, default=None)

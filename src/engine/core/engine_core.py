@@ -167,6 +167,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache where no request holds KV blocks (see
+        ``BlockManager.reset_prefix_cache``); whether it did. KV-event subscribers hear of it
+        at once."""
+        reset = self.scheduler.block_manager.reset_prefix_cache()
+        self._flush_kv_events()
+        return reset
+
     # ---- one step ------------------------------------------------------------------------
 
     def can_schedule(self) -> bool:

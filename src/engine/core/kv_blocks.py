@@ -227,11 +227,15 @@ class BlockManager:
         seq.block_ids = []
         seq.num_released_blocks = 0
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block: after a worker restart the KV they named is gone."""
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (after a worker restart the KV they named is gone; a user
+        may ask for it, as in vLLM). Only while every block is free: a running sequence's next
+        full blocks would be registered under parents the cache no longer holds. Returns
+        whether it reset; False changes nothing."""
         if len(self.free_queue) != self.num_blocks:
-            raise RuntimeError("reset_prefix_cache needs every block free")
+            return False
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         if self._events is not None:
             self._events.append(AllBlocksCleared())
+        return True

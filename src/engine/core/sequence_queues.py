@@ -135,7 +135,8 @@ class SequenceQueues:
             seq.reset_for_recompute()
             self._enqueue(seq)
         self._finished_seq_ids = []
-        self.block_manager.reset_prefix_cache()
+        reset = self.block_manager.reset_prefix_cache()
+        assert reset, "every block is free once every running sequence is"
         self.lora_loads.reset()
         for seq in self.waiting:
             if seq.lora is not None:

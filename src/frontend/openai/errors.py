@@ -32,6 +32,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     503: "service_unavailable_error",
 }

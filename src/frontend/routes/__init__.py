@@ -95,6 +95,10 @@ def register_routes(app: Quart) -> None:
         from triode.frontend.routes.lora import blueprint as lora
 
         app.register_blueprint(lora)
+    if app.extensions["triode.settings"].server_dev_mode:
+        from triode.frontend.routes.cache import blueprint as cache
+
+        app.register_blueprint(cache)
 
     @app.after_request
     async def _echo_request_id(response):

@@ -3,7 +3,8 @@ requests may bring their own chat template, the server's chat template, the tool
 parser (vLLM's ``--chat-template``, ``--tool-call-parser``, ``--enable-auto-tool-choice``),
 the bounds of the Responses API's store, and the LoRA adapters served by name
 (``--lora-modules``) and whether clients may load more (vLLM's
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, also read here).
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, also read here), and whether the development endpoints
+are served (vLLM's ``VLLM_SERVER_DEV_MODE``, also read here).
 ``--reasoning-parser`` is an engine argument, as in vLLM: the engine lets a constrained
 output think first.
 
@@ -131,6 +132,9 @@ class ServerSettings:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's switch is an
     # environment variable, VLLM_ALLOW_RUNTIME_LORA_UPDATING, read here too)
     allow_runtime_lora_updating: bool = False
+    # POST /reset_prefix_cache exists (vLLM serves it only in its development mode,
+    # VLLM_SERVER_DEV_MODE, read here too): any client could empty the cache others rely on
+    server_dev_mode: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -158,7 +162,8 @@ class ServerSettings:
 
 
 _ENV_NAMES = {"api_keys": "TRIODE_API_KEY", "max_body_bytes": "TRIODE_MAX_BODY_SIZE"}
-_VLLM_ENV_NAMES = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+_VLLM_ENV_NAMES = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                   "server_dev_mode": "VLLM_SERVER_DEV_MODE"}
 
 
 def _from_text(field: attrs.Attribute, env: str, raw: str) -> object:
