@@ -167,6 +167,17 @@ def test_reset_prefix_cache_only_while_every_block_is_free():
     assert bm.take_events() == [AllBlocksCleared()]
 
 
+def test_after_a_reset_the_blocks_that_were_cached_are_handed_out_first():
+    """They hold nothing worth keeping any more, and their memory has been written already."""
+    bm = BlockManager(8, 2)
+    a = request([1, 2, 3, 4, 5])
+    cached = compute(bm, a)[:2]  # two full blocks, and a partial one that is never cached
+    bm.free(a)
+    assert list(bm.free_queue)[-2:] == cached[::-1]  # kept as long as possible
+    assert bm.reset_prefix_cache()
+    assert list(bm.free_queue)[:2] == cached[::-1]
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     block_size=st.integers(1, 4),

@@ -234,6 +234,9 @@ class BlockManager:
         whether it reset; False changes nothing."""
         if len(self.free_queue) != self.num_blocks:
             return False
+        for block_id in reversed(self.free_queue.copy()):
+            if self.block_hash[block_id] is not None:
+                self.free_queue.move_to_end(block_id, last=False)  # holds nothing to keep now
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         if self._events is not None:
