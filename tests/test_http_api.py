@@ -499,6 +499,9 @@ def test_reset_prefix_cache_in_development_mode(client, url):
                what="the reset once the aborted stream's blocks are free")
     refused = httpx2.post(f"{url}/reset_prefix_cache?reset_running_requests=true", timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "reset_running_requests"
+    garbled = httpx2.post(f"{url}/reset_prefix_cache?reset_external=maybe", timeout=30)
+    assert garbled.status_code == 400 and "true or false" in garbled.json()["error"]["message"]
+    assert httpx2.post(f"{url}/reset_prefix_cache?reset_external=false", timeout=30).status_code == 200
 
 
 def test_reset_prefix_cache_is_not_served_outside_development_mode():

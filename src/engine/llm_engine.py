@@ -166,8 +166,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prompt block, so that the next requests compute their prompts
         again (a benchmark that repeats prompts, new weights behind the same name). Only while
-        no request is unfinished: returns False, and changes nothing, otherwise (as vLLM does
-        while blocks are in use)."""
+        no request holds KV blocks, as between ``LLM.generate`` calls: returns False, and
+        changes nothing, otherwise (as vLLM does while blocks are in use)."""
         self._check_alive()
         return self.core.reset_prefix_cache()
 

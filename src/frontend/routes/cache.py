@@ -12,6 +12,7 @@ from quart import Blueprint, Response, request
 
 from triode.frontend.openai.errors import APIError, bad_request
 from triode.frontend.routes import host
+from triode.frontend.server.settings import boolean_word
 
 blueprint = Blueprint("cache", __name__)
 
@@ -21,7 +22,10 @@ _UNSUPPORTED = ("reset_running_requests", "reset_external")
 @blueprint.post("/reset_prefix_cache")
 async def reset_prefix_cache() -> Response:
     for name in _UNSUPPORTED:
-        if request.args.get(name, "false").strip().lower() not in ("false", "0", ""):
+        asked = boolean_word(request.args.get(name, ""))
+        if asked is None:
+            raise bad_request(f"{name} must be true or false", param=name)
+        if asked:
             raise bad_request(f"{name} is not supported: the cache is reset only while no request runs",
                               param=name)
     if not await host().require_ready().reset_prefix_cache():

@@ -45,6 +45,12 @@ _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "fals
              "off": False, "": False}
 
 
+def boolean_word(text: str) -> bool | None:
+    """A switch's value as written in a variable or a query (1, true, yes, on; 0, false, no,
+    off, or nothing), None for any other word."""
+    return _BOOLEANS.get(text.strip().lower())
+
+
 def _tool_parser(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
     from triode.frontend.openai.tool_parsers import TOOL_PARSERS
 
@@ -182,10 +188,9 @@ def _from_text(field: attrs.Attribute, env: str, raw: str) -> object:
         except ValueError:
             raise InvalidRequestError(f"{env}={raw!r} is not a number", field=field.name) from None
     if str(field.type).startswith("bool"):
-        lowered = raw.strip().lower()
-        if lowered not in _BOOLEANS:
+        if (switch := boolean_word(raw)) is None:
             raise InvalidRequestError(f"{env}={raw!r} is not a boolean", field=field.name)
-        return _BOOLEANS[lowered]
+        return switch
     return raw or None
 
 
