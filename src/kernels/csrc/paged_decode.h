@@ -99,7 +99,7 @@ static inline int specialised_dim(int dim) {
         TILES_FOR_DIM(SUFFIX, 1), TILES_FOR_DIM(SUFFIX, 2), TILES_FOR_DIM(SUFFIX, 4),           \
         TILES_FOR_DIM(SUFFIX, 8)};                                                              \
     static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
-        TILE_BODY(ELEM, LOADV, 1, vec, 0)                                                       \
+        TILE_BODY(ELEM, LOADV, 1, vec, 0, 0)                                                    \
     }                                                                                           \
     static void tiles_##SUFFIX(const State *s, const ELEM *k_cache, const ELEM *v_cache,        \
                                const int32_t *table, int start, int seq_len, int kv_heads, int dim, \

@@ -42,6 +42,42 @@ typedef struct {
     float *running_max, *denominator;
 } State;
 
+/* bfloat16 scores through AVX-512 BF16, where the CPU has it: `vdpbf16ps` multiplies the
+ * query and a cached row as bfloat16, in pairs of neighbouring dimensions, adding both products
+ * to a float32 lane, so a row's keys are never widened. Each lane then sums other dimensions
+ * than the widened keys' (2i and 2i + 1 of every 32, not i of every 16), so bfloat16 scores
+ * differ in their last bits between CPUs with and without BF16; on one machine every row of a
+ * model takes the same path in any batch. The query is rounded to bfloat16 after its scale
+ * (exact where the scale is a power of two, as at head dim 64). At the default model's shape,
+ * 30 layers: a 512-token prompt 44.6 -> 38.0 ms, 64 decodes of 300 tokens 9.63 -> 8.35, 128
+ * decodes of 100-600 tokens from memory 55.8 -> 52.2 (AMD EPYC Zen 5). */
+#ifdef __AVX512BF16__
+#define BF16_DOTS 1
+static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *row) {
+    return (f32x16)_mm512_dpbf16_ps((__m512)acc, query, (__m512bh)_mm512_loadu_si512((const void *)row));
+}
+/* Head h's query as bfloat16 pairs, 32 dimensions a vector (VEC even). */
+#define BF16_QUERY(DOTS, VEC)                                                                   \
+    __m512bh pairs[(DOTS) ? (VEC) / 2 : 1];                                                     \
+    if (DOTS) {                                                                                 \
+        UNROLL                                                                                  \
+        for (int c = 0; c < (VEC) / 2; c++) pairs[c] = _mm512_cvtne2ps_pbh((__m512)q[2 * c + 1], (__m512)q[2 * c]); \
+    }
+#define BF16_SCORE(sum, t, VEC)                                                                 \
+    if ((t) < count) {                                                                          \
+        UNROLL                                                                                  \
+        for (int c = 0; c < (VEC) / 2; c++)                                                     \
+            sum = dot_bf16_pairs(sum, pairs[c], (const uint16_t *)(keys + (t) * row_stride) + c * 2 * LANES); \
+    }
+#else
+#define BF16_DOTS 0
+#define BF16_QUERY(DOTS, VEC)
+#define BF16_SCORE(sum, t, VEC)
+#endif
+
+/* Whether a specialised tile of ELEM keys and VEC vectors a head takes its scores as above. */
+#define DOTS_FOR(ELEM, VEC) (BF16_DOTS && sizeof(ELEM) < sizeof(float) && (VEC) % 2 == 0)
+
 /* Row t's vector v of the tile's keys, from `staged` where TILE_BODY staged them. */
 #define KEY(STAGE, LOADV, t, v)                                                                 \
     ((STAGE) ? staged[(STAGE) ? (t) : 0][(STAGE) ? (v) : 0] : LOADV(keys + (t) * row_stride + (v) * LANES))
@@ -50,8 +86,9 @@ typedef struct {
  * heads of VEC vectors each. With GROUP and VEC literals the local arrays are registers.
  * STAGE: the tile's keys are widened to float32 once, into `staged`, and every head of the
  * group reads them there; for bfloat16 keys and groups of more than one head, widening each
- * head's keys again cost more than the stores (the same floats either way, so the same bits). */
-#define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE)                                               \
+ * head's keys again cost more than the stores (the same floats either way, so the same bits).
+ * DOTS: the scores come from bfloat16 dot products (above), and nothing is staged. */
+#define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE, DOTS)                                         \
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                 \
     const i32x16 valid = lane < count;                                                          \
     float weights[GROUP][LANES], rescale[GROUP];                                                \
@@ -74,16 +111,22 @@ typedef struct {
         f32x16 q[VEC], half[LANES / 2];                                                         \
         UNROLL                                                                                  \
         for (int v = 0; v < (VEC); v++) q[v] = query[h * (VEC) + v];                            \
+        BF16_QUERY(DOTS, VEC)                                                                   \
         UNROLL                                                                                  \
         for (int t = 0; t < LANES; t += 2) {                                                    \
             f32x16 even = {0}, odd = {0};                                                       \
-            if (t < count) {                                                                    \
-                UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++) even += q[v] * KEY(STAGE, LOADV, t, v);        \
-            }                                                                                   \
-            if (t + 1 < count) {                                                                \
-                UNROLL                                                                          \
-                for (int v = 0; v < (VEC); v++) odd += q[v] * KEY(STAGE, LOADV, t + 1, v);     \
+            if (DOTS) {                                                                         \
+                BF16_SCORE(even, t, VEC)                                                        \
+                BF16_SCORE(odd, t + 1, VEC)                                                     \
+            } else {                                                                            \
+                if (t < count) {                                                                \
+                    UNROLL                                                                      \
+                    for (int v = 0; v < (VEC); v++) even += q[v] * KEY(STAGE, LOADV, t, v);    \
+                }                                                                               \
+                if (t + 1 < count) {                                                            \
+                    UNROLL                                                                      \
+                    for (int v = 0; v < (VEC); v++) odd += q[v] * KEY(STAGE, LOADV, t + 1, v); \
+                }                                                                               \
             }                                                                                   \
             half[t / 2] = pair_rows(even, odd);                                                 \
         }                                                                                       \
@@ -128,7 +171,8 @@ typedef struct {
 
 #define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
     static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) {                          \
-        TILE_BODY(ELEM, LOADV, GROUP, VEC, sizeof(ELEM) < sizeof(float) && (GROUP) > 1)         \
+        TILE_BODY(ELEM, LOADV, GROUP, VEC, sizeof(ELEM) < sizeof(float) && (GROUP) > 1        \
+                  && !DOTS_FOR(ELEM, VEC), DOTS_FOR(ELEM, VEC))                                 \
     }
 
 #endif
