@@ -49,8 +49,8 @@ typedef struct {
  * differ in their last bits between CPUs with and without BF16; on one machine every row of a
  * model takes the same path in any batch. The query is rounded to bfloat16 after its scale
  * (exact where the scale is a power of two, as at head dim 64). At the default model's shape,
- * 30 layers: a 512-token prompt 44.6 -> 38.0 ms, 64 decodes of 300 tokens 9.63 -> 8.35, 128
- * decodes of 100-600 tokens from memory 55.8 -> 52.2 (AMD EPYC Zen 5). */
+ * 30 layers: a 512-token prompt 44.6 -> 39.7 ms, 64 decodes of 300 tokens 9.63 -> 8.39, 128
+ * decodes of 100-600 tokens from memory 55.8 -> 51.4 (AMD EPYC Zen 5). */
 #ifdef __AVX512BF16__
 #define BF16_DOTS 1
 static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *row) {
