@@ -13,7 +13,8 @@
  * once, so that their independent chains (the score tree, the exponentials, the running max)
  * overlap; each head still takes the same operations in the same order, so the bits are those
  * of the rows one at a time. At the default model's shape, 30 layers, one 512-token prompt:
- * float32 59.6 -> 45.2 ms, bfloat16 (with the staged keys below) 64.6 -> 46.3 (AMD EPYC Zen 5).
+ * float32 59.6 -> 45.2 ms, bfloat16 (keys then staged, before the dot products of
+ * paged_decode_tile.h) 64.6 -> 46.3 (AMD EPYC Zen 5).
  *
  * A head's 16 scores of a tile come from 16 partial-sum vectors (vec16.h) added together in a
  * transpose-and-add tree instead of 16 horizontal sums, and their exponentials are one vector
