@@ -149,13 +149,17 @@ static inline int specialised_dim(int dim) {
         s->running_max[at] = -FLT_MAX;                                                          \
         s->denominator[at] = 0.0f;                                                              \
     }                                                                                           \
-    static void finish_##SUFFIX(const State *s, ELEM *out, int first_head, int end_head, int dim) { \
+    static void finish_##SUFFIX(const State *s, ELEM *out, int first_head, int end_head, int dim, \
+                                int group) {                                                    \
         const int vec = dim / LANES;                                                            \
+        /* whether the tiles took the values through BF16_VALUES (the specialised ones do) */   \
+        const int in_pairs = DOTS_FOR(ELEM, vec) && specialised_dim(dim) >= 0 && group <= 8;    \
         for (int h = first_head; h < end_head; h++) {                                           \
             const float inverse = 1.0f / s->denominator[h];                                     \
             for (int v = 0; v < vec; v++) {                                                     \
                 const f32x16 result = s->acc[h * vec + v] * inverse;                            \
-                for (int i = 0; i < LANES; i++) out[h * dim + v * LANES + i] = STORE(result[i]); \
+                for (int i = 0; i < LANES; i++)                                                 \
+                    out[h * dim + value_dimension(v, i, in_pairs)] = STORE(result[i]);          \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
@@ -170,7 +174,7 @@ static inline int specialised_dim(int dim) {
         const int first_key = window > 0 && seq_len > window ? seq_len - window : 0;            \
         tiles_##SUFFIX(s, k_cache, v_cache, table, first_key, seq_len, kv_heads, dim, block_size, \
                        group, softcap, kv_begin, kv_end);                                       \
-        finish_##SUFFIX(s, out, kv_begin * group, kv_end * group, dim);                         \
+        finish_##SUFFIX(s, out, kv_begin * group, kv_end * group, dim, group);                  \
     }                                                                                           \
     static void pair_##SUFFIX(const State *pair, const State *const rows[2],                    \
                               const ELEM *const queries[2], const ELEM *k_cache, const ELEM *v_cache, \
@@ -203,7 +207,7 @@ static inline int specialised_dim(int dim) {
         for (int r = 0; r < 2; r++) {                                                           \
             tiles_##SUFFIX(rows[r], k_cache, v_cache, table, start, seq_len + r, kv_heads, dim, \
                            block_size, group, softcap, kv_begin, kv_end);                       \
-            finish_##SUFFIX(rows[r], outs[r], kv_begin * group, kv_end * group, dim);           \
+            finish_##SUFFIX(rows[r], outs[r], kv_begin * group, kv_end * group, dim, group);    \
         }                                                                                       \
     }
 

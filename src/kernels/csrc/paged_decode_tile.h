@@ -6,6 +6,7 @@
 
 #include <float.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "vec16.h"
 
@@ -42,19 +43,32 @@ typedef struct {
     float *running_max, *denominator;
 } State;
 
-/* bfloat16 scores through AVX-512 BF16, where the CPU has it: `vdpbf16ps` multiplies the
- * query and a cached row as bfloat16, in pairs of neighbouring dimensions, adding both products
- * to a float32 lane, so a row's keys are never widened. Each lane then sums other dimensions
- * than the widened keys' (2i and 2i + 1 of every 32, not i of every 16), so bfloat16 scores
- * differ in their last bits between CPUs with and without BF16; on one machine every row of a
- * model takes the same path in any batch. The query is rounded to bfloat16 after its scale
- * (exact where the scale is a power of two, as at head dim 64). At the default model's shape,
- * 30 layers: a 512-token prompt 44.6 -> 39.7 ms, 64 decodes of 300 tokens 9.63 -> 8.39, 128
- * decodes of 100-600 tokens from memory 55.8 -> 51.4 (AMD EPYC Zen 5). */
+/* bfloat16 scores and values through AVX-512 BF16, where the CPU has it: `vdpbf16ps`
+ * multiplies two vectors of bfloat16 in pairs of neighbouring elements, adding both products to
+ * a float32 lane, so a row's keys and values are never widened.
+ * - Scores: the query and a cached row, in pairs of neighbouring dimensions. Each lane then sums
+ *   other dimensions than the widened keys' (2i and 2i + 1 of every 32, not i of every 16). The
+ *   query is rounded to bfloat16 after its scale (exact where the scale is a power of two, as at
+ *   head dim 64).
+ * - Values: the softmax weights of two rows t and t + 1, rounded to bfloat16 (as Hugging Face's
+ *   attention rounds its probabilities to the model's dtype before multiplying the values), and
+ *   the two rows' values interleaved dimension by dimension. Interleaving within 128-bit lanes
+ *   leaves a head's accumulators in a permuted order (value_dimension), undone when the result
+ *   is written.
+ * So bfloat16 attention differs in its last bits between CPUs with and without BF16; on one
+ * machine every row of a model takes the same path in any batch. Against a float64 reference, a
+ * 512-token prompt's outputs are off by 2.07e-4 on average (torch's bfloat16 SDPA, which Hugging
+ * Face runs, 2.13e-4; widened keys and float32 weights 1.47e-4, no more than rounding the result),
+ * and by 1.00e-4 from SDPA's own outputs (widened, 1.38e-4).
+ * At the default model's shape, 30 layers (AMD EPYC Zen 5), widened keys -> scores as pairs
+ * (an earlier run): a 512-token prompt 44.6 -> 39.7 ms, 64 decodes of 300 tokens 9.63 -> 8.39,
+ * 128 decodes of 100-600 tokens from memory 55.8 -> 51.4; then values as pairs too (best of four
+ * runs, alternated): 39.95 -> 37.35, 8.82 -> 7.75, and from memory 50.6 -> 49.7, where reading
+ * the cache sets the pace. */
 #ifdef __AVX512BF16__
 #define BF16_DOTS 1
-static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *row) {
-    return (f32x16)_mm512_dpbf16_ps((__m512)acc, query, (__m512bh)_mm512_loadu_si512((const void *)row));
+static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh a, __m512i b) {
+    return (f32x16)_mm512_dpbf16_ps((__m512)acc, a, (__m512bh)b);
 }
 /* Head h's query as bfloat16 pairs, 32 dimensions a vector (VEC even). */
 #define BF16_QUERY(DOTS, VEC)                                                                   \
@@ -67,13 +81,50 @@ static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *
     if ((t) < count) {                                                                          \
         UNROLL                                                                                  \
         for (int c = 0; c < (VEC) / 2; c++)                                                     \
-            sum = dot_bf16_pairs(sum, pairs[c], (const uint16_t *)(keys + (t) * row_stride) + c * 2 * LANES); \
+            sum = dot_bf16_pairs(sum, pairs[c], _mm512_loadu_si512((const void *)((const uint16_t *)(keys + (t) * row_stride) + c * 2 * LANES))); \
+    }
+/* Head h's weights of the tile, as bfloat16: row t's and t + 1's are one 32-bit pair. */
+#define BF16_WEIGHTS(DOTS, h, p)                                                                \
+    if (DOTS) _mm256_storeu_si256((__m256i *)paired_weights[(DOTS) ? (h) : 0], (__m256i)_mm512_cvtneps_pbh((__m512)(p)));
+/* acc += the weighted values of rows t and t + 1 (t + 1 < count or not), for every head. */
+#define BF16_VALUES(GROUP, VEC)                                                                 \
+    for (int t = 0; t < count; t += 2) {                                                        \
+        __m512i low[(VEC) / 2 > 0 ? (VEC) / 2 : 1], high[(VEC) / 2 > 0 ? (VEC) / 2 : 1];        \
+        UNROLL                                                                                  \
+        for (int c = 0; c < (VEC) / 2; c++) {                                                   \
+            const uint16_t *const row = (const uint16_t *)(values + t * row_stride) + c * 2 * LANES; \
+            const __m512i first = _mm512_loadu_si512((const void *)row);                        \
+            const __m512i second = t + 1 < count ? _mm512_loadu_si512((const void *)(row + row_stride)) \
+                                                 : _mm512_setzero_si512();                      \
+            low[c] = _mm512_unpacklo_epi16(first, second);                                      \
+            high[c] = _mm512_unpackhi_epi16(first, second);                                     \
+        }                                                                                       \
+        UNROLL                                                                                  \
+        for (int h = 0; h < (GROUP); h++) {                                                     \
+            uint32_t both;                                                                      \
+            memcpy(&both, &paired_weights[h][t], sizeof both);                                  \
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)both);                          \
+            UNROLL                                                                              \
+            for (int c = 0; c < (VEC) / 2; c++) {                                               \
+                acc[h][2 * c] = dot_bf16_pairs(acc[h][2 * c], w, low[c]);                       \
+                acc[h][2 * c + 1] = dot_bf16_pairs(acc[h][2 * c + 1], w, high[c]);              \
+            }                                                                                   \
+        }                                                                                       \
     }
 #else
 #define BF16_DOTS 0
 #define BF16_QUERY(DOTS, VEC)
 #define BF16_SCORE(sum, t, VEC)
+#define BF16_WEIGHTS(DOTS, h, p)
+#define BF16_VALUES(GROUP, VEC)
 #endif
+
+/* The head dimension that lane i of accumulator vector v holds: 16v + i, unless the values
+ * went through BF16_VALUES, whose vectors 2c and 2c + 1 hold dimensions 32c to 32c + 31 as
+ * `_mm512_unpacklo_epi16` and `_mm512_unpackhi_epi16` left them, four of every eight each. */
+static inline int value_dimension(int v, int i, int in_pairs) {
+    return in_pairs ? 32 * (v / 2) + 8 * (i / 4) + 4 * (v % 2) + i % 4 : v * LANES + i;
+}
 
 /* Whether a specialised tile of ELEM keys and VEC vectors a head takes its scores as above. */
 #define DOTS_FOR(ELEM, VEC) (BF16_DOTS && sizeof(ELEM) < sizeof(float) && (VEC) % 2 == 0)
@@ -87,11 +138,14 @@ static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *
  * STAGE: the tile's keys are widened to float32 once, into `staged`, and every head of the
  * group reads them there; for bfloat16 keys and groups of more than one head, widening each
  * head's keys again cost more than the stores (the same floats either way, so the same bits).
- * DOTS: the scores come from bfloat16 dot products (above), and nothing is staged. */
+ * DOTS: the scores and the values' sums come from bfloat16 dot products (above), and nothing
+ * is staged. */
 #define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE, DOTS)                                         \
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                 \
     const i32x16 valid = lane < count;                                                          \
     float weights[GROUP][LANES], rescale[GROUP];                                                \
+    uint16_t paired_weights[(DOTS) ? (GROUP) : 1][LANES];                                       \
+    (void)paired_weights; /* read only where the CPU has BF16 */                                \
     f32x16 staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                    \
     if (STAGE) {                                                                                \
         UNROLL                                                                                  \
@@ -137,7 +191,11 @@ static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *
         const float new_max = tile_max > previous ? tile_max : previous;                        \
         rescale[h] = new_max > previous ? exp_nonpositive(splat(previous - new_max))[0] : 1.0f; \
         const f32x16 p = select(valid, exp_nonpositive(scores - new_max), splat(0.0f));         \
-        store_f32(weights[h], p);                                                               \
+        if (DOTS) {                                                                             \
+            BF16_WEIGHTS(DOTS, h, p)                                                            \
+        } else {                                                                                \
+            store_f32(weights[h], p);                                                           \
+        }                                                                                       \
         denominator[h] = denominator[h] * rescale[h] + lane_sum(p);                             \
         running_max[h] = new_max;                                                               \
     }                                                                                           \
@@ -147,15 +205,19 @@ static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh query, const uint16_t *
         UNROLL                                                                                  \
         for (int v = 0; v < (VEC); v++) acc[h][v] = accumulators[h * (VEC) + v] * rescale[h];   \
     }                                                                                           \
-    for (int t = 0; t < count; t++) {                                                           \
-        f32x16 row[VEC];                                                                        \
-        UNROLL                                                                                  \
-        for (int v = 0; v < (VEC); v++) row[v] = LOADV(values + t * row_stride + v * LANES);    \
-        UNROLL                                                                                  \
-        for (int h = 0; h < (GROUP); h++) {                                                     \
-            const f32x16 w = splat(weights[h][t]);                                              \
+    if (DOTS) {                                                                                 \
+        BF16_VALUES(GROUP, VEC)                                                                 \
+    } else {                                                                                    \
+        for (int t = 0; t < count; t++) {                                                       \
+            f32x16 row[VEC];                                                                    \
             UNROLL                                                                              \
-            for (int v = 0; v < (VEC); v++) acc[h][v] += w * row[v];                            \
+            for (int v = 0; v < (VEC); v++) row[v] = LOADV(values + t * row_stride + v * LANES); \
+            UNROLL                                                                              \
+            for (int h = 0; h < (GROUP); h++) {                                                 \
+                const f32x16 w = splat(weights[h][t]);                                          \
+                UNROLL                                                                          \
+                for (int v = 0; v < (VEC); v++) acc[h][v] += w * row[v];                        \
+            }                                                                                   \
         }                                                                                       \
     }                                                                                           \
     UNROLL                                                                                      \
