@@ -217,6 +217,29 @@ def test_int16_activations_are_far_closer_than_int8(tmp_path):
 
 
 @needs_interleaved
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_threads_sharing_the_quantization_give_each_rows_own_result(activations, tmp_path):
+    """Above 65536 weights the threads quantize a share of the rows each, then multiply their
+    share of the features by every row: a batch gives each row what it gives alone (one row
+    leaves the first thread no rows to quantize)."""
+    weight, _ = _interleaved("Q4_1", 256, 576, 15, tmp_path)
+    weight = weight.interleave()
+    x = torch.randn(9, 576) * torch.where(torch.rand(576) < 0.03, 40.0, 1.0)
+    previous, threads = quantized_activations(), torch.get_num_threads()
+    set_quantized_activations(activations)
+    torch.set_num_threads(2)  # OpenMP's, which the kernels' regions take
+    try:
+        together = weight.linear(x)
+        alone = [weight.linear(x[r:r + 1]) for r in range(9)]
+    finally:
+        set_quantized_activations(previous)
+        torch.set_num_threads(threads)
+    assert len(alone) == 9
+    for r, row in enumerate(alone):
+        assert torch.equal(together[r:r + 1], row), r
+
+
+@needs_interleaved
 def test_interleaved_features_may_start_and_end_inside_a_tile():
     """The decode stack's entry takes any range of output features of an interleaved matrix."""
     import ctypes

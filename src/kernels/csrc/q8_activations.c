@@ -61,69 +61,95 @@ static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, in
 }
 
 /* The wide activations (q8_activations.h): x_q = round(x * 16319 / max |x|) over each span,
- * split into 128 * q + lo. Scalar C: they feed the interleaved kernels, which spend far
- * longer per activation. */
+ * split into 128 * q + lo, 32 at a time as quantize_rows does (the same products and roundings
+ * as the scalar loop this replaced, so the same integers). */
 static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int in, int span, rows_q8 out)
 {
     int8_t *q = (int8_t *)out.q, *lo = (int8_t *)out.lo;
     float *scale = (float *)out.scale;
     int32_t *sum = (int32_t *)out.sum;
     int16_t *sum16 = (int16_t *)out.sum16, *sum16_lo = (int16_t *)out.sum16_lo;
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256i half = _mm256_set1_epi32(64), in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < in / span; s++) {
             const float *src = x + r * x_stride + s * span;
-            float amax = 0.0f;
-            for (int i = 0; i < span; i++) amax = fmaxf(amax, fabsf(src[i]));
-            const float inverse = amax > 0.0f ? WIDE_TOP / amax : 0.0f;
+            __m256 peak = _mm256_setzero_ps();
+            for (int i = 0; i < span; i += 8)
+                peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float amax = _mm_cvtss_f32(m);
+            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? WIDE_TOP / amax : 0.0f);
             scale[(int64_t)r * (in / span) + s] = amax / WIDE_TOP;
-            for (int i = 0; i < span; i += 16) {
-                const int64_t at = (int64_t)r * in + s * span + i;
-                int32_t total_q = 0, total_lo = 0, total = 0;
-                for (int k = 0; k < 16; k++) {
-                    const int32_t value = (int32_t)nearbyintf(src[i + k] * inverse);
-                    const int32_t high = (value + 64) >> 7;  /* floor: lo = value - 128 high in [-64, 63] */
-                    q[at + k] = (int8_t)high;
-                    lo[at + k] = (int8_t)(value - 128 * high);
-                    total_q += high;
-                    total_lo += value - 128 * high;
-                    total += value;
+            for (int g = 0; g < span / 32; g++) {
+                __m256i value[4], high[4], low[4];
+                for (int i = 0; i < 4; i++) {
+                    value[i] = _mm256_cvtps_epi32(_mm256_round_ps(
+                        _mm256_mul_ps(_mm256_loadu_ps(src + 32 * g + 8 * i), inverse),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    high[i] = _mm256_srai_epi32(_mm256_add_epi32(value[i], half), 7); /* floor */
+                    low[i] = _mm256_sub_epi32(value[i], _mm256_slli_epi32(high[i], 7)); /* [-64, 63] */
                 }
-                sum16[at / 16] = (int16_t)total_q;
-                sum16_lo[at / 16] = (int16_t)total_lo;
-                if (i % 32 == 0) sum[at / 32] = total;
-                else sum[at / 32] += total;
+                const int64_t k = (int64_t)s * (span / 32) + g, at = (int64_t)r * in + 32 * k;
+                /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order. */
+                _mm256_storeu_si256((__m256i *)(q + at), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+                    _mm256_packs_epi32(high[0], high[1]), _mm256_packs_epi32(high[2], high[3])), in_order));
+                _mm256_storeu_si256((__m256i *)(lo + at), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+                    _mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(low[2], low[3])), in_order));
+                sum16[at / 16] = (int16_t)hsum8i(_mm256_add_epi32(high[0], high[1]));
+                sum16[at / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(high[2], high[3]));
+                sum16_lo[at / 16] = (int16_t)hsum8i(_mm256_add_epi32(low[0], low[1]));
+                sum16_lo[at / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(low[2], low[3]));
+                sum[at / 32] = hsum8i(_mm256_add_epi32(_mm256_add_epi32(value[0], value[1]),
+                                                       _mm256_add_epi32(value[2], value[3])));
             }
         }
 }
 
+int64_t triode_q8_bytes(int64_t rows, int in) { return q8_bytes(rows, in); }
+
 int64_t triode_q8_wide_bytes(int64_t rows, int in) { return q8_wide_bytes(rows, in); }
+
+/* Rows [first, last) of x [rows, in] quantized for weights of `type`, as int8 activations or
+ * (`wide`) wide ones, into their places in a buffer of triode_q8_bytes (triode_q8_wide_bytes)
+ * for all the rows: 0, or -1 for a type not decoded, -2 for in not a whole number of spans,
+ * -3 for rows < 1 or a range outside them. The threads of a parallel region each take a share
+ * of the rows this way (quant_x16.c). */
+int triode_q8_quantize_rows(int type, int wide, const float *x, int64_t x_stride, int64_t rows, int in,
+                            void *buffer, int64_t first, int64_t last)
+{
+    type &= ~TYPE_X16; /* the interleaved layout takes the same activations */
+    const int status = check_q8(type, rows, in);
+    if (status) return status;
+    if (first < 0 || last > rows || first > last) return -3;
+    const int span = q8_span(type);
+    x += first * x_stride;
+    if (wide) {
+        quantize_wide_rows(x, x_stride, (int)(last - first), in, span, q8_wide_rows(buffer, rows, in, span, first));
+    } else {
+        const rows_q8 q = q8_rows(buffer, rows, in, span, first);
+        quantize_rows(x, x_stride, (int)(last - first), in, span, (int8_t *)q.q, (float *)q.scale,
+                      (int32_t *)q.sum, (int16_t *)q.sum16);
+    }
+    return 0;
+}
 
 /* x [rows, in] as wide activations for weights of `type`, into a buffer of
  * triode_q8_wide_bytes; returns as triode_q8_quantize. */
 int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
 {
-    type &= ~TYPE_X16;
-    const int status = check_q8(type, rows, in);
-    if (status) return status;
-    quantize_wide_rows(x, x_stride, (int)rows, in, q8_span(type), q8_wide_rows(buffer, rows, in, q8_span(type), 0));
-    return 0;
+    return triode_q8_quantize_rows(type, 1, x, x_stride, rows, in, buffer, 0, rows);
 }
 
 /* x [rows, in] quantized for weights of `type` into a buffer of triode_q8_bytes: 0, or -1 for
  * a type not decoded, -2 for in not a whole number of spans, -3 for rows < 1. A caller that
  * runs its own team (decode_stack.c) quantizes a matrix's input once this way, then takes
  * its share of the outputs with triode_quant_linear_q8. */
-int64_t triode_q8_bytes(int64_t rows, int in) { return q8_bytes(rows, in); }
-
 int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
 {
-    type &= ~TYPE_X16; /* the interleaved layout takes the same activations */
-    const int status = check_q8(type, rows, in);
-    if (status) return status;
-    const rows_q8 q = q8_rows(buffer, rows, in, q8_span(type), 0);
-    quantize_rows(x, x_stride, (int)rows, in, q8_span(type), (int8_t *)q.q, (float *)q.scale,
-                  (int32_t *)q.sum, (int16_t *)q.sum16);
-    return 0;
+    return triode_q8_quantize_rows(type, 0, x, x_stride, rows, in, buffer, 0, rows);
 }
 
 #else
@@ -133,6 +159,12 @@ int64_t triode_q8_bytes(int64_t rows, int in) { return 0; }
 int64_t triode_q8_wide_bytes(int64_t rows, int in) { return 0; }
 
 int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
+{
+    return NOT_BUILT;
+}
+
+int triode_q8_quantize_rows(int type, int wide, const float *x, int64_t x_stride, int64_t rows, int in,
+                            void *buffer, int64_t first, int64_t last)
 {
     return NOT_BUILT;
 }

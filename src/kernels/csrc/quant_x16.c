@@ -148,15 +148,19 @@ int triode_quant_x16_linear(int type, int wide, const float *x, int64_t x_stride
     const int base = type & ~TYPE_X16;
     void *buffer = malloc((size_t)(wide ? q8_wide_bytes(rows, in) : q8_bytes(rows, in)));
     if (!buffer) return -5;
-    if (wide) triode_q8_quantize_wide(base, x, x_stride, rows, in, buffer);
-    else triode_q8_quantize(base, x, x_stride, rows, in, buffer);
     const int64_t groups = out / X16_ROWS;
     if ((int64_t)in * out < PARALLEL_MIN_WEIGHTS) {
+        triode_q8_quantize_rows(base, wide, x, x_stride, rows, in, buffer, 0, rows);
         x16_range(base, wide, buffer, rows, in, w, row_bytes, bias, y, y_stride, 0, out);
     } else {
+        /* Each thread quantizes a share of the rows first: on the calling thread alone, a
+         * 2048-row step's quantization left the other core idle (5.5% of a W1v run by default). */
         #pragma omp parallel
         {
             const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+            triode_q8_quantize_rows(base, wide, x, x_stride, rows, in, buffer, rows * me / threads,
+                                    rows * (me + 1) / threads);
+            #pragma omp barrier
             const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
             if (g0 < g1) x16_range(base, wide, buffer, rows, in, w, row_bytes, bias, y, y_stride, g0 * X16_ROWS, g1 * X16_ROWS);
         }
