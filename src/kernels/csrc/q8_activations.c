@@ -98,12 +98,19 @@ static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int i
                     _mm256_packs_epi32(high[0], high[1]), _mm256_packs_epi32(high[2], high[3])), in_order));
                 _mm256_storeu_si256((__m256i *)(lo + at), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
                     _mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(low[2], low[3])), in_order));
-                sum16[at / 16] = (int16_t)hsum8i(_mm256_add_epi32(high[0], high[1]));
-                sum16[at / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(high[2], high[3]));
-                sum16_lo[at / 16] = (int16_t)hsum8i(_mm256_add_epi32(low[0], low[1]));
-                sum16_lo[at / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(low[2], low[3]));
-                sum[at / 32] = hsum8i(_mm256_add_epi32(_mm256_add_epi32(value[0], value[1]),
-                                                       _mm256_add_epi32(value[2], value[3])));
+                /* The four sums of 16 in one vector: high's two, then low's; value's sum of 32
+                 * follows from them, as value = 128 * high + low. */
+                const __m256i pairs = _mm256_hadd_epi32(
+                    _mm256_hadd_epi32(_mm256_add_epi32(high[0], high[1]), _mm256_add_epi32(high[2], high[3])),
+                    _mm256_hadd_epi32(_mm256_add_epi32(low[0], low[1]), _mm256_add_epi32(low[2], low[3])));
+                const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+                int32_t sixteen[4];
+                _mm_storeu_si128((__m128i *)sixteen, sums);
+                sum16[at / 16] = (int16_t)sixteen[0];
+                sum16[at / 16 + 1] = (int16_t)sixteen[1];
+                sum16_lo[at / 16] = (int16_t)sixteen[2];
+                sum16_lo[at / 16 + 1] = (int16_t)sixteen[3];
+                sum[at / 32] = 128 * (sixteen[0] + sixteen[1]) + sixteen[2] + sixteen[3];
             }
         }
 }
