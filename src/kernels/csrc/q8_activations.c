@@ -23,34 +23,44 @@ static int check_q8(int type, int64_t rows, int in) {
     return rows < 1 ? -3 : 0;
 }
 
+/* max |x| over a span (a multiple of 8 values). */
+static inline float max_abs(const float *src, int span) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 peak = _mm256_setzero_ps();
+    for (int i = 0; i < span; i += 8) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* 8 values times `inverse`, rounded to the nearest integer (half to even). */
+static inline __m256i scaled_integers(const float *src, __m256 inverse) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src), inverse),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* 32 int32 values, each within [-128, 127], as 32 bytes in order: packs work within 128-bit
+ * lanes, and the permute puts the bytes back in order. */
+static inline __m256i bytes_in_order(const __m256i v[4]) {
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, int span, int8_t *q, float *scale,
                           int32_t *sum, int16_t *sum16)
 {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < in / span; s++) {
             const float *src = x + r * x_stride + s * span;
-            __m256 peak = _mm256_setzero_ps();
-            for (int i = 0; i < span; i += 8)
-                peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            const float amax = _mm_cvtss_f32(m);
+            const float amax = max_abs(src, span);
             const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
             scale[(int64_t)r * (in / span) + s] = amax / 127.0f;
             for (int g = 0; g < span / 32; g++) {
                 __m256i i32[4];
-                for (int i = 0; i < 4; i++)
-                    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(
-                        _mm256_mul_ps(_mm256_loadu_ps(src + 32 * g + 8 * i), inverse),
-                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order. */
-                const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-                const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
-                                                               _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                for (int i = 0; i < 4; i++) i32[i] = scaled_integers(src + 32 * g + 8 * i, inverse);
                 const int64_t k = (int64_t)s * (span / 32) + g;
-                _mm256_storeu_si256((__m256i *)(q + (int64_t)r * in + 32 * k), i8);
+                _mm256_storeu_si256((__m256i *)(q + (int64_t)r * in + 32 * k), bytes_in_order(i32));
                 const int32_t first = hsum8i(_mm256_add_epi32(i32[0], i32[1]));
                 const int32_t second = hsum8i(_mm256_add_epi32(i32[2], i32[3]));
                 sum[(int64_t)r * (in / 32) + k] = first + second;
@@ -69,35 +79,23 @@ static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int i
     float *scale = (float *)out.scale;
     int32_t *sum = (int32_t *)out.sum;
     int16_t *sum16 = (int16_t *)out.sum16, *sum16_lo = (int16_t *)out.sum16_lo;
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256i half = _mm256_set1_epi32(64), in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i half = _mm256_set1_epi32(64);
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < in / span; s++) {
             const float *src = x + r * x_stride + s * span;
-            __m256 peak = _mm256_setzero_ps();
-            for (int i = 0; i < span; i += 8)
-                peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            const float amax = _mm_cvtss_f32(m);
+            const float amax = max_abs(src, span);
             const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? WIDE_TOP / amax : 0.0f);
             scale[(int64_t)r * (in / span) + s] = amax / WIDE_TOP;
             for (int g = 0; g < span / 32; g++) {
                 __m256i value[4], high[4], low[4];
                 for (int i = 0; i < 4; i++) {
-                    value[i] = _mm256_cvtps_epi32(_mm256_round_ps(
-                        _mm256_mul_ps(_mm256_loadu_ps(src + 32 * g + 8 * i), inverse),
-                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    value[i] = scaled_integers(src + 32 * g + 8 * i, inverse);
                     high[i] = _mm256_srai_epi32(_mm256_add_epi32(value[i], half), 7); /* floor */
                     low[i] = _mm256_sub_epi32(value[i], _mm256_slli_epi32(high[i], 7)); /* [-64, 63] */
                 }
                 const int64_t k = (int64_t)s * (span / 32) + g, at = (int64_t)r * in + 32 * k;
-                /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order. */
-                _mm256_storeu_si256((__m256i *)(q + at), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
-                    _mm256_packs_epi32(high[0], high[1]), _mm256_packs_epi32(high[2], high[3])), in_order));
-                _mm256_storeu_si256((__m256i *)(lo + at), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
-                    _mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(low[2], low[3])), in_order));
+                _mm256_storeu_si256((__m256i *)(q + at), bytes_in_order(high));
+                _mm256_storeu_si256((__m256i *)(lo + at), bytes_in_order(low));
                 /* The four sums of 16 in one vector: high's two, then low's; value's sum of 32
                  * follows from them, as value = 128 * high + low. */
                 const __m256i pairs = _mm256_hadd_epi32(
