@@ -1,9 +1,10 @@
 /* Activations quantized to int8 for the int8 path (q8_activations.h has the layout): each
  * span of a row (32 activations, or 256 for the K types, one span per weight block) gets one
  * scale, max |x| / 127, and the integer sums of every 32 and every 16 are kept for the
- * weights' offsets and Q6_K's correction. Compiled with -O3 -march=native -ffast-math.
+ * weights' offsets and Q6_K's correction; and to the interleaved kernels' wide activations,
+ * the same way at 15 bits. Compiled with -O3 -march=native -ffast-math, which divides by the
+ * scale's constant as a multiply by its inverse (tests/test_q8_activations.py follows).
  */
-#include <math.h>
 #include <stdint.h>
 
 #include "exports.h"
