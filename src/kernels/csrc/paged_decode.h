@@ -93,6 +93,11 @@ static inline int specialised_dim(int dim) {
     return dim == 16 ? 0 : dim == 32 ? 1 : dim == 64 ? 2 : dim == 128 ? 3 : -1;
 }
 
+/* Whether a tile is compiled for this head dim and group (the rest go a head at a time). */
+static inline int has_specialised_tile(int dim, int group) {
+    return specialised_dim(dim) >= 0 && group <= 8;
+}
+
 #define DEFINE_SEQUENCE(SUFFIX, ELEM, LOADV, STORE)                                             \
     DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 1) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 2)   \
     DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 4) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 8)   \
@@ -108,7 +113,7 @@ static inline int specialised_dim(int dim) {
         const int vec = dim / LANES;                                                            \
         const int64_t row_stride = (int64_t)kv_heads * dim;                                     \
         void (*specialised)(TILE_ARGS(ELEM)) =                                                  \
-            specialised_dim(dim) >= 0 && group <= 8 ? SPECIALISED_##SUFFIX[specialised_dim(dim)][group - 1] \
+            has_specialised_tile(dim, group) ? SPECIALISED_##SUFFIX[specialised_dim(dim)][group - 1] \
                                                     : NULL;                                     \
         for (int count; start < seq_len; start += count) {                                      \
             count = tile_rows(start, seq_len, block_size);                                      \
@@ -153,7 +158,7 @@ static inline int specialised_dim(int dim) {
                                 int group) {                                                    \
         const int vec = dim / LANES;                                                            \
         /* whether the tiles took the values through BF16_VALUES (the specialised ones do) */   \
-        const int in_pairs = DOTS_FOR(ELEM, vec) && specialised_dim(dim) >= 0 && group <= 8;    \
+        const int in_pairs = DOTS_FOR(ELEM, vec) && has_specialised_tile(dim, group);           \
         for (int h = first_head; h < end_head; h++) {                                           \
             const float inverse = 1.0f / s->denominator[h];                                     \
             for (int v = 0; v < vec; v++) {                                                     \
@@ -237,8 +242,7 @@ static inline int parallel_pays(const int32_t *seq_lens, int num_seqs, int heads
 static inline int pairable(const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, int a,
                            int group, int dim, int block_size, int window) {
     const int length = seq_lens[a + 1];
-    if (length != seq_lens[a] + 1 || (window > 0 && length > window) || 2 * group > 8
-        || specialised_dim(dim) < 0)
+    if (length != seq_lens[a] + 1 || (window > 0 && length > window) || !has_specialised_tile(dim, 2 * group))
         return 0;
     const int blocks = (length + block_size - 1) / block_size;
     return !memcmp(tables + a * table_stride, tables + (a + 1) * table_stride, blocks * sizeof(int32_t));
