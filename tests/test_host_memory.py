@@ -1,5 +1,6 @@
 """Unit tests of the worker's host memory: malloc settings (in a child process, so that
-pytest's own allocator stays as it is) and weights in huge pages."""
+pytest's own allocator stays as it is), weights in huge pages, and the KV cache's pages
+committed ahead of a step's writes."""
 
 from __future__ import annotations
 
@@ -91,3 +92,79 @@ def test_small_weights_are_ordinary_tensors():
     assert small.shape == (3, 5) and small.dtype == torch.float32
     small.fill_(2.0)
     assert float(small.sum()) == 30.0
+
+
+def _resident_kib(tensor) -> int:
+    mappings = _mappings_of(tensor)  # one, or two where the advice covers whole huge pages only
+    assert 1 <= len(mappings) <= 2, mappings
+    return sum(int(mapping["Rss"].split()[0]) for mapping in mappings)
+
+
+def _lazy_cache(blocks: int = 256):
+    """A KV-cache-shaped tensor in a fresh lazily mapped mapping: 12 KiB a block (3 MiB)."""
+    import torch
+
+    from triode.engine.worker.host_memory import zeroed_tensor
+
+    return zeroed_tensor((blocks, 16, 3, 64), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE")
+def test_kv_pages_commit_the_blocks_through_the_highest_and_keep_what_they_hold():
+    from triode.engine.worker.kv_pages import KVPages
+    from triode.kernels.native import native_library
+
+    if native_library() is None:
+        pytest.skip("no C compiler for triode's kernels")
+    k_cache, v_cache = _lazy_cache(), _lazy_cache()
+    k_cache[:2] = 1.5  # blocks 0 and 1 written by a step before
+    pages = KVPages([k_cache, v_cache])
+    assert pages.num_blocks == 256 and pages.committed_blocks == 0
+    assert _resident_kib(v_cache) == 0
+
+    pages.commit_through(9)
+    assert pages.committed_blocks == 10
+    assert [_resident_kib(cache) for cache in (k_cache, v_cache)] == [120, 120]  # 10 blocks of 12 KiB
+    assert float(k_cache[:2].sum()) == 1.5 * k_cache[:2].numel() and float(k_cache[2:].abs().sum()) == 0
+    assert float(v_cache.abs().sum()) == 0  # committed pages read as zeros, as the lazy ones did
+
+    pages.commit_through(4)  # already committed: nothing changes
+    assert pages.committed_blocks == 10
+    pages.commit_through(10_000)  # past the cache: through its last block
+    assert pages.committed_blocks == 256 and _resident_kib(k_cache) == 3072
+
+
+def test_kv_pages_without_the_kernel_call_leave_pages_to_fault_in(monkeypatch, caplog):
+    import errno
+
+    from triode.engine.worker import kv_pages
+
+    calls = []
+
+    def failing(starts, lengths, count):
+        calls.append(count)
+        return errno.EINVAL  # a kernel older than Linux 5.14
+
+    monkeypatch.setattr(kv_pages, "_populate_function", lambda: failing)
+    k_cache, v_cache = _lazy_cache(), _lazy_cache()
+    pages = kv_pages.KVPages([k_cache, v_cache])
+    with caplog.at_level("WARNING", logger=kv_pages.__name__):
+        pages.commit_through(3)
+        pages.commit_through(50)
+    assert calls == [2] and pages.committed_blocks == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV cache pages are left to fault in as steps write them: this kernel has no MADV_POPULATE_WRITE"]
+
+    monkeypatch.setattr(kv_pages, "_populate_function", lambda: None)  # no C kernels
+    unbuilt = kv_pages.KVPages([_lazy_cache()])
+    unbuilt.commit_through(3)
+    assert unbuilt.committed_blocks == 0
+
+
+def test_kv_pages_refuse_caches_of_different_blocks():
+    from triode.engine.worker.kv_pages import KVPages
+
+    with pytest.raises(ValueError, match=r"differ in blocks: \[128, 256\]"):
+        KVPages([_lazy_cache(256), _lazy_cache(128)])
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        KVPages([])

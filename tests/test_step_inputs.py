@@ -52,6 +52,18 @@ def test_a_step_extends_many_tables_in_one_write_as_one_by_one():
     at_once.extend_many(additions)
     assert torch.equal(at_once.table, one_by_one.table) and at_once.lengths.tolist() == one_by_one.lengths.tolist()
     assert at_once.table[at_once.row("a"), :3].tolist() == [3, 4, 8]
+    assert at_once.highest_block == one_by_one.highest_block == 8  # the KV pages committed through
+
+
+def test_the_highest_block_outlives_the_tables_that_held_it():
+    tables = BlockTables(8)
+    assert tables.highest_block == -1
+    tables.add("a")
+    tables.extend("a", [7, 2])
+    tables.remove("a")
+    tables.add("b")
+    tables.extend("b", [3])
+    assert tables.highest_block == 7
 
 
 def test_extending_many_writes_nothing_when_one_table_would_overflow():

@@ -26,6 +26,7 @@ class BlockTables:
         self.table = torch.zeros((rows, max_blocks), dtype=torch.int32)
         self.host = self.table.numpy()  # the same memory
         self.lengths = np.zeros(rows, dtype=np.int64)  # blocks in each row's table
+        self.highest_block = -1  # the highest block id any table has held (-1: none yet)
         self._rows: dict[str, int] = {}
         self._free = list(range(rows - 1, -1, -1))
 
@@ -81,6 +82,7 @@ class BlockTables:
         if not values:
             return
         self.host[rows, columns] = values
+        self.highest_block = max(self.highest_block, max(values))
         lengths[extended] = ends
 
     def _grow(self) -> None:

@@ -57,14 +57,16 @@ def weight_tensor(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor, for a KV cache. On a CPU from one huge page up, it lies in a fresh
-    anonymous mapping, whose pages read as zeros and are committed only once written: a budget
-    sized from the memory available (worker/kv_budget.py) costs what the sequences use, not
-    the whole budget at start-up, and is not written through once to zero it.
+    anonymous mapping, whose pages read as zeros and are committed only when the blocks on them
+    are first used (worker/kv_pages.py): a budget sized from the memory available
+    (worker/kv_budget.py) costs what the sequences use, not the whole budget at start-up, and
+    is not written through once to zero it.
 
-    Its pages are small ones, even where the kernel gives huge pages unasked: the first write to
-    each page falls inside a step, and there the kernel took 1.6-3.4 s a GiB to fault in huge
-    pages (compacting memory to find each 2 MiB one) against 0.5-0.6 s in small pages, while
-    reads of 12 KiB blocks at random ran as fast from either (AMD EPYC, 2026-12-04)."""
+    Its pages are small ones, even where the kernel gives huge pages unasked: they are
+    committed inside a step, and there the kernel took 1.6-3.4 s a GiB to fault in huge pages
+    (compacting memory to find each 2 MiB one) against 0.5-0.6 s in small pages, while reads of
+    12 KiB blocks at random ran as fast from either (AMD EPYC, 2026-12-04). Committed ahead a
+    range at a time, huge pages still gave W1v nothing and cost W1 5% (Zen 5, 2026-12-05)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype, device=device)

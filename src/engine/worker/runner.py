@@ -29,6 +29,7 @@ from triode.engine.worker.grammar import SequenceGrammars
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.kv_budget import MemoryReading, blocks_for_budget, size_kv_cache
+from triode.engine.worker.kv_pages import KVPages
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.placement import (
@@ -146,6 +147,8 @@ class ModelRunner:
         shape = (blocks, self.block_size, kv_heads, self.config.head_dim)
         self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device), zeroed_tensor(shape, self.dtype, self.device))
                           for _ in range(self.config.num_layers)]
+        self._kv_pages = KVPages([cache for pair in self.kv_caches for cache in pair]) \
+            if self.device.type == "cpu" and blocks else None
         self.sampler = Sampler(args.seed)
         # Only rank 0 samples, so only it follows grammars (built on first use).
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
@@ -202,6 +205,8 @@ class ModelRunner:
         adapters = self.table.adapters(chunks) if self.loras is not None else None
         chunks, chunk_tokens, adapters = batch_order(chunks, chunk_tokens, adapters)
         self.block_tables.extend_many((chunk.seq_id, chunk.new_block_ids) for chunk in chunks if chunk.new_block_ids)
+        if self._kv_pages is not None:
+            self._kv_pages.commit_through(self.block_tables.highest_block)
         if self.loras is not None and plan.load_loras:
             self.loras.prefetch(plan.load_loras)
         if not chunks:
