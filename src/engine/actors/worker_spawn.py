@@ -68,7 +68,11 @@ def starting_engine_workers() -> Iterator[None]:
 # thread burns the time slice the thread it waits for needs. Measured on 2 cores, 64 decodes
 # per step: quiet, 302 ms default, 275 ms at 2000 spins, 340 ms passive (no spinning); with
 # one core kept busy by another process, 1216 ms default, 640 ms at 2000 spins, 520 passive.
-# 2000 spins keep the quiet speed and halve the loss when shared. A user's setting wins.
+# 2000 spins kept the quiet speed and halved the loss when shared. With today's faster steps
+# (Zen 5, 2026-12-05, docs/benchmarks.md) OpenMP's default is about 4% faster offline and
+# faster served on a quiet machine, and takes 1.67x as long with a core busy elsewhere, which
+# 20000 or 50000 spins do not help: 2000 stays. A user's setting wins (a dedicated server
+# can start with GOMP_SPINCOUNT=300000).
 WORKER_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
 
 
