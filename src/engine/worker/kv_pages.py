@@ -3,9 +3,9 @@
 The cache lies in lazily mapped memory (:func:`host_memory.zeroed_tensor`), so that a budget
 sized from the machine's memory costs only what sequences use. Its pages were then faulted in
 by the step that first wrote each block: one 4 KiB page at a time, inside the serial copy of
-the step's keys and values, while the other core waited. W1v in bfloat16 (AMD EPYC Zen 5, two
-cores, 4 GiB of KV) spent about 1.4 s of its 24.6 s so; a cache written through once at start-up
-took that away, at 7 s of start-up for 4 GiB and the whole budget committed.
+the step's keys and values, while the other core waited. A cache written through once at
+start-up took W1v in bfloat16 (AMD EPYC Zen 5, two cores, 4 GiB of KV) from 25.0 to 23.3 s,
+at 7 s more start-up and the whole budget committed; committing here, 24.6 to 23.8 s.
 
 The block manager hands out blocks no sequence has used in increasing id order (its free queue
 starts as 0, 1, 2, ... and a freed block goes back before or after them, never among them), so
