@@ -26,6 +26,7 @@ from triode.engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from triode.engine.worker.block_tables import BlockTables
 from triode.engine.worker.checkpoint import iter_safetensors, quantized_tensors
 from triode.engine.worker.host_memory import zeroed_tensor
+from triode.engine.worker.kv_pages import KVPages
 from triode.engine.worker.models.registry import build_model
 from triode.engine.worker.placement import kept_quantized
 from triode.engine.worker.step_inputs import StepInputs
@@ -88,6 +89,9 @@ class DraftModelProposer:
         self.kv_caches = [(zeroed_tensor(shape, dtype, device), zeroed_tensor(shape, dtype, device))
                           for _ in range(config.num_layers)]
         self.tables = BlockTables(max_blocks, rows=args.max_num_seqs)
+        # never-used blocks leave _free in increasing order, as the block manager's do
+        self._pages = KVPages([cache for pair in self.kv_caches for cache in pair]) \
+            if device.type == "cpu" and self.num_blocks else None
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._blocks: dict[str, list[int]] = {}
         self._fed: dict[str, list[int]] = {}  # per sequence, the tokens whose KV the draft holds
@@ -136,6 +140,8 @@ class DraftModelProposer:
         chunks = [(seq_id, tuple(tokens[len(self._fed[seq_id]):]), len(self._fed[seq_id]))
                   for seq_id, tokens, _ in active]
         wanted = {seq_id: k for seq_id, _, k in active}
+        if self._pages is not None:
+            self._pages.commit_through(self.tables.highest_block)
         step = 0
         while chunks:
             chunks.sort(key=lambda chunk: len(chunk[1]) != 1)  # decodes first, as the inputs need

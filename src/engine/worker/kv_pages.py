@@ -8,8 +8,8 @@ start-up took W1v in bfloat16 (AMD EPYC Zen 5, two cores, 4 GiB of KV) from 25.0
 at 7 s more start-up and the whole budget committed; committing here, 24.6 to 23.8 s.
 
 The block manager hands out blocks no sequence has used in increasing id order (its free queue
-starts as 0, 1, 2, ... and a freed block goes back before or after them, never among them), so
-the blocks with pages are always a prefix of the ids. :class:`KVPages` extends that prefix to the
+starts as 0, 1, 2, ... and a freed block goes back before or after them, never among them), and
+so does a draft model's proposer for its own cache: the blocks with pages are a prefix of the ids. :class:`KVPages` extends that prefix to the
 highest block a step's tables hold, just before the step, through ``csrc/pages.c``
 (``MADV_POPULATE_WRITE``, with the OpenMP team sharing the cache's tensors). Memory is still
 committed only for blocks handed out.
