@@ -21,12 +21,16 @@
 #include "bf16.h"
 #include "exports.h"
 
-/* Below this many elements a call runs on the calling thread: waking the OpenMP team costs
- * more than the work. An element takes about 0.7 ns; waking a sleeping thread about 60 us on
- * these VMs (the worker's threads sleep soon: engine.actors.workers), so a team pays from
- * about 170k elements. SiLU-and-multiply of 256 x 128 took 77 us with the team asleep (32k
- * elements, the bound before), 128 x 128 alone 15 us. */
-#define PARALLEL_MIN_ELEMENTS (1 << 17)
+/* Below this many elements (about 11 us of work) a call runs on the calling thread. An element
+ * takes about 0.7 ns; waking a sleeping OpenMP thread about 60 us on these VMs, and the
+ * worker's threads sleep after 2000 spins, some tens of microseconds (engine.actors.worker_spawn).
+ * Between a step's matrix multiplies the other thread is usually still spinning, and a serial
+ * op that outlasts its spins puts it to sleep, so that the next parallel region pays the
+ * wake-up: at 1 << 17 here, a 128-row bfloat16 decode step's two RMSNorms a layer ran alone, and
+ * W1 then W1v woke threads 54k times, against 19k at 1 << 14 (W1v median 24.37 -> 23.70 s, Zen 5,
+ * 2026-12-05). A call that finds the team asleep pays the wake-up: SiLU-and-multiply of 256 x 128
+ * took 77 us so, where 128 x 128 took 15 us alone. */
+#define PARALLEL_MIN_ELEMENTS (1 << 14)
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
