@@ -79,8 +79,8 @@ static void *quantized_input(const step_state *st, thread_state *own, int type, 
     int i = 0;
     while (i < MAX_PARTS - 1 && own->q8_type[i] != type && own->q8_type[i] >= 0) i++;
     if (own->q8_type[i] != type) {
-        if (st->m->activations == ACTIVATIONS_WIDE) triode_q8_quantize_wide(type, x, in, st->rows, in, own->q8[i]);
-        else triode_q8_quantize(type, x, in, st->rows, in, own->q8[i]);
+        triode_q8_quantize_rows(type, st->m->activations == ACTIVATIONS_WIDE, x, in, st->rows, in, own->q8[i], 0,
+                                st->rows);
         own->q8_type[i] = type;
     }
     return own->q8[i];

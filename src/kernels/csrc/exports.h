@@ -20,7 +20,6 @@ void triode_quant_x16_row(int type, const uint8_t *w, int64_t row_bytes, int blo
 int64_t triode_q8_bytes(int64_t rows, int in);
 int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer);
 int64_t triode_q8_wide_bytes(int64_t rows, int in);
-int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer);
 int triode_q8_quantize_rows(int type, int wide, const float *x, int64_t x_stride, int64_t rows, int in,
                             void *buffer, int64_t first, int64_t last);
 int triode_quant_linear_q8(int type, void *buffer, int64_t rows, int in, const uint8_t *w,

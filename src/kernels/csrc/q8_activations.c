@@ -142,13 +142,6 @@ int triode_q8_quantize_rows(int type, int wide, const float *x, int64_t x_stride
     return 0;
 }
 
-/* x [rows, in] as wide activations for weights of `type`, into a buffer of
- * triode_q8_wide_bytes; returns as triode_q8_quantize. */
-int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
-{
-    return triode_q8_quantize_rows(type, 1, x, x_stride, rows, in, buffer, 0, rows);
-}
-
 /* x [rows, in] quantized for weights of `type` into a buffer of triode_q8_bytes: 0, or -1 for
  * a type not decoded, -2 for in not a whole number of spans, -3 for rows < 1. A caller that
  * runs its own team (decode_stack.c) quantizes a matrix's input once this way, then takes
@@ -163,11 +156,6 @@ int triode_q8_quantize(int type, const float *x, int64_t x_stride, int64_t rows,
 int64_t triode_q8_bytes(int64_t rows, int in) { return 0; }
 
 int64_t triode_q8_wide_bytes(int64_t rows, int in) { return 0; }
-
-int triode_q8_quantize_wide(int type, const float *x, int64_t x_stride, int64_t rows, int in, void *buffer)
-{
-    return NOT_BUILT;
-}
 
 int triode_q8_quantize_rows(int type, int wide, const float *x, int64_t x_stride, int64_t rows, int in,
                             void *buffer, int64_t first, int64_t last)

@@ -169,8 +169,8 @@ int triode_quant_x16_linear(int type, int wide, const float *x, int64_t x_stride
     return 0;
 }
 
-/* Features [first, last) from activations quantized by triode_q8_quantize (or, `wide`,
- * triode_q8_quantize_wide), on the calling thread (decode_stack.c's share of a matrix); `w`
+/* Features [first, last) from activations quantized by triode_q8_quantize_rows (int8, or
+ * `wide`), on the calling thread (decode_stack.c's share of a matrix); `w`
  * is the whole matrix. last = first checks the arguments. */
 int triode_quant_x16_linear_q8(int type, int wide, void *buffer, int64_t rows, int in, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t first,
