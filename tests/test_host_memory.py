@@ -170,6 +170,28 @@ def test_kv_pages_without_the_kernel_call_leave_pages_to_fault_in(monkeypatch, c
     assert unbuilt.committed_blocks == 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE")
+def test_kv_pages_for_a_rank_take_every_layers_caches_on_a_cpu_only():
+    import torch
+
+    from triode.engine.worker.kv_pages import kv_pages_for
+    from triode.kernels.native import native_library
+
+    if native_library() is None:
+        pytest.skip("no C compiler for triode's kernels")
+    caches = [(_lazy_cache(), _lazy_cache()), (_lazy_cache(), _lazy_cache())]
+    pages = kv_pages_for(caches)
+    assert pages is not None and pages.num_blocks == 512
+    pages.commit_through(0)
+    assert [_resident_kib(cache) for pair in caches for cache in pair] == [12, 12, 12, 12]
+    empty = torch.zeros((0, 16, 3, 64))
+    assert kv_pages_for([(empty, empty)]) is None  # an encoder keeps no KV
+    assert kv_pages_for([]) is None
+    if torch.cuda.is_available():
+        on_gpu = torch.zeros((4, 16, 3, 64), device="cuda")
+        assert kv_pages_for([(on_gpu, on_gpu)]) is None
+
+
 def test_kv_pages_refuse_caches_of_different_blocks():
     from triode.engine.worker.kv_pages import KVPages
 

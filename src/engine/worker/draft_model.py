@@ -26,7 +26,7 @@ from triode.engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from triode.engine.worker.block_tables import BlockTables
 from triode.engine.worker.checkpoint import iter_safetensors, quantized_tensors
 from triode.engine.worker.host_memory import zeroed_tensor
-from triode.engine.worker.kv_pages import KVPages
+from triode.engine.worker.kv_pages import kv_pages_for
 from triode.engine.worker.models.registry import build_model
 from triode.engine.worker.placement import kept_quantized
 from triode.engine.worker.step_inputs import StepInputs
@@ -90,8 +90,7 @@ class DraftModelProposer:
                           for _ in range(config.num_layers)]
         self.tables = BlockTables(max_blocks, rows=args.max_num_seqs)
         # never-used blocks leave _free in increasing order, as the block manager's do
-        self._pages = KVPages([cache for pair in self.kv_caches for cache in pair]) \
-            if device.type == "cpu" and self.num_blocks else None
+        self._pages = kv_pages_for(self.kv_caches)
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._blocks: dict[str, list[int]] = {}
         self._fed: dict[str, list[int]] = {}  # per sequence, the tokens whose KV the draft holds

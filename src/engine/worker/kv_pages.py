@@ -33,7 +33,8 @@ from triode.kernels.native import bind
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVPages"]
+__all__ = ["KVPages", "kv_pages_for"]
+
 
 
 class KVPages:
@@ -71,6 +72,15 @@ class KVPages:
             logger.warning("KV cache pages are left to fault in as steps write them: %s", reason)
             return
         self.committed_blocks = end
+
+
+def kv_pages_for(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> KVPages | None:
+    """The pages of a rank's (key, value) caches, per layer; None for caches not on a CPU or
+    of no blocks (an encoder's), which have nothing to commit."""
+    caches = [cache for pair in kv_caches for cache in pair]
+    if not caches or caches[0].device.type != "cpu" or caches[0].shape[0] == 0:
+        return None
+    return KVPages(caches)
 
 
 def _populate_function():

@@ -29,7 +29,7 @@ from triode.engine.worker.grammar import SequenceGrammars
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.kv_budget import MemoryReading, blocks_for_budget, size_kv_cache
-from triode.engine.worker.kv_pages import KVPages
+from triode.engine.worker.kv_pages import kv_pages_for
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
 from triode.engine.worker.placement import (
@@ -147,8 +147,7 @@ class ModelRunner:
         shape = (blocks, self.block_size, kv_heads, self.config.head_dim)
         self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device), zeroed_tensor(shape, self.dtype, self.device))
                           for _ in range(self.config.num_layers)]
-        self._kv_pages = KVPages([cache for pair in self.kv_caches for cache in pair]) \
-            if self.device.type == "cpu" and blocks else None
+        self._kv_pages = kv_pages_for(self.kv_caches)
         self.sampler = Sampler(args.seed)
         # Only rank 0 samples, so only it follows grammars (built on first use).
         self.grammars = SequenceGrammars(path / "tokenizer.json", self.config.vocab_size,
