@@ -240,8 +240,12 @@ def test_threads_sharing_the_quantization_give_each_rows_own_result(activations,
 
 
 @needs_interleaved
-def test_interleaved_features_may_start_and_end_inside_a_tile():
-    """The decode stack's entry takes any range of output features of an interleaved matrix."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_interleaved_features_may_start_and_end_inside_a_tile(kind):
+    """The decode stack's entry takes any range of output features of an interleaved matrix.
+    The 32-weight types take two tiles at a time where the range holds both: features 5..20
+    go through a pair, 21..31 through tile 1 alone, and the whole matrix pairs tiles 0 and 1,
+    so each feature must come out the same bits either way."""
     import ctypes
 
     from triode.kernels.native import bind
@@ -251,7 +255,7 @@ def test_interleaved_features_may_start_and_end_inside_a_tile():
     q8_bytes = bind("triode_q8_bytes", i64, i32)
     q8_bytes.restype = ctypes.c_int64
     linear_q8 = bind("triode_quant_linear_q8", i32, pointer, i64, i32, pointer, i64, pointer, pointer, i64, i64, i64)
-    weight = QuantizedWeight.from_bytes("Q4_K", torch.from_numpy(random_blocks("Q4_K", 48, 256, 11))).interleave()
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 48, 256, 11))).interleave()
     x, bias = torch.randn(2, 256), torch.randn(48)
     buffer = torch.empty(q8_bytes(2, 256), dtype=torch.uint8)
     assert quantize(weight.type_id, x.data_ptr(), 256, 2, 256, buffer.data_ptr()) == 0

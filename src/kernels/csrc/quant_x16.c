@@ -3,7 +3,8 @@
  *
  * A tile (16 rows' block k) is multiplied into up to MAX_ROWS activation rows at once: each
  * 64-byte vector of weights is 4 weights of each of the 16 rows, and one vpdpbusd adds their
- * products with 4 broadcast activation bytes into 16 int32 row sums. The integer sums of a
+ * products with 4 broadcast activation bytes into 16 int32 row sums. The 32-weight types take
+ * two tiles side by side, so that each broadcast serves two vpdpbusd. The integer sums of a
  * group of 32 (or of a K type's sub-block) are scaled once, by the 16 rows' scales loaded as
  * one vector, so the float work is a few instructions per 512 weight-activation products. The
  * arithmetic is quant_linear_int8.c's (the same integer sums, the same activation scales), in
@@ -56,6 +57,22 @@ void triode_quant_x16_row(int type, const uint8_t *w, int64_t row_bytes, int blo
 
 #define PARALLEL_MIN_WEIGHTS 65536
 
+/* Whether the kernel takes two groups of 16 rows at a time (tile_small_pair). The K types' tiles
+ * go one at a time: at 4096 inputs a group's weights already fill most of L1. */
+static inline int pairs_groups(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0; }
+
+/* Features [first, last) of acc, the sums of the 16 features from `base`, plus the bias. */
+static inline __attribute__((always_inline)) void x16_store(
+    const int rows, const __m512 *acc, const float *bias, float *y, int64_t y_stride, int64_t base, int64_t first,
+    int64_t last)
+{
+    const int lo = first > base ? (int)(first - base) : 0, hi = last < base + X16_ROWS ? (int)(last - base) : X16_ROWS;
+    const __mmask16 lanes = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + base) : _mm512_setzero_ps();
+    UNROLL
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * y_stride + base, lanes, _mm512_add_ps(acc[r], b));
+}
+
 /* Tiles of row groups [g0, g1) against ROWS activation rows, storing features [first, last). */
 static inline __attribute__((always_inline)) void x16_groups(
     const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *w, int64_t row_bytes,
@@ -65,6 +82,21 @@ static inline __attribute__((always_inline)) void x16_groups(
     const int64_t tile_bytes = (int64_t)X16_ROWS * block;
     for (int64_t g = first / X16_ROWS; g * X16_ROWS < last; g++) {
         const uint8_t *tiles = w + g * X16_ROWS * row_bytes;
+        if (pairs_groups(type) && (g + 1) * X16_ROWS < last) {
+            __m512 acc[2][MAX_ROWS];
+            UNROLL
+            for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+            for (int k = 0; k < blocks; k++) {
+                const uint8_t *const t[2] = {tiles + k * tile_bytes, tiles + X16_ROWS * row_bytes + k * tile_bytes};
+                prefetch_ahead(t[0], tile_bytes);
+                prefetch_ahead(t[1], tile_bytes);
+                tile_small_pair(type, rows, wide, x, in, t, k, acc);
+            }
+            x16_store(rows, acc[0], bias, y, y_stride, g * X16_ROWS, first, last);
+            x16_store(rows, acc[1], bias, y, y_stride, (g + 1) * X16_ROWS, first, last);
+            g++;
+            continue;
+        }
         __m512 acc[MAX_ROWS];
         UNROLL
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
@@ -75,12 +107,7 @@ static inline __attribute__((always_inline)) void x16_groups(
             else if (type == TYPE_Q4_K || type == TYPE_Q5_K) tile_k45(type, rows, wide, x, in, t, k, acc);
             else tile_small(type, rows, wide, x, in, t, k, acc);
         }
-        const int64_t base = g * X16_ROWS;
-        const int lo = first > base ? (int)(first - base) : 0, hi = last < base + X16_ROWS ? (int)(last - base) : X16_ROWS;
-        const __mmask16 lanes = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + base) : _mm512_setzero_ps();
-        UNROLL
-        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * y_stride + base, lanes, _mm512_add_ps(acc[r], b));
+        x16_store(rows, acc, bias, y, y_stride, g * X16_ROWS, first, last);
     }
 }
 
@@ -107,9 +134,9 @@ FOR_EACH_QUANT_TYPE(DEFINE_X16)
     case TYPE: x16_##SUFFIX[wide][tile - 1](xt, w, row_bytes, bias, y + r0 * y_stride, y_stride, in, from, to); break;
 
 /* Features [first, last) of every activation row: within a block of ROW_BLOCK activation rows,
- * each group of 16 features against all of them, MAX_ROWS at a time, so that a group's
- * weights come from memory once per block and a block's activations (at most 128 rows of
- * 14336 bytes here) stay in the caches while the groups go by. */
+ * each group of 16 features (two for the 32-weight types) against all of them, MAX_ROWS at a
+ * time, so that a group's weights come from memory once per block and a block's activations
+ * (at most 128 rows of 14336 bytes here) stay in the caches while the groups go by. */
 #define ROW_BLOCK 128
 
 static void x16_range(int type, int wide, void *buffer, int64_t rows, int in, const uint8_t *w, int64_t row_bytes,
@@ -117,9 +144,10 @@ static void x16_range(int type, int wide, void *buffer, int64_t rows, int in, co
 {
     for (int64_t block = 0; block < rows; block += ROW_BLOCK) {
         const int64_t block_end = rows - block < ROW_BLOCK ? rows : block + ROW_BLOCK;
-        for (int64_t g = first / X16_ROWS; g * X16_ROWS < last; g++) {
+        const int step = pairs_groups(type) ? 2 : 1;
+        for (int64_t g = first / X16_ROWS; g * X16_ROWS < last; g += step) {
             const int64_t from = g * X16_ROWS > first ? g * X16_ROWS : first;
-            const int64_t to = (g + 1) * X16_ROWS < last ? (g + 1) * X16_ROWS : last;
+            const int64_t to = (g + step) * X16_ROWS < last ? (g + step) * X16_ROWS : last;
             for (int64_t r0 = block; r0 < block_end; r0 += MAX_ROWS) {
                 const int tile = block_end - r0 < MAX_ROWS ? (int)(block_end - r0) : MAX_ROWS;
                 const rows_q8 xt = wide ? q8_wide_rows(buffer, rows, in, q8_span(type), r0)
