@@ -240,10 +240,10 @@ def test_threads_sharing_the_quantization_give_each_rows_own_result(activations,
 
 
 @needs_interleaved
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
 def test_interleaved_features_may_start_and_end_inside_a_tile(kind):
     """The decode stack's entry takes any range of output features of an interleaved matrix.
-    The 32-weight types take two tiles at a time where the range holds both: features 5..20
+    All types but Q6_K take two tiles at a time where the range holds both: features 5..20
     go through a pair, 21..31 through tile 1 alone, and the whole matrix pairs tiles 0 and 1,
     so each feature must come out the same bits either way."""
     import ctypes

@@ -3,8 +3,8 @@
  *
  * A tile (16 rows' block k) is multiplied into up to MAX_ROWS activation rows at once: each
  * 64-byte vector of weights is 4 weights of each of the 16 rows, and one vpdpbusd adds their
- * products with 4 broadcast activation bytes into 16 int32 row sums. The 32-weight types take
- * two tiles side by side, so that each broadcast serves two vpdpbusd. The integer sums of a
+ * products with 4 broadcast activation bytes into 16 int32 row sums. All but Q6_K take two
+ * tiles side by side, so that each broadcast serves two vpdpbusd. The integer sums of a
  * group of 32 (or of a K type's sub-block) are scaled once, by the 16 rows' scales loaded as
  * one vector, so the float work is a few instructions per 512 weight-activation products. The
  * arithmetic is quant_linear_int8.c's (the same integer sums, the same activation scales), in
@@ -57,9 +57,10 @@ void triode_quant_x16_row(int type, const uint8_t *w, int64_t row_bytes, int blo
 
 #define PARALLEL_MIN_WEIGHTS 65536
 
-/* Whether the kernel takes two groups of 16 rows at a time (tile_small_pair). The K types' tiles
- * go one at a time: at 4096 inputs a group's weights already fill most of L1. */
-static inline int pairs_groups(int type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0; }
+/* Whether the kernel takes two groups of 16 rows at a time, each activation broadcast serving
+ * both (quant_x16_tiles.h's sums_add). Q6_K's tile keeps two sets of sums already (its two
+ * halves' scales differ): for two tiles that is 32 accumulators, more than the registers. */
+static inline int pairs_groups(int type) { return type != TYPE_Q6_K; }
 
 /* Features [first, last) of acc, the sums of the 16 features from `base`, plus the bias. */
 static inline __attribute__((always_inline)) void x16_store(
@@ -73,41 +74,43 @@ static inline __attribute__((always_inline)) void x16_store(
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * y_stride + base, lanes, _mm512_add_ps(acc[r], b));
 }
 
+/* Row groups g .. g + tiles - 1 against ROWS activation rows, storing features [first, last). */
+static inline __attribute__((always_inline)) void x16_tiles(
+    const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *w, int64_t row_bytes,
+    const float *bias, float *y, int64_t y_stride, int64_t g, const int tiles, int64_t first, int64_t last)
+{
+    const int block = block_bytes(type), per_block = 32 * block_groups(type), blocks = in / per_block;
+    const int64_t tile_bytes = (int64_t)X16_ROWS * block;
+    __m512 acc[2][MAX_ROWS];
+    UNROLL
+    for (int i = 0; i < tiles; i++)
+        UNROLL
+        for (int r = 0; r < rows; r++) acc[i][r] = _mm512_setzero_ps();
+    for (int k = 0; k < blocks; k++) {
+        const uint8_t *t[2];
+        UNROLL
+        for (int i = 0; i < tiles; i++) {
+            t[i] = w + (g + i) * X16_ROWS * row_bytes + k * tile_bytes;
+            if (tile_bytes <= 1024) prefetch_ahead(t[i], tile_bytes);
+        }
+        if (type == TYPE_Q6_K) tile_q6_k(rows, wide, x, in, t[0], k, acc[0]);
+        else if (type == TYPE_Q4_K || type == TYPE_Q5_K) tile_k45(type, rows, wide, x, in, t, tiles, k, acc);
+        else tile_small(type, rows, wide, x, in, t, tiles, k, acc);
+    }
+    UNROLL
+    for (int i = 0; i < tiles; i++) x16_store(rows, acc[i], bias, y, y_stride, (g + i) * X16_ROWS, first, last);
+}
+
 /* Tiles of row groups [g0, g1) against ROWS activation rows, storing features [first, last). */
 static inline __attribute__((always_inline)) void x16_groups(
     const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *w, int64_t row_bytes,
     const float *bias, float *y, int64_t y_stride, int64_t first, int64_t last)
 {
-    const int block = block_bytes(type), per_block = 32 * block_groups(type), blocks = in / per_block;
-    const int64_t tile_bytes = (int64_t)X16_ROWS * block;
-    for (int64_t g = first / X16_ROWS; g * X16_ROWS < last; g++) {
-        const uint8_t *tiles = w + g * X16_ROWS * row_bytes;
-        if (pairs_groups(type) && (g + 1) * X16_ROWS < last) {
-            __m512 acc[2][MAX_ROWS];
-            UNROLL
-            for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-            for (int k = 0; k < blocks; k++) {
-                const uint8_t *const t[2] = {tiles + k * tile_bytes, tiles + X16_ROWS * row_bytes + k * tile_bytes};
-                prefetch_ahead(t[0], tile_bytes);
-                prefetch_ahead(t[1], tile_bytes);
-                tile_small_pair(type, rows, wide, x, in, t, k, acc);
-            }
-            x16_store(rows, acc[0], bias, y, y_stride, g * X16_ROWS, first, last);
-            x16_store(rows, acc[1], bias, y, y_stride, (g + 1) * X16_ROWS, first, last);
-            g++;
-            continue;
-        }
-        __m512 acc[MAX_ROWS];
-        UNROLL
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int k = 0; k < blocks; k++) {
-            const uint8_t *t = tiles + k * tile_bytes;
-            if (tile_bytes <= 1024) prefetch_ahead(t, tile_bytes);
-            if (type == TYPE_Q6_K) tile_q6_k(rows, wide, x, in, t, k, acc);
-            else if (type == TYPE_Q4_K || type == TYPE_Q5_K) tile_k45(type, rows, wide, x, in, t, k, acc);
-            else tile_small(type, rows, wide, x, in, t, k, acc);
-        }
-        x16_store(rows, acc, bias, y, y_stride, g * X16_ROWS, first, last);
+    for (int64_t g = first / X16_ROWS; g * X16_ROWS < last;) {
+        const int tiles = pairs_groups(type) && (g + 1) * X16_ROWS < last ? 2 : 1;
+        if (tiles == 2) x16_tiles(type, rows, wide, x, in, w, row_bytes, bias, y, y_stride, g, 2, first, last);
+        else x16_tiles(type, rows, wide, x, in, w, row_bytes, bias, y, y_stride, g, 1, first, last);
+        g += tiles;
     }
 }
 
@@ -134,7 +137,7 @@ FOR_EACH_QUANT_TYPE(DEFINE_X16)
     case TYPE: x16_##SUFFIX[wide][tile - 1](xt, w, row_bytes, bias, y + r0 * y_stride, y_stride, in, from, to); break;
 
 /* Features [first, last) of every activation row: within a block of ROW_BLOCK activation rows,
- * each group of 16 features (two for the 32-weight types) against all of them, MAX_ROWS at a
+ * each group of 16 features (two but for Q6_K) against all of them, MAX_ROWS at a
  * time, so that a group's weights come from memory once per block and a block's activations
  * (at most 128 rows of 14336 bytes here) stay in the caches while the groups go by. */
 #define ROW_BLOCK 128

@@ -61,35 +61,24 @@ static inline __attribute__((always_inline)) void sums_clear(const int rows, con
     }
 }
 
-/* 4 weights of each of the 16 rows (unsigned bytes) times activations [at, at + 4) of every row. */
+/* 4 weights of each of the 16 rows (unsigned bytes) of `tiles` tiles (1 or 2: two groups of 16
+ * rows) times activations [at, at + 4) of every row. Each broadcast of the activations serves
+ * every tile: with one tile, a broadcast for each vpdpbusd, the Q4_1 kernel ran at 63% of the
+ * rate vpdpbusd alone reaches (Zen 5, 128 rows of the default model's shapes, int16
+ * activations); two tiles at a time took it to 71% (653-754 -> 702-820 GFLOP/s, the LM head's
+ * Q8_0 759-797 -> 927-935). Four tiles of two rows, or of three, were no faster. */
 static inline __attribute__((always_inline)) void sums_add(
-    const int rows, const int wide, sums *s, __m512i weights, rows_q8 x, int in, int64_t at)
-{
-    UNROLL
-    for (int r = 0; r < rows; r++) {
-        s->dot[r] = _mm512_dpbusd_epi32(s->dot[r], weights, x4(x.q + (int64_t)r * in + at));
-        if (wide) s->rest[r] = _mm512_dpbusd_epi32(s->rest[r], weights, x4(x.lo + (int64_t)r * in + at));
-    }
-}
-
-/* The same for two tiles' weights (two groups of 16 rows): each broadcast of the activations
- * serves both, half a broadcast per vpdpbusd instead of one. With a broadcast for every
- * vpdpbusd, the Q4_1 kernel ran at 63% of the rate vpdpbusd alone reaches (Zen 5, 128 rows of
- * the default model's shapes, int16 activations); two tiles at a time took it to 71% (653-754
- * -> 702-820 GFLOP/s, the LM head's Q8_0 759-797 -> 927-935). Four tiles of two rows, or of
- * three, were no faster. */
-static inline __attribute__((always_inline)) void sums_add_pair(
-    const int rows, const int wide, sums s[2], const __m512i weights[2], rows_q8 x, int in, int64_t at)
+    const int rows, const int wide, sums *s, const __m512i *weights, const int tiles, rows_q8 x, int in, int64_t at)
 {
     UNROLL
     for (int r = 0; r < rows; r++) {
         const __m512i q = x4(x.q + (int64_t)r * in + at);
-        s[0].dot[r] = _mm512_dpbusd_epi32(s[0].dot[r], weights[0], q);
-        s[1].dot[r] = _mm512_dpbusd_epi32(s[1].dot[r], weights[1], q);
+        UNROLL
+        for (int i = 0; i < tiles; i++) s[i].dot[r] = _mm512_dpbusd_epi32(s[i].dot[r], weights[i], q);
         if (wide) {
             const __m512i lo = x4(x.lo + (int64_t)r * in + at);
-            s[0].rest[r] = _mm512_dpbusd_epi32(s[0].rest[r], weights[0], lo);
-            s[1].rest[r] = _mm512_dpbusd_epi32(s[1].rest[r], weights[1], lo);
+            UNROLL
+            for (int i = 0; i < tiles; i++) s[i].rest[r] = _mm512_dpbusd_epi32(s[i].rest[r], weights[i], lo);
         }
     }
 }
@@ -98,15 +87,22 @@ static inline __attribute__((always_inline)) __m512i dot_total(const int wide, c
     return wide ? _mm512_add_epi32(_mm512_slli_epi32(s->dot[r], 7), s->rest[r]) : s->dot[r];
 }
 
-/* nibbles32(area) times activations [at, at + 32) of each row. */
+/* nibbles32 of each tile's area (area[i] + offset) times activations [at, at + 32) of each row. */
 static inline __attribute__((always_inline)) void sums_nibbles(
-    const int rows, const int wide, sums *s, const uint8_t *area, rows_q8 x, int in, int64_t at)
+    const int rows, const int wide, sums *s, const uint8_t *const *area, int64_t offset, const int tiles, rows_q8 x,
+    int in, int64_t at)
 {
     UNROLL
     for (int v = 0; v < 4; v++) {
-        const __m512i packed = load64(area + 64 * v);
-        sums_add(rows, wide, s, nibbles_low(packed), x, in, at + 8 * v);
-        sums_add(rows, wide, s, nibbles_high(packed), x, in, at + 8 * v + 4);
+        __m512i low[2], high[2];
+        UNROLL
+        for (int i = 0; i < tiles; i++) {
+            const __m512i packed = load64(area[i] + offset + 64 * v);
+            low[i] = nibbles_low(packed);
+            high[i] = nibbles_high(packed);
+        }
+        sums_add(rows, wide, s, low, tiles, x, in, at + 8 * v);
+        sums_add(rows, wide, s, high, tiles, x, in, at + 8 * v + 4);
     }
 }
 
@@ -131,49 +127,28 @@ static inline __attribute__((always_inline)) void small_scaled(
     }
 }
 
-/* Block k (32 weights) of a Q4_0 / Q4_1 / Q8_0 tile into acc. */
+/* Block k (32 weights) of `tiles` Q4_0 / Q4_1 / Q8_0 tiles (t[i]) into acc[i]: each tile's
+ * arithmetic is the same in a pair as alone, so are its bits. */
 static inline __attribute__((always_inline)) void tile_small(
-    const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *t, int k, __m512 *acc)
-{
-    sums s;
-    sums_clear(rows, wide, &s);
-    if (type == TYPE_Q8_0) {
-        UNROLL
-        for (int v = 0; v < 8; v++) sums_add(rows, wide, &s, load64(t + X16_SMALL_NIBBLES + 64 * v), x, in, 32 * k + 4 * v);
-    } else {
-        sums_nibbles(rows, wide, &s, t + (type == TYPE_Q4_1 ? X16_Q4_1_NIBBLES : X16_SMALL_NIBBLES), x, in, 32 * k);
-    }
-    small_scaled(type, rows, wide, x, in, t, k, &s, acc);
-}
-
-/* Block k of two tiles (t[0], t[1]) into acc[0], acc[1]: each tile's arithmetic is
- * tile_small's, in the same order, so the results are the same bits. */
-static inline __attribute__((always_inline)) void tile_small_pair(
-    const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *const t[2], int k,
-    __m512 acc[2][MAX_ROWS])
+    const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *const *t, const int tiles, int k,
+    __m512 acc[][MAX_ROWS])
 {
     sums s[2];
-    sums_clear(rows, wide, &s[0]);
-    sums_clear(rows, wide, &s[1]);
+    UNROLL
+    for (int i = 0; i < tiles; i++) sums_clear(rows, wide, &s[i]);
     if (type == TYPE_Q8_0) {
         UNROLL
         for (int v = 0; v < 8; v++) {
-            const __m512i weights[2] = {load64(t[0] + X16_SMALL_NIBBLES + 64 * v), load64(t[1] + X16_SMALL_NIBBLES + 64 * v)};
-            sums_add_pair(rows, wide, s, weights, x, in, 32 * k + 4 * v);
+            __m512i weights[2];
+            UNROLL
+            for (int i = 0; i < tiles; i++) weights[i] = load64(t[i] + X16_SMALL_NIBBLES + 64 * v);
+            sums_add(rows, wide, s, weights, tiles, x, in, 32 * k + 4 * v);
         }
     } else {
-        const int64_t nibbles = type == TYPE_Q4_1 ? X16_Q4_1_NIBBLES : X16_SMALL_NIBBLES;
-        UNROLL
-        for (int v = 0; v < 4; v++) {
-            const __m512i packed[2] = {load64(t[0] + nibbles + 64 * v), load64(t[1] + nibbles + 64 * v)};
-            const __m512i low[2] = {nibbles_low(packed[0]), nibbles_low(packed[1])};
-            const __m512i high[2] = {nibbles_high(packed[0]), nibbles_high(packed[1])};
-            sums_add_pair(rows, wide, s, low, x, in, 32 * k + 8 * v);
-            sums_add_pair(rows, wide, s, high, x, in, 32 * k + 8 * v + 4);
-        }
+        sums_nibbles(rows, wide, s, t, type == TYPE_Q4_1 ? X16_Q4_1_NIBBLES : X16_SMALL_NIBBLES, tiles, x, in, 32 * k);
     }
-    small_scaled(type, rows, wide, x, in, t[0], k, &s[0], acc[0]);
-    small_scaled(type, rows, wide, x, in, t[1], k, &s[1], acc[1]);
+    UNROLL
+    for (int i = 0; i < tiles; i++) small_scaled(type, rows, wide, x, in, t[i], k, &s[i], acc[i]);
 }
 
 /* The 8 scales and 8 mins (6 bits each) of a Q4_K / Q5_K tile's 16 rows, as 16 int32 lanes
@@ -194,53 +169,75 @@ static inline __attribute__((always_inline)) void k_scales16(const uint8_t *pack
     }
 }
 
-/* Block k (256 weights) of a Q4_K / Q5_K tile into acc: w = d * scale * q - dmin * min. A
- * sub-block's sum is scaled in float: with wide activations, 8 of them times 6-bit scales
- * could pass 2^31. */
+/* Block k (256 weights) of `tiles` Q4_K / Q5_K tiles (t[i]) into acc[i]: w = d * scale * q -
+ * dmin * min. A sub-block's sum is scaled in float: with wide activations, 8 of them times
+ * 6-bit scales could pass 2^31. */
 static inline __attribute__((always_inline)) void tile_k45(
-    const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *t, int k, __m512 *acc)
+    const int type, const int rows, const int wide, rows_q8 x, int in, const uint8_t *const *t, const int tiles, int k,
+    __m512 acc[][MAX_ROWS])
 {
-    __m512i scales[8], mins[8];
-    __m512 block[MAX_ROWS];
-    k_scales16(t + X16_K_SCALES, scales, mins);
+    __m512i scales[2][8], mins[2][8];
+    __m512 block[2][MAX_ROWS];
+    const int64_t nibbles = type == TYPE_Q4_K ? X16_Q4_K_NIBBLES : X16_Q5_K_NIBBLES;
     UNROLL
-    for (int r = 0; r < rows; r++) block[r] = _mm512_setzero_ps();
-    const uint8_t *nibbles = t + (type == TYPE_Q4_K ? X16_Q4_K_NIBBLES : X16_Q5_K_NIBBLES);
-    prefetch_ahead(t, nibbles - t);
+    for (int i = 0; i < tiles; i++) {
+        k_scales16(t[i] + X16_K_SCALES, scales[i], mins[i]);
+        UNROLL
+        for (int r = 0; r < rows; r++) block[i][r] = _mm512_setzero_ps();
+        prefetch_ahead(t[i], nibbles);
+    }
     for (int j = 0; j < 8; j++) {
-        prefetch_ahead(nibbles + 256 * j, 256);
-        sums s;
-        sums_clear(rows, wide, &s);
+        sums s[2];
+        UNROLL
+        for (int i = 0; i < tiles; i++) {
+            prefetch_ahead(t[i] + nibbles + 256 * j, 256);
+            sums_clear(rows, wide, &s[i]);
+        }
         if (type == TYPE_Q4_K) {
-            sums_nibbles(rows, wide, &s, nibbles + 256 * j, x, in, 256 * k + 32 * j);
+            sums_nibbles(rows, wide, s, t, nibbles + 256 * j, tiles, x, in, 256 * k + 32 * j);
         } else {
-            prefetch_ahead(t + X16_Q5_K_HIGH + 64 * j, 64);
-            const __m512i high = load64(t + X16_Q5_K_HIGH + 64 * j);
+            __m512i high[2];
+            UNROLL
+            for (int i = 0; i < tiles; i++) {
+                prefetch_ahead(t[i] + X16_Q5_K_HIGH + 64 * j, 64);
+                high[i] = load64(t[i] + X16_Q5_K_HIGH + 64 * j);
+            }
             UNROLL
             for (int v = 0; v < 4; v++) {
-                const __m512i packed = load64(nibbles + 256 * j + 64 * v);
-                const __m512i lo = _mm512_or_si512(nibbles_low(packed), move_bits(high, 2 * v, 4, 0x10));
-                const __m512i hi = _mm512_or_si512(nibbles_high(packed), move_bits(high, 2 * v + 1, 4, 0x10));
-                sums_add(rows, wide, &s, lo, x, in, 256 * k + 32 * j + 8 * v);
-                sums_add(rows, wide, &s, hi, x, in, 256 * k + 32 * j + 8 * v + 4);
+                __m512i lo[2], hi[2];
+                UNROLL
+                for (int i = 0; i < tiles; i++) {
+                    const __m512i packed = load64(t[i] + nibbles + 256 * j + 64 * v);
+                    lo[i] = _mm512_or_si512(nibbles_low(packed), move_bits(high[i], 2 * v, 4, 0x10));
+                    hi[i] = _mm512_or_si512(nibbles_high(packed), move_bits(high[i], 2 * v + 1, 4, 0x10));
+                }
+                sums_add(rows, wide, s, lo, tiles, x, in, 256 * k + 32 * j + 8 * v);
+                sums_add(rows, wide, s, hi, tiles, x, in, 256 * k + 32 * j + 8 * v + 4);
             }
         }
-        const __m512 scale = _mm512_cvtepi32_ps(scales[j]);
         UNROLL
-        for (int r = 0; r < rows; r++) block[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_total(wide, &s, r)), scale, block[r]);
+        for (int i = 0; i < tiles; i++) {
+            const __m512 scale = _mm512_cvtepi32_ps(scales[i][j]);
+            UNROLL
+            for (int r = 0; r < rows; r++)
+                block[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_total(wide, &s[i], r)), scale, block[i][r]);
+        }
     }
-    const __m512 d = halves16(t), dmin = halves16(t + 32);
     const int blocks = in / 256, groups = in / 32;
     UNROLL
-    for (int r = 0; r < rows; r++) {
-        const int32_t *group_sums = x.sum + r * groups + 8 * k;
-        __m512i mins_sum = _mm512_mullo_epi32(mins[0], _mm512_set1_epi32(group_sums[0]));
+    for (int i = 0; i < tiles; i++) {
+        const __m512 d = halves16(t[i]), dmin = halves16(t[i] + 32);
         UNROLL
-        for (int j = 1; j < 8; j++)
-            mins_sum = _mm512_add_epi32(mins_sum, _mm512_mullo_epi32(mins[j], _mm512_set1_epi32(group_sums[j])));
-        const __m512 x_scale = _mm512_set1_ps(x.scale[r * blocks + k]);
-        acc[r] = _mm512_fmadd_ps(block[r], _mm512_mul_ps(d, x_scale), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins_sum), _mm512_mul_ps(dmin, x_scale), acc[r]);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *group_sums = x.sum + r * groups + 8 * k;
+            __m512i mins_sum = _mm512_mullo_epi32(mins[i][0], _mm512_set1_epi32(group_sums[0]));
+            UNROLL
+            for (int j = 1; j < 8; j++)
+                mins_sum = _mm512_add_epi32(mins_sum, _mm512_mullo_epi32(mins[i][j], _mm512_set1_epi32(group_sums[j])));
+            const __m512 x_scale = _mm512_set1_ps(x.scale[r * blocks + k]);
+            acc[i][r] = _mm512_fmadd_ps(block[i][r], _mm512_mul_ps(d, x_scale), acc[i][r]);
+            acc[i][r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins_sum), _mm512_mul_ps(dmin, x_scale), acc[i][r]);
+        }
     }
 }
 
@@ -278,8 +275,8 @@ static inline __attribute__((always_inline)) void tile_q6_k(
             const int t_lo = 2 * (v & 1);
             const __m512i lo = _mm512_or_si512(nibbles_low(packed), move_bits(bits, 2 * t_lo, 4, 0x30));
             const __m512i hi = _mm512_or_si512(nibbles_high(packed), move_bits(bits, 2 * t_lo + 2, 4, 0x30));
-            sums_add(rows, wide, &halves[v >> 1], lo, x, in, 256 * k + 32 * g + 8 * v);
-            sums_add(rows, wide, &halves[v >> 1], hi, x, in, 256 * k + 32 * g + 8 * v + 4);
+            sums_add(rows, wide, &halves[v >> 1], &lo, 1, x, in, 256 * k + 32 * g + 8 * v);
+            sums_add(rows, wide, &halves[v >> 1], &hi, 1, x, in, 256 * k + 32 * g + 8 * v + 4);
         }
         UNROLL
         for (int r = 0; r < rows; r++) {
