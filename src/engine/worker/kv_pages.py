@@ -9,10 +9,10 @@ at 7 s more start-up and the whole budget committed; committing here, 24.6 to 23
 
 The block manager hands out blocks no sequence has used in increasing id order (its free queue
 starts as 0, 1, 2, ... and a freed block goes back before or after them, never among them), and
-so does a draft model's proposer for its own cache: the blocks with pages are a prefix of the ids. :class:`KVPages` extends that prefix to the
-highest block a step's tables hold, just before the step, through ``csrc/pages.c``
-(``MADV_POPULATE_WRITE``, with the OpenMP team sharing the cache's tensors). Memory is still
-committed only for blocks handed out.
+so does a draft model's proposer for its own cache: the blocks with pages are a prefix of the
+ids. :class:`KVPages` extends that prefix to the highest block a step's tables hold, just
+before the step, through ``csrc/pages.c`` (``MADV_POPULATE_WRITE``, with the OpenMP team
+sharing the cache's tensors). Memory is still committed only for blocks handed out.
 
 Where the kernel lacks ``MADV_POPULATE_WRITE`` (Linux < 5.14), without the C kernels, or once a
 commit fails (memory ran out), the pages are left to fault in as before; the reason is logged.
@@ -34,7 +34,6 @@ from triode.kernels.native import bind
 logger = logging.getLogger(__name__)
 
 __all__ = ["KVPages", "kv_pages_for"]
-
 
 
 class KVPages:
