@@ -75,6 +75,25 @@ static inline void move_head(const State *from, int at, const State *to, int hea
     to->denominator[head] = from->denominator[at];
 }
 
+static const Ahead NOTHING_AHEAD = {NULL, NULL, 0};
+
+/* KV head kv's share of the sequence's tile from token `next` (nothing past seq_len): the
+ * tile's rows are contiguous in their block, all KV heads of a row side by side, so the shares
+ * are consecutive ranges of its bytes, one per KV head, rounded to cache lines. */
+static inline Ahead next_tile_share(const void *k_cache, const void *v_cache, int elem_size,
+                                    const int32_t *table, int next, int seq_len, int block_size,
+                                    int kv, int kv_heads, int dim) {
+    if (next >= seq_len) return NOTHING_AHEAD;
+    const int64_t row_stride = (int64_t)kv_heads * dim;
+    const int64_t offset = row_offset(table, next, block_size, row_stride) * elem_size;
+    const int64_t bytes = tile_rows(next, seq_len, block_size) * row_stride * elem_size;
+    const int64_t share = (bytes / kv_heads + 63) & ~(int64_t)63;
+    const int64_t from = kv * share, upto = from + share < bytes ? from + share : bytes;
+    const Ahead ahead = {(const char *)k_cache + offset + from, (const char *)v_cache + offset + from,
+                         upto > from ? upto - from : 0};
+    return ahead;
+}
+
 /* One sequence: SPECIALISED[d][g] takes a tile for head dim 16, 32, 64 or 128 (d = 0..3) and
  * groups of g + 1 query heads; any other shape goes one query head at a time, its vector
  * count known only at run time (at head dim 16, 256 sequences of 40-75 tokens and 2 heads a
@@ -118,31 +137,22 @@ static inline int has_specialised_tile(int dim, int group) {
         for (int count; start < seq_len; start += count) {                                      \
             count = tile_rows(start, seq_len, block_size);                                      \
             const int64_t row = row_offset(table, start, block_size, row_stride);               \
-            int64_t next_row = 0, next_bytes = 0;                                               \
-            if (start + count < seq_len) {                                                      \
-                const int next = start + count;                                                 \
-                next_row = row_offset(table, next, block_size, row_stride);                     \
-                next_bytes = tile_rows(next, seq_len, block_size) * row_stride * (int64_t)sizeof(ELEM); \
-            }                                                                                   \
-            const int64_t share = (next_bytes / kv_heads + 63) & ~(int64_t)63;                  \
             for (int kv = kv_begin; kv < kv_end; kv++) {                                        \
-                const int64_t from = kv * share;                                                \
-                const int64_t upto = from + share < next_bytes ? from + share : next_bytes;     \
-                if (upto > from) /* nothing past the last tile or the next tile's end */        \
-                    prefetch_rows((const char *)(k_cache + next_row) + from,                    \
-                                  (const char *)(v_cache + next_row) + from, upto - from);      \
+                const Ahead ahead = next_tile_share(k_cache, v_cache, sizeof(ELEM), table,      \
+                                                    start + count, seq_len, block_size, kv, kv_heads, dim); \
                 const ELEM *keys = k_cache + row + kv * dim, *values = v_cache + row + kv * dim; \
                 const int first = kv * group;                                                   \
                 if (specialised) {                                                              \
                     specialised(keys, values, row_stride, count, s->query + first * vec,        \
                                 s->acc + first * vec, s->running_max + first, s->denominator + first, \
-                                softcap);                                                       \
+                                softcap, &ahead);                                               \
                     continue;                                                                   \
                 }                                                                               \
                 for (int h = first; h < first + group; h++)                                     \
                     tile_##SUFFIX##_one_head(keys, values, row_stride, count, s->query + h * vec, \
                                              s->acc + h * vec, s->running_max + h,              \
-                                             s->denominator + h, softcap, vec);                 \
+                                             s->denominator + h, softcap,                       \
+                                             h == first ? &ahead : &NOTHING_AHEAD, vec);        \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
@@ -202,7 +212,7 @@ static inline int has_specialised_tile(int dim, int group) {
                 const int first = PAIR_SLOT(kv, 0, kv * group);                                 \
                 both(k_cache + row + kv * dim, v_cache + row + kv * dim, row_stride, count,     \
                      pair->query + first * vec, pair->acc + first * vec, pair->running_max + first, \
-                     pair->denominator + first, softcap);                                       \
+                     pair->denominator + first, softcap, &NOTHING_AHEAD);                       \
             }                                                                                   \
         }                                                                                       \
         for (int kv = kv_begin; kv < kv_end; kv++)                                              \
