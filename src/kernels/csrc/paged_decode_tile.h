@@ -40,6 +40,16 @@ typedef struct {
     int64_t bytes; /* from each of keys and values; 0 for nothing */
 } Ahead;
 
+/* The parts of the next tile's share each head's scores fetch (TILE_BODY): one with each pair
+ * of rows with AVX-512. In the AVX2 build (on the same Zen 5), whose 16-lane vectors GCC 12
+ * builds in part from scalar code, a part with each pair of rows took a 512-token prompt from
+ * 219 to 262-280 ms though prompts fetch nothing; with one part a head, 222-231. */
+#ifdef __AVX512F__
+#define FETCH_PARTS 8
+#else
+#define FETCH_PARTS 1
+#endif
+
 /* Part `part` of `parts` of the lines `ahead` covers. */
 static inline void prefetch_part(const Ahead *ahead, int part, int parts) {
     const int64_t lines = (ahead->bytes + 63) / 64;
@@ -161,8 +171,8 @@ static inline int value_dimension(int v, int i, int in_pairs) {
  * head's keys again cost more than the stores (the same floats either way, so the same bits).
  * DOTS: the scores and the values' sums come from bfloat16 dot products (above), and nothing
  * is staged.
- * `ahead` (TILE_ARGS): the lines to fetch for the next tile, a part with each pair of rows of
- * each head's scores (Ahead). A prompt pair passes nothing: its tiles compute long enough for
+ * `ahead` (TILE_ARGS): the lines to fetch for the next tile, in parts over the heads' scores
+ * (Ahead, FETCH_PARTS). A prompt pair passes nothing: its tiles compute long enough for
  * the hardware prefetchers, and fetching there took a 2048-token prompt from 572 to 691 ms
  * (float32) and 397 to 558 (bfloat16). */
 #define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE, DOTS)                                         \
@@ -195,7 +205,8 @@ static inline int value_dimension(int v, int i, int in_pairs) {
         BF16_QUERY(DOTS, VEC)                                                                   \
         UNROLL                                                                                  \
         for (int t = 0; t < LANES; t += 2) {                                                    \
-            if (ahead->bytes) prefetch_part(ahead, h * (LANES / 2) + t / 2, (GROUP) * (LANES / 2)); \
+            if (t % (LANES / FETCH_PARTS) == 0 && ahead->bytes)                                 \
+                prefetch_part(ahead, h * FETCH_PARTS + t / (LANES / FETCH_PARTS), (GROUP) * FETCH_PARTS); \
             f32x16 even = {0}, odd = {0};                                                       \
             if (DOTS) {                                                                         \
                 BF16_SCORE(even, t, VEC)                                                        \
