@@ -77,20 +77,23 @@ static inline void move_head(const State *from, int at, const State *to, int hea
 
 static const Ahead NOTHING_AHEAD = {NULL, NULL, 0};
 
-/* KV head kv's share of the sequence's tile from token `next` (nothing past seq_len): the
- * tile's rows are contiguous in their block, all KV heads of a row side by side, so the shares
- * are consecutive ranges of its bytes, one per KV head, rounded to cache lines. */
-static inline Ahead next_tile_share(const void *k_cache, const void *v_cache, int elem_size,
-                                    const int32_t *table, int next, int seq_len, int block_size,
-                                    int kv, int kv_heads, int dim) {
+/* The sequence's tile from token `next`, all KV heads (nothing past seq_len). */
+static inline Ahead next_tile(const void *k_cache, const void *v_cache, int elem_size, const int32_t *table,
+                              int next, int seq_len, int block_size, int64_t row_stride) {
     if (next >= seq_len) return NOTHING_AHEAD;
-    const int64_t row_stride = (int64_t)kv_heads * dim;
     const int64_t offset = row_offset(table, next, block_size, row_stride) * elem_size;
-    const int64_t bytes = tile_rows(next, seq_len, block_size) * row_stride * elem_size;
-    const int64_t share = (bytes / kv_heads + 63) & ~(int64_t)63;
-    const int64_t from = kv * share, upto = from + share < bytes ? from + share : bytes;
-    const Ahead ahead = {(const char *)k_cache + offset + from, (const char *)v_cache + offset + from,
-                         upto > from ? upto - from : 0};
+    const Ahead tile = {(const char *)k_cache + offset, (const char *)v_cache + offset,
+                        tile_rows(next, seq_len, block_size) * row_stride * elem_size};
+    return tile;
+}
+
+/* KV head kv's share of `tile`: the tile's rows are contiguous in their block, all KV heads of
+ * a row side by side, so the shares are consecutive ranges of its bytes, one per KV head,
+ * rounded to cache lines. */
+static inline Ahead kv_share(const Ahead *tile, int kv, int kv_heads) {
+    const int64_t share = (tile->bytes / kv_heads + 63) & ~(int64_t)63;
+    const int64_t from = kv * share, upto = from + share < tile->bytes ? from + share : tile->bytes;
+    const Ahead ahead = {tile->keys + from, tile->values + from, upto > from ? upto - from : 0};
     return ahead;
 }
 
@@ -137,9 +140,10 @@ static inline int has_specialised_tile(int dim, int group) {
         for (int count; start < seq_len; start += count) {                                      \
             count = tile_rows(start, seq_len, block_size);                                      \
             const int64_t row = row_offset(table, start, block_size, row_stride);               \
+            const Ahead next = next_tile(k_cache, v_cache, sizeof(ELEM), table, start + count, seq_len, \
+                                         block_size, row_stride);                               \
             for (int kv = kv_begin; kv < kv_end; kv++) {                                        \
-                const Ahead ahead = next_tile_share(k_cache, v_cache, sizeof(ELEM), table,      \
-                                                    start + count, seq_len, block_size, kv, kv_heads, dim); \
+                const Ahead ahead = kv_share(&next, kv, kv_heads);                              \
                 const ELEM *keys = k_cache + row + kv * dim, *values = v_cache + row + kv * dim; \
                 const int first = kv * group;                                                   \
                 if (specialised) {                                                              \
