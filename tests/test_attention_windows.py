@@ -1,9 +1,10 @@
 """Kernels: sliding windows and soft-capped scores in paged attention. The torch reference
 against a loop over every query written from the definitions (a query at position i sees keys
 i - window < j <= i; each scaled score s becomes cap * tanh(s / cap)); the native CPU decode
-kernel and the Triton kernels (under triton's interpreter) against that loop. Windows smaller
-than a block, a block exactly, and several blocks; chunks longer than the window; keys before
-a decode's window are NaN for the kernels that must never read them."""
+kernel (this CPU's build and the AVX2 one) and the Triton kernels (under triton's interpreter)
+against that loop. Windows smaller than a block, a block exactly, and several blocks; chunks
+longer than the window; keys before a decode's window are NaN for the kernels that must never
+read them."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_reference_matches_definition(window, softcap):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("window", WINDOWS)
-def test_cpu_decode_kernel_reads_only_the_window(window, softcap, dtype):
+def test_cpu_decode_kernel_reads_only_the_window(window, softcap, dtype, isa):
     batch = _batch(SEQS[:5], dtype=dtype)
     expected = _expected(batch, window, softcap)
     if window is not None:

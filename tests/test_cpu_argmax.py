@@ -1,6 +1,6 @@
 """Kernels: the C row-wise argmax (triode.kernels.cpu_argmax) against torch's ``argmax(dim=-1)``:
-the first maximum, the first NaN, ties, -inf rows, strided rows. Needs a C compiler; without
-one the dispatch runs torch's."""
+the first maximum, the first NaN, ties, -inf rows, strided rows; with this CPU's build and the
+AVX2 one (`isa`). Needs a C compiler; without one the dispatch runs torch's."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ def _assert_as_torch(x: torch.Tensor) -> None:
 @pytest.mark.parametrize(("rows", "cols"), [
     (rows, cols) for rows in (1, 3, 64, 300) for cols in (1, 7, 16, 17, 384, 1000, 49159) if rows * cols < 4_000_000
 ])
-def test_matches_torch_on_random_rows(rows, cols):
+def test_matches_torch_on_random_rows(rows, cols, isa):
     generator = torch.Generator().manual_seed(rows * cols)
     _assert_as_torch(torch.randn(rows, cols, generator=generator))
 
 
 @needs_kernel
-def test_ties_give_the_first_maximum():
+def test_ties_give_the_first_maximum(isa):
     x = torch.zeros(6, 100)
     x[1, [5, 21, 37]] = 3.0  # the same maximum in several vector lanes and positions
     x[2, [40, 8]] = 2.0
@@ -42,7 +42,7 @@ def test_ties_give_the_first_maximum():
 
 
 @needs_kernel
-def test_a_nan_wins_as_in_torch():
+def test_a_nan_wins_as_in_torch(isa):
     x = torch.randn(5, 70)
     x[0, 40] = float("nan")
     x[1, 3] = x[1, 60] = float("nan")

@@ -2,7 +2,8 @@
 
 The caches are poisoned with NaN outside every sequence's tokens, so a read past a sequence's
 length or outside its blocks shows in the output. Needs a C compiler; without one the module
-is skipped and the fallback test below still runs."""
+is skipped and the fallback test below still runs. The tests that take `isa` run with this
+CPU's build and with the AVX2 one, whose vectors and tiles are 8 lanes where AVX-512's are 16."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _decode_batch(*, kv_heads, group, head_dim, block_size, dtype, seed=0):
     [(3, 3, 64, 16), (1, 8, 64, 16), (2, 1, 128, 16), (2, 4, 128, 16), (1, 9, 64, 32),
      (4, 1, 32, 8), (2, 2, 16, 16), (1, 5, 32, 16), (1, 6, 48, 4), (2, 2, 256, 64), (1, 9, 16, 8)],
 )
-def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype):
+def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype, isa):
     _check_against_reference(_decode_batch(kv_heads=kv_heads, group=group, head_dim=head_dim,
                                            block_size=block_size, dtype=dtype), dtype)
 
@@ -46,7 +47,7 @@ def test_decode_matches_reference(kv_heads, group, head_dim, block_size, dtype):
 @needs_kernel
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128), (4, 1, 32)])
 @pytest.mark.parametrize("decodes", [[(300, 1)], [(15, 1), (99, 1)]])
-def test_few_sequences_split_by_kv_head(decodes, kv_heads, group, head_dim):
+def test_few_sequences_split_by_kv_head(decodes, kv_heads, group, head_dim, isa):
     # Fewer sequences than twice the threads: each (sequence, KV head) is its own unit of work.
     batch = make_paged_batch(decodes, num_decodes=len(decodes), kv_heads=kv_heads, group=group,
                              head_dim=head_dim, block_size=16, dtype=torch.float32, seed=5)
@@ -68,7 +69,7 @@ def _check_against_reference(batch, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_a_batch_large_enough_for_the_thread_team(head_dim):
+def test_a_batch_large_enough_for_the_thread_team(head_dim, isa):
     """The batches above are small enough to run on the calling thread (csrc/paged_decode.h's
     PARALLEL_MIN_WORK); 8 times as many sequences open a parallel region."""
     batch = make_paged_batch(DECODES * 8, num_decodes=len(DECODES) * 8, kv_heads=3, group=3, head_dim=head_dim,
@@ -79,7 +80,7 @@ def test_a_batch_large_enough_for_the_thread_team(head_dim):
 
 @needs_kernel
 @pytest.mark.parametrize("query_scale", [0.01, 30.0, 300.0])
-def test_flat_and_peaked_scores(query_scale):
+def test_flat_and_peaked_scores(query_scale, isa):
     """Scores from nearly equal to hundreds apart: the kernel's own exponential (clamped far
     below the max) and its running-max rescaling between tiles must match torch's softmax."""
     batch = _decode_batch(kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32, seed=3)

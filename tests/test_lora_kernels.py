@@ -1,7 +1,8 @@
 """Kernel tests for the batched LoRA op (triode.kernels.lora): the Triton kernels under triton's
 interpreter and the CPU path against the row-at-a-time definition, with odd shapes, rows of
 the base model between adapters' segments and an empty segment; each row's result the same
-bits alone as in a batch; and the argument checks."""
+bits alone as in a batch (the C loop with this CPU's build and the AVX2 one, `isa`); and the
+argument checks."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_reference_is_the_definition():
 
 
 @pytest.mark.parametrize("slices", [(24, 8, 8), (33,), (17, 17)], ids=["qkv", "one", "gate-up"])
-def test_cpu_matches_reference(slices):
+def test_cpu_matches_reference(slices, isa):
     out, x, a, b = _problem(torch.float32, slices=slices)
     expected = out.clone()
     add_lora_reference(expected, x, a, b, slices, SEGMENTS)
@@ -64,7 +65,7 @@ def test_cpu_matches_reference(slices):
     assert torch.equal(out[:5], untouched)  # the base model's rows
 
 
-def test_cpu_with_bfloat16_weights_matches_reference():
+def test_cpu_with_bfloat16_weights_matches_reference(isa):
     out, x, a, b = _problem(torch.float32)
     a, b = a.bfloat16(), b.bfloat16()
     expected = out.clone()
@@ -82,7 +83,7 @@ def test_cpu_without_the_c_loop_matches_reference():
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_cpu_rows_are_batch_invariant():
+def test_cpu_rows_are_batch_invariant(isa):
     out, x, a, b = _problem(torch.float32, rows=64, features=576, slices=(576, 192, 192), rank=16)
     batched = out.clone()
     add_lora_cpu(batched, x, a, b, (576, 192, 192), LoRASegments((0,), (64,), (1,)))

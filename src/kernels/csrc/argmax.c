@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec.h"
 
 /* Below this many elements a call runs on the calling thread: waking a sleeping OpenMP
  * thread costs tens of microseconds on these VMs (see elementwise.c). Measured alternately,
@@ -27,8 +27,8 @@ static inline int is_nan(float value) {
     return (bits & 0x7fffffffu) > 0x7f800000u;
 }
 
-static inline i32x16 nan_lanes(f32x16 v) {
-    return ((i32x16)v & 0x7fffffff) > 0x7f800000;
+static inline i32v nan_lanes(f32v v) {
+    return ((i32v)v & 0x7fffffff) > 0x7f800000;
 }
 
 static int64_t first_nan(const float *x, int64_t cols) {
@@ -42,13 +42,13 @@ static int64_t row_argmax(const float *x, int64_t cols) {
     int64_t best_index = 0, c = 0;
     int nan = is_nan(x[0]);
     if (cols >= LANES) {
-        const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        f32x16 best = load_f32(x);
-        i32x16 best_at = lane, at = lane, nans = nan_lanes(best);
+        const i32v lane = LANE_INDEX;
+        f32v best = load_f32(x);
+        i32v best_at = lane, at = lane, nans = nan_lanes(best);
         for (c = LANES; c + LANES <= cols; c += LANES) {
-            const f32x16 v = load_f32(x + c);
+            const f32v v = load_f32(x + c);
             at += LANES;
-            const i32x16 greater = v > best;
+            const i32v greater = v > best;
             best = select(greater, v, best);
             best_at = (best_at & ~greater) | (at & greater);
             nans |= nan_lanes(v);

@@ -1,10 +1,10 @@
 /* Batched LoRA for CPUs: y[r] += (x[r] @ A[s]) @ B[s] for each row r of a step with an adapter
  * slot s (slots[r] >= 0), float32 activations over float32 or bfloat16 weights (lora.h).
  *
- * Both halves are axpys over contiguous vectors, with A and B stored transposed: the shrink
- * adds x[r, i] * A[s][i][j..j+16] over i in order (up to 4 rows of one slot sharing each
- * vector of A, A's rows read once, in order), the expand B[s][k][c..c+16] * h[r, k] over k in order (4 vectors of columns
- * at once), into a delta that is then added to y. So every output element's sums run in an
+ * Both halves are axpys over contiguous vectors (vec.h), with A and B stored transposed: the
+ * shrink adds x[r, i] * A[s][i][j..j+LANES] over i in order (up to 4 rows of one slot sharing
+ * each vector of A, A's rows read once, in order), the expand B[s][k][c..c+LANES] * h[r, k]
+ * over k in order (4 vectors of columns at once), into a delta that is then added to y. So every output element's sums run in an
  * order fixed by its own row (batch invariance: docs/architecture.md), whatever the other rows,
  * their slots, or how the columns are cut into chunks (each column's lane does the same
  * fused multiply-adds). The decode stack calls the column-range forms from its team; the
@@ -15,7 +15,7 @@
 #include "bf16.h"
 #include "exports.h"
 #include "lora.h"
-#include "vec16.h"
+#include "vec.h"
 
 /* Rows * weights below which triode_lora_f32 stays on the calling thread. */
 #define PARALLEL_MIN_WORK (1 << 18)
@@ -24,7 +24,7 @@ static inline float weight_at(const lora_matrix *w, const void *base, int64_t in
     return w->bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
 }
 
-static inline f32x16 weights_at(const lora_matrix *w, const void *base, int64_t index) {
+static inline f32v weights_at(const lora_matrix *w, const void *base, int64_t index) {
     return w->bf16 ? load_bf16((const uint16_t *)base + index) : load_f32((const float *)base + index);
 }
 
@@ -36,15 +36,15 @@ static inline f32x16 weights_at(const lora_matrix *w, const void *base, int64_t 
 /* Vectors of output columns one row's expand sums at once (independent chains). */
 #define EXPAND_VECTORS 4
 
-/* h[n, j..j + vectors * 16) for n < count rows of one slot (a: that slot's A). */
+/* h[n, j..j + vectors * LANES) for n < count rows of one slot (a: that slot's A). */
 static void shrink_block(const lora_matrix *w, const void *a, int64_t width, const float *x, int64_t x_stride,
                          int count, float *h, int64_t j, int vectors)
 {
-    f32x16 sum[SHRINK_ROWS][SHRINK_VECTORS] = {{{0}}};
+    f32v sum[SHRINK_ROWS][SHRINK_VECTORS] = {{{0}}};
     for (int64_t i = 0; i < w->in; i++) {
         for (int v = 0; v < vectors; v++) {
-            const f32x16 weights = weights_at(w, a, i * width + j + v * LANES);
-            for (int n = 0; n < count; n++) sum[n][v] += splat(x[n * x_stride + i]) * weights;
+            const f32v weights = weights_at(w, a, i * width + j + v * LANES);
+            for (int n = 0; n < count; n++) sum[n][v] = fma_of(splat(x[n * x_stride + i]), weights, sum[n][v]);
         }
     }
     for (int n = 0; n < count; n++)
@@ -89,18 +89,18 @@ static void expand_part(const lora_matrix *w, const float *h, const int32_t *slo
         float *yr = y + r * y_stride;
         int64_t c = first;
         for (; c + EXPAND_VECTORS * LANES <= last; c += EXPAND_VECTORS * LANES) {
-            f32x16 delta[EXPAND_VECTORS] = {{0}};
+            f32v delta[EXPAND_VECTORS] = {{0}};
             for (int64_t k = 0; k < rank; k++) {
-                const f32x16 hk = splat(hr[k]);
+                const f32v hk = splat(hr[k]);
                 for (int v = 0; v < EXPAND_VECTORS; v++)
-                    delta[v] += hk * weights_at(w, w->b, slot + k * out + c + v * LANES);
+                    delta[v] = fma_of(hk, weights_at(w, w->b, slot + k * out + c + v * LANES), delta[v]);
             }
             for (int v = 0; v < EXPAND_VECTORS; v++)
                 store_f32(yr + c + v * LANES, load_f32(yr + c + v * LANES) + delta[v]);
         }
         for (; c + LANES <= last; c += LANES) {
-            f32x16 delta = splat(0.0f);
-            for (int64_t k = 0; k < rank; k++) delta += splat(hr[k]) * weights_at(w, w->b, slot + k * out + c);
+            f32v delta = splat(0.0f);
+            for (int64_t k = 0; k < rank; k++) delta = fma_of(splat(hr[k]), weights_at(w, w->b, slot + k * out + c), delta);
             store_f32(yr + c, load_f32(yr + c) + delta);
         }
         for (; c < last; c++) {

@@ -2,10 +2,10 @@
  *
  * One query token per sequence attends to the sequence's cached tokens, read in place from
  * its blocks (no gathered copy). A sequence is one unit of work (one KV head of it when
- * there are fewer sequences than twice the threads). Its cache is walked in tiles
- * of up to 16 consecutive rows of one block (paged_decode_tile.h); for each KV head, the tile's
- * keys and values are loaded once and serve every query head of the head's group, and softmax
- * is computed online, one tile at a time.
+ * there are fewer sequences than twice the threads). Its cache is walked in tiles of up to
+ * LANES (vec.h: 16 with AVX-512, 8 without) consecutive rows of one block (paged_decode_tile.h);
+ * for each KV head, the tile's keys and values are loaded once and serve every query head of the
+ * head's group, and softmax is computed online, one tile at a time.
  *
  * A prompt's tokens come here as decodes of their own contexts (kernels/paged_attention.py), so
  * neighbouring rows are often two consecutive tokens of one sequence. Such a pair is one unit:
@@ -16,8 +16,8 @@
  * float32 59.6 -> 45.2 ms, bfloat16 (keys then staged, before the dot products of
  * paged_decode_tile.h) 64.6 -> 46.3 (AMD EPYC Zen 5).
  *
- * A head's 16 scores of a tile come from 16 partial-sum vectors (vec16.h) added together in a
- * transpose-and-add tree instead of 16 horizontal sums, and their exponentials are one vector
+ * A head's scores of a tile come from one partial-sum vector a row (vec.h), added together in
+ * a transpose-and-add tree instead of a horizontal sum each, and their exponentials are one vector
  * polynomial; for head dims 16, 32, 64 and 128 with groups of up to 8 query heads the tile's queries
  * and accumulators are compile-time arrays, kept in registers. With the cache in L2, the
  * default model's shape (float32, 2 threads) runs at 44 GB/s against 19.5 for the scalar
@@ -32,7 +32,7 @@
  *   tables     [seqs, table_stride] int32 block ids
  *   seq_lens   [seqs] int32, 1..table capacity
  *   out        [seqs, heads, dim], token stride out_stride
- * dim is a multiple of 16.
+ * dim is a multiple of LANES.
  *
  * With a sliding window (window > 0) only a sequence's last `window` tokens are read; with
  * softcap > 0 each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
@@ -54,7 +54,7 @@
 #include "bf16.h"
 #include "exports.h"
 #include "paged_decode_tile.h"
-#include "vec16.h"
+#include "vec.h"
 
 #define MAX_HEADS 64
 #define MAX_DIM 256
@@ -101,15 +101,15 @@ static inline Ahead kv_share(const Ahead *tile, int kv, int kv_heads) {
  * groups of g + 1 query heads; any other shape goes one query head at a time, its vector
  * count known only at run time (at head dim 16, 256 sequences of 40-75 tokens and 2 heads a
  * group, that path took twice as long as the specialised tile). */
-#define DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, VEC)                                          \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, VEC)           \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, VEC)           \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, VEC)           \
-    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, VEC) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, VEC)
-#define TILES_FOR_DIM(SUFFIX, VEC)                                                              \
-    {tile_##SUFFIX##_g1_v##VEC, tile_##SUFFIX##_g2_v##VEC, tile_##SUFFIX##_g3_v##VEC,           \
-     tile_##SUFFIX##_g4_v##VEC, tile_##SUFFIX##_g5_v##VEC, tile_##SUFFIX##_g6_v##VEC,           \
-     tile_##SUFFIX##_g7_v##VEC, tile_##SUFFIX##_g8_v##VEC}
+#define DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, DIM)                                          \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 1, DIM) DEFINE_TILE(SUFFIX, ELEM, LOADV, 2, DIM)           \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 3, DIM) DEFINE_TILE(SUFFIX, ELEM, LOADV, 4, DIM)           \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 5, DIM) DEFINE_TILE(SUFFIX, ELEM, LOADV, 6, DIM)           \
+    DEFINE_TILE(SUFFIX, ELEM, LOADV, 7, DIM) DEFINE_TILE(SUFFIX, ELEM, LOADV, 8, DIM)
+#define TILES_FOR_DIM(SUFFIX, DIM)                                                              \
+    {tile_##SUFFIX##_g1_d##DIM, tile_##SUFFIX##_g2_d##DIM, tile_##SUFFIX##_g3_d##DIM,           \
+     tile_##SUFFIX##_g4_d##DIM, tile_##SUFFIX##_g5_d##DIM, tile_##SUFFIX##_g6_d##DIM,           \
+     tile_##SUFFIX##_g7_d##DIM, tile_##SUFFIX##_g8_d##DIM}
 
 static inline int specialised_dim(int dim) {
     return dim == 16 ? 0 : dim == 32 ? 1 : dim == 64 ? 2 : dim == 128 ? 3 : -1;
@@ -121,11 +121,11 @@ static inline int has_specialised_tile(int dim, int group) {
 }
 
 #define DEFINE_SEQUENCE(SUFFIX, ELEM, LOADV, STORE)                                             \
-    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 1) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 2)   \
-    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 4) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 8)   \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 16) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 32) \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 64) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 128) \
     static void (*const SPECIALISED_##SUFFIX[4][8])(TILE_ARGS(ELEM)) = {                        \
-        TILES_FOR_DIM(SUFFIX, 1), TILES_FOR_DIM(SUFFIX, 2), TILES_FOR_DIM(SUFFIX, 4),           \
-        TILES_FOR_DIM(SUFFIX, 8)};                                                              \
+        TILES_FOR_DIM(SUFFIX, 16), TILES_FOR_DIM(SUFFIX, 32), TILES_FOR_DIM(SUFFIX, 64),        \
+        TILES_FOR_DIM(SUFFIX, 128)};                                                              \
     static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
         TILE_BODY(ELEM, LOADV, 1, vec, 0, 0)                                                    \
     }                                                                                           \
@@ -176,7 +176,7 @@ static inline int has_specialised_tile(int dim, int group) {
         for (int h = first_head; h < end_head; h++) {                                           \
             const float inverse = 1.0f / s->denominator[h];                                     \
             for (int v = 0; v < vec; v++) {                                                     \
-                const f32x16 result = s->acc[h * vec + v] * inverse;                            \
+                const f32v result = s->acc[h * vec + v] * inverse;                            \
                 for (int i = 0; i < LANES; i++)                                                 \
                     out[h * dim + value_dimension(v, i, in_pairs)] = STORE(result[i]);          \
             }                                                                                   \
@@ -289,9 +289,9 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
     const int per_unit = kv_heads / split, group = heads / kv_heads;                            \
     _Pragma("omp parallel if (parallel_pays(seq_lens, num_seqs, heads, dim, window))")         \
     {                                                                                           \
-        f32x16 queries[2][vectors], accumulators[2][vectors];                                   \
+        f32v queries[2][vectors], accumulators[2][vectors];                                   \
         float running_max[2][heads], denominator[2][heads];                                     \
-        f32x16 pair_queries[2 * vectors], pair_accumulators[2 * vectors];                       \
+        f32v pair_queries[2 * vectors], pair_accumulators[2 * vectors];                       \
         float pair_max[2 * heads], pair_denominator[2 * heads];                                 \
         const State first = {queries[0], accumulators[0], running_max[0], denominator[0]};      \
         const State second = {queries[1], accumulators[1], running_max[1], denominator[1]};     \
@@ -327,7 +327,7 @@ int NAME##_units(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const
         return -1;                                                                              \
     if (!count) return 0;                                                                       \
     const int vectors = heads * (dim / LANES);                                                  \
-    f32x16 queries[vectors], accumulators[vectors];                                             \
+    f32v queries[vectors], accumulators[vectors];                                             \
     float running_max[heads], denominator[heads];                                               \
     const State state = {queries, accumulators, running_max, denominator};                      \
     for (int unit = first; unit < first + count; unit++)                                        \

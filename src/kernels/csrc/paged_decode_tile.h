@@ -1,5 +1,5 @@
-/* One tile of decode attention over the paged KV cache (paged_decode.h): up to 16 cached
- * rows of one block, for one KV head and the query heads of its group, softmax computed online.
+/* One tile of decode attention over the paged KV cache (paged_decode.h): up to LANES (vec.h)
+ * cached rows of one block, for one KV head and the query heads of its group, softmax computed online.
  * Where a tile lies in the cache, fetching the next one, and the tile's arithmetic. */
 #ifndef TRIODE_PAGED_DECODE_TILE_H
 #define TRIODE_PAGED_DECODE_TILE_H
@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec.h"
 
 /* Rows of a sequence's cache from token `start`: within one block, at most one tile. */
 static inline int tile_rows(int start, int seq_len, int block_size) {
@@ -41,14 +41,11 @@ typedef struct {
 } Ahead;
 
 /* The parts of the next tile's share each head's scores fetch (TILE_BODY): one with each pair
- * of rows with AVX-512. In the AVX2 build (on the same Zen 5), whose 16-lane vectors GCC 12
- * builds in part from scalar code, a part with each pair of rows took a 512-token prompt from
- * 219 to 262-280 ms though prompts fetch nothing; with one part a head, 222-231. */
-#ifdef __AVX512F__
-#define FETCH_PARTS 8
-#else
-#define FETCH_PARTS 1
-#endif
+ * of rows, but one a head for tiles whose keys are staged (STAGE) in 8-lane vectors. The AVX2
+ * build on the Zen 5, 128 decodes from memory: bfloat16 (staged) 45-51 ms with one part a head
+ * against 47-68 with a part each pair; float32 58-72 with a part each pair against 64-78. On
+ * AVX-512 without BF16 staged tiles gained from a part each pair (34.5-37.2 against 36.5-38.3). */
+#define FETCH_PARTS(STAGE) ((STAGE) && LANES == 8 ? 1 : LANES / 2)
 
 /* Part `part` of `parts` of the lines `ahead` covers. */
 static inline void prefetch_part(const Ahead *ahead, int part, int parts) {
@@ -62,7 +59,7 @@ static inline void prefetch_part(const Ahead *ahead, int part, int parts) {
 /* A sequence's running state, per query head: the pre-scaled query, the accumulator, the
  * running max and the softmax denominator. */
 typedef struct {
-    f32x16 *query, *acc;
+    f32v *query, *acc;
     float *running_max, *denominator;
 } State;
 
@@ -90,8 +87,8 @@ typedef struct {
  * the cache sets the pace. */
 #ifdef __AVX512BF16__
 #define BF16_DOTS 1
-static inline f32x16 dot_bf16_pairs(f32x16 acc, __m512bh a, __m512i b) {
-    return (f32x16)_mm512_dpbf16_ps((__m512)acc, a, (__m512bh)b);
+static inline f32v dot_bf16_pairs(f32v acc, __m512bh a, __m512i b) {
+    return (f32v)_mm512_dpbf16_ps((__m512)acc, a, (__m512bh)b);
 }
 /* Head h's query as bfloat16 pairs, 32 dimensions a vector (VEC even). */
 #define BF16_QUERY(DOTS, VEC)                                                                   \
@@ -156,7 +153,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
 #define KEY(STAGE, LOADV, t, v)                                                                 \
     ((STAGE) ? staged[(STAGE) ? (t) : 0][(STAGE) ? (v) : 0] : LOADV(keys + (t) * row_stride + (v) * LANES))
 
-/* One tile (count <= 16 rows, row stride row_stride) of one KV head for its GROUP query
+/* One tile (count <= LANES rows, row stride row_stride) of one KV head for its GROUP query
  * heads of VEC vectors each. With GROUP and VEC literals the local arrays are registers.
  * The heads go through each stage together (every head's scores, then every head's running
  * max, one exp for all their rescales, then their weights): head by head, each head's chain
@@ -176,20 +173,19 @@ static inline int value_dimension(int v, int i, int in_pairs) {
  * the hardware prefetchers, and fetching there took a 2048-token prompt from 572 to 691 ms
  * (float32) and 397 to 558 (bfloat16). */
 #define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE, DOTS)                                         \
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                 \
-    const i32x16 valid = lane < count;                                                          \
+    const i32v valid = lanes_below(count);                                                      \
     float weights[GROUP][LANES], rescale[GROUP];                                                \
-    f32x16 scores[GROUP];                                                                       \
+    f32v scores[GROUP];                                                                       \
     float new_max[GROUP];                                                                       \
     uint16_t paired_weights[(DOTS) ? (GROUP) : 1][LANES];                                       \
     (void)paired_weights; /* read only where the CPU has BF16 */                                \
-    f32x16 staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                    \
+    f32v staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                    \
     if (STAGE) {                                                                                \
         UNROLL                                                                                  \
         for (int t = 0; t < LANES; t++) {                                                       \
             UNROLL                                                                              \
             for (int v = 0; v < (VEC); v++) {                                                   \
-                f32x16 *const slot = &staged[(STAGE) ? t : 0][(STAGE) ? v : 0];                 \
+                f32v *const slot = &staged[(STAGE) ? t : 0][(STAGE) ? v : 0];                 \
                 if (count == LANES) /* a whole tile, most of them: no test per row */           \
                     *slot = LOADV(keys + t * row_stride + v * LANES);                           \
                 else /* rows past count are never read; zeroed so that GCC sees them written */ \
@@ -199,15 +195,16 @@ static inline int value_dimension(int v, int i, int in_pairs) {
     }                                                                                           \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
-        f32x16 q[VEC], half[LANES / 2];                                                         \
+        f32v q[VEC], half[LANES / 2];                                                         \
         UNROLL                                                                                  \
         for (int v = 0; v < (VEC); v++) q[v] = query[h * (VEC) + v];                            \
         BF16_QUERY(DOTS, VEC)                                                                   \
         UNROLL                                                                                  \
         for (int t = 0; t < LANES; t += 2) {                                                    \
-            if (t % (LANES / FETCH_PARTS) == 0 && ahead->bytes)                                 \
-                prefetch_part(ahead, h * FETCH_PARTS + t / (LANES / FETCH_PARTS), (GROUP) * FETCH_PARTS); \
-            f32x16 even = {0}, odd = {0};                                                       \
+            if (t % (LANES / FETCH_PARTS(STAGE)) == 0 && ahead->bytes)                          \
+                prefetch_part(ahead, h * FETCH_PARTS(STAGE) + t / (LANES / FETCH_PARTS(STAGE)), \
+                              (GROUP) * FETCH_PARTS(STAGE));                                    \
+            f32v even = {0}, odd = {0};                                                       \
             if (DOTS) {                                                                         \
                 BF16_SCORE(even, t, VEC)                                                        \
                 BF16_SCORE(odd, t + 1, VEC)                                                     \
@@ -223,7 +220,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
             }                                                                                   \
             half[t / 2] = pair_rows(even, odd);                                                 \
         }                                                                                       \
-        f32x16 raw = finish_rows(half);                                                         \
+        f32v raw = finish_rows(half);                                                         \
         if (softcap > 0.0f) raw = soft_cap(raw, softcap);                                       \
         scores[h] = select(valid, raw, splat(-FLT_MAX));                                        \
     }                                                                                           \
@@ -235,7 +232,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
     }                                                                                           \
     {                                                                                           \
         _Static_assert((GROUP) <= LANES, "a lane of one exp for each head's rescale");          \
-        f32x16 drops = splat(0.0f);                                                             \
+        f32v drops = splat(0.0f);                                                               \
         UNROLL                                                                                  \
         for (int h = 0; h < (GROUP); h++) drops[h] = rescale[h];                                \
         drops = exp_nonpositive(drops); /* exactly 1 where the max did not move */              \
@@ -244,7 +241,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
     }                                                                                           \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
-        const f32x16 p = select(valid, exp_nonpositive(scores[h] - new_max[h]), splat(0.0f));   \
+        const f32v p = select(valid, exp_nonpositive(scores[h] - new_max[h]), splat(0.0f));   \
         if (DOTS) {                                                                             \
             BF16_WEIGHTS(DOTS, h, p)                                                            \
         } else {                                                                                \
@@ -253,7 +250,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
         denominator[h] = denominator[h] * rescale[h] + lane_sum(p);                             \
         running_max[h] = new_max[h];                                                            \
     }                                                                                           \
-    f32x16 acc[GROUP][VEC];                                                                     \
+    f32v acc[GROUP][VEC];                                                                     \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
         UNROLL                                                                                  \
@@ -263,12 +260,12 @@ static inline int value_dimension(int v, int i, int in_pairs) {
         BF16_VALUES(GROUP, VEC)                                                                 \
     } else {                                                                                    \
         for (int t = 0; t < count; t++) {                                                       \
-            f32x16 row[VEC];                                                                    \
+            f32v row[VEC];                                                                    \
             UNROLL                                                                              \
             for (int v = 0; v < (VEC); v++) row[v] = LOADV(values + t * row_stride + v * LANES); \
             UNROLL                                                                              \
             for (int h = 0; h < (GROUP); h++) {                                                 \
-                const f32x16 w = splat(weights[h][t]);                                          \
+                const f32v w = splat(weights[h][t]);                                          \
                 UNROLL                                                                          \
                 for (int v = 0; v < (VEC); v++) acc[h][v] += w * row[v];                        \
             }                                                                                   \
@@ -282,12 +279,14 @@ static inline int value_dimension(int v, int i, int in_pairs) {
 
 #define TILE_ARGS(ELEM)                                                                         \
     const ELEM *restrict keys, const ELEM *restrict values, int64_t row_stride, int count,      \
-    const f32x16 *restrict query, f32x16 *restrict accumulators, float *restrict running_max,   \
+    const f32v *restrict query, f32v *restrict accumulators, float *restrict running_max,   \
     float *restrict denominator, float softcap, const Ahead *ahead
 
-#define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, VEC)                                            \
-    static void tile_##SUFFIX##_g##GROUP##_v##VEC(TILE_ARGS(ELEM)) {                          \
-        TILE_BODY(ELEM, LOADV, GROUP, VEC, sizeof(ELEM) < sizeof(float) && (GROUP) > 1        \
+/* The tile for GROUP query heads of head dim DIM, DIM / LANES vectors each. */
+#define DEFINE_TILE(SUFFIX, ELEM, LOADV, GROUP, DIM)                                            \
+    static void tile_##SUFFIX##_g##GROUP##_d##DIM(TILE_ARGS(ELEM)) {                            \
+        enum { VEC = (DIM) / LANES };                                                           \
+        TILE_BODY(ELEM, LOADV, GROUP, VEC, sizeof(ELEM) < sizeof(float) && (GROUP) > 1          \
                   && !DOTS_FOR(ELEM, VEC), DOTS_FOR(ELEM, VEC))                                 \
     }
 
