@@ -121,11 +121,13 @@ static inline int has_specialised_tile(int dim, int group) {
 }
 
 #define DEFINE_SEQUENCE(SUFFIX, ELEM, LOADV, STORE)                                             \
-    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 16) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 32) \
-    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 64) DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 128) \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 16)                                               \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 32)                                               \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 64)                                               \
+    DEFINE_TILES_FOR_DIM(SUFFIX, ELEM, LOADV, 128)                                              \
     static void (*const SPECIALISED_##SUFFIX[4][8])(TILE_ARGS(ELEM)) = {                        \
         TILES_FOR_DIM(SUFFIX, 16), TILES_FOR_DIM(SUFFIX, 32), TILES_FOR_DIM(SUFFIX, 64),        \
-        TILES_FOR_DIM(SUFFIX, 128)};                                                              \
+        TILES_FOR_DIM(SUFFIX, 128)};                                                            \
     static void tile_##SUFFIX##_one_head(TILE_ARGS(ELEM), const int vec) {                      \
         TILE_BODY(ELEM, LOADV, 1, vec, 0, 0)                                                    \
     }                                                                                           \
@@ -176,7 +178,7 @@ static inline int has_specialised_tile(int dim, int group) {
         for (int h = first_head; h < end_head; h++) {                                           \
             const float inverse = 1.0f / s->denominator[h];                                     \
             for (int v = 0; v < vec; v++) {                                                     \
-                const f32v result = s->acc[h * vec + v] * inverse;                            \
+                const f32v result = s->acc[h * vec + v] * inverse;                              \
                 for (int i = 0; i < LANES; i++)                                                 \
                     out[h * dim + value_dimension(v, i, in_pairs)] = STORE(result[i]);          \
             }                                                                                   \
@@ -289,9 +291,9 @@ int NAME(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const ELEM *v
     const int per_unit = kv_heads / split, group = heads / kv_heads;                            \
     _Pragma("omp parallel if (parallel_pays(seq_lens, num_seqs, heads, dim, window))")         \
     {                                                                                           \
-        f32v queries[2][vectors], accumulators[2][vectors];                                   \
+        f32v queries[2][vectors], accumulators[2][vectors];                                     \
         float running_max[2][heads], denominator[2][heads];                                     \
-        f32v pair_queries[2 * vectors], pair_accumulators[2 * vectors];                       \
+        f32v pair_queries[2 * vectors], pair_accumulators[2 * vectors];                         \
         float pair_max[2 * heads], pair_denominator[2 * heads];                                 \
         const State first = {queries[0], accumulators[0], running_max[0], denominator[0]};      \
         const State second = {queries[1], accumulators[1], running_max[1], denominator[1]};     \
@@ -327,7 +329,7 @@ int NAME##_units(const ELEM *query, int64_t q_stride, const ELEM *k_cache, const
         return -1;                                                                              \
     if (!count) return 0;                                                                       \
     const int vectors = heads * (dim / LANES);                                                  \
-    f32v queries[vectors], accumulators[vectors];                                             \
+    f32v queries[vectors], accumulators[vectors];                                               \
     float running_max[heads], denominator[heads];                                               \
     const State state = {queries, accumulators, running_max, denominator};                      \
     for (int unit = first; unit < first + count; unit++)                                        \

@@ -1,6 +1,7 @@
 /* One tile of decode attention over the paged KV cache (paged_decode.h): up to LANES (vec.h)
- * cached rows of one block, for one KV head and the query heads of its group, softmax computed online.
- * Where a tile lies in the cache, fetching the next one, and the tile's arithmetic. */
+ * cached rows of one block, for one KV head and the query heads of its group, softmax
+ * computed online. Where a tile lies in the cache, fetching the next one, and the tile's
+ * arithmetic. */
 #ifndef TRIODE_PAGED_DECODE_TILE_H
 #define TRIODE_PAGED_DECODE_TILE_H
 
@@ -175,17 +176,17 @@ static inline int value_dimension(int v, int i, int in_pairs) {
 #define TILE_BODY(ELEM, LOADV, GROUP, VEC, STAGE, DOTS)                                         \
     const i32v valid = lanes_below(count);                                                      \
     float weights[GROUP][LANES], rescale[GROUP];                                                \
-    f32v scores[GROUP];                                                                       \
+    f32v scores[GROUP];                                                                         \
     float new_max[GROUP];                                                                       \
     uint16_t paired_weights[(DOTS) ? (GROUP) : 1][LANES];                                       \
     (void)paired_weights; /* read only where the CPU has BF16 */                                \
-    f32v staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                    \
+    f32v staged[(STAGE) ? LANES : 1][(STAGE) ? (VEC) : 1];                                      \
     if (STAGE) {                                                                                \
         UNROLL                                                                                  \
         for (int t = 0; t < LANES; t++) {                                                       \
             UNROLL                                                                              \
             for (int v = 0; v < (VEC); v++) {                                                   \
-                f32v *const slot = &staged[(STAGE) ? t : 0][(STAGE) ? v : 0];                 \
+                f32v *const slot = &staged[(STAGE) ? t : 0][(STAGE) ? v : 0];                   \
                 if (count == LANES) /* a whole tile, most of them: no test per row */           \
                     *slot = LOADV(keys + t * row_stride + v * LANES);                           \
                 else /* rows past count are never read; zeroed so that GCC sees them written */ \
@@ -195,7 +196,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
     }                                                                                           \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
-        f32v q[VEC], half[LANES / 2];                                                         \
+        f32v q[VEC], half[LANES / 2];                                                           \
         UNROLL                                                                                  \
         for (int v = 0; v < (VEC); v++) q[v] = query[h * (VEC) + v];                            \
         BF16_QUERY(DOTS, VEC)                                                                   \
@@ -204,7 +205,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
             if (t % (LANES / FETCH_PARTS(STAGE)) == 0 && ahead->bytes)                          \
                 prefetch_part(ahead, h * FETCH_PARTS(STAGE) + t / (LANES / FETCH_PARTS(STAGE)), \
                               (GROUP) * FETCH_PARTS(STAGE));                                    \
-            f32v even = {0}, odd = {0};                                                       \
+            f32v even = {0}, odd = {0};                                                         \
             if (DOTS) {                                                                         \
                 BF16_SCORE(even, t, VEC)                                                        \
                 BF16_SCORE(odd, t + 1, VEC)                                                     \
@@ -220,7 +221,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
             }                                                                                   \
             half[t / 2] = pair_rows(even, odd);                                                 \
         }                                                                                       \
-        f32v raw = finish_rows(half);                                                         \
+        f32v raw = finish_rows(half);                                                           \
         if (softcap > 0.0f) raw = soft_cap(raw, softcap);                                       \
         scores[h] = select(valid, raw, splat(-FLT_MAX));                                        \
     }                                                                                           \
@@ -241,7 +242,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
     }                                                                                           \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
-        const f32v p = select(valid, exp_nonpositive(scores[h] - new_max[h]), splat(0.0f));   \
+        const f32v p = select(valid, exp_nonpositive(scores[h] - new_max[h]), splat(0.0f));     \
         if (DOTS) {                                                                             \
             BF16_WEIGHTS(DOTS, h, p)                                                            \
         } else {                                                                                \
@@ -250,7 +251,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
         denominator[h] = denominator[h] * rescale[h] + lane_sum(p);                             \
         running_max[h] = new_max[h];                                                            \
     }                                                                                           \
-    f32v acc[GROUP][VEC];                                                                     \
+    f32v acc[GROUP][VEC];                                                                       \
     UNROLL                                                                                      \
     for (int h = 0; h < (GROUP); h++) {                                                         \
         UNROLL                                                                                  \
@@ -260,12 +261,12 @@ static inline int value_dimension(int v, int i, int in_pairs) {
         BF16_VALUES(GROUP, VEC)                                                                 \
     } else {                                                                                    \
         for (int t = 0; t < count; t++) {                                                       \
-            f32v row[VEC];                                                                    \
+            f32v row[VEC];                                                                      \
             UNROLL                                                                              \
             for (int v = 0; v < (VEC); v++) row[v] = LOADV(values + t * row_stride + v * LANES); \
             UNROLL                                                                              \
             for (int h = 0; h < (GROUP); h++) {                                                 \
-                const f32v w = splat(weights[h][t]);                                          \
+                const f32v w = splat(weights[h][t]);                                            \
                 UNROLL                                                                          \
                 for (int v = 0; v < (VEC); v++) acc[h][v] += w * row[v];                        \
             }                                                                                   \
@@ -279,7 +280,7 @@ static inline int value_dimension(int v, int i, int in_pairs) {
 
 #define TILE_ARGS(ELEM)                                                                         \
     const ELEM *restrict keys, const ELEM *restrict values, int64_t row_stride, int count,      \
-    const f32v *restrict query, f32v *restrict accumulators, float *restrict running_max,   \
+    const f32v *restrict query, f32v *restrict accumulators, float *restrict running_max,       \
     float *restrict denominator, float softcap, const Ahead *ahead
 
 /* The tile for GROUP query heads of head dim DIM, DIM / LANES vectors each. */

@@ -113,7 +113,8 @@ static inline f32v soft_cap(f32v x, float cap) {
 
 /* The horizontal max and sum: the upper half of the lanes folded onto the lower, down to two. */
 #if LANES == 16
-#define FOLD_TO_EIGHT(v, OP) v = OP(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+#define FOLD_TO_EIGHT(v, OP)                                                                    \
+    v = OP(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
 #define FOLD_TO_TWO(v, OP)                                                                      \
     v = OP(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));                   \
     v = OP(v, SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
@@ -123,7 +124,7 @@ static inline f32v soft_cap(f32v x, float cap) {
     v = OP(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3));                                           \
     v = OP(v, SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1));
 #endif
-static inline f32v add(f32v a, f32v b) { return a + b; }
+static inline f32v add_of(f32v a, f32v b) { return a + b; }
 
 static inline float lane_max(f32v v) {
     FOLD_TO_EIGHT(v, max_of)
@@ -132,8 +133,8 @@ static inline float lane_max(f32v v) {
 }
 
 static inline float lane_sum(f32v v) {
-    FOLD_TO_EIGHT(v, add)
-    FOLD_TO_TWO(v, add)
+    FOLD_TO_EIGHT(v, add_of)
+    FOLD_TO_TWO(v, add_of)
     return v[0] + v[1];
 }
 
@@ -175,7 +176,8 @@ static inline __attribute__((always_inline)) f32v finish_rows(const f32v half[4]
     UNROLL
     for (int i = 0; i < 2; i++) {
         const f32v a = half[2 * i], b = half[2 * i + 1];
-        quarter[i] = SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+        quarter[i] = SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+                     SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
     }
     const f32v a = quarter[0], b = quarter[1];
     return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
