@@ -2,9 +2,9 @@
  *
  * torch's CPU argmax over the last dimension runs at about 1 ns an element (64 rows of the
  * default model's 49152 logits: 2.6 ms, a few percent of a 64-sequence decode step; one row
- * 74 us with its thread team asleep). Here each row is one pass of 16-lane compares that keep
- * every lane's best value and its first index, reduced at the end; rows are split across the
- * OpenMP team only when there are many elements.
+ * 74 us with its thread team asleep). Here each row is one pass of vector compares (vec.h)
+ * that keep every lane's best value and its first index, reduced at the end; rows are split
+ * across the OpenMP team only when there are many elements.
  *
  * The result is torch's: the first index of the maximum, and where a row holds a NaN the
  * first NaN's index (NaNs are found from their bits, which -ffast-math leaves alone).
