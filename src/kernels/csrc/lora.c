@@ -4,11 +4,12 @@
  * Both halves are axpys over contiguous vectors (vec.h), with A and B stored transposed: the
  * shrink adds x[r, i] * A[s][i][j..j+LANES] over i in order (up to 4 rows of one slot sharing
  * each vector of A, A's rows read once, in order), the expand B[s][k][c..c+LANES] * h[r, k]
- * over k in order (4 vectors of columns at once), into a delta that is then added to y. So every output element's sums run in an
- * order fixed by its own row (batch invariance: docs/architecture.md), whatever the other rows,
- * their slots, or how the columns are cut into chunks (each column's lane does the same
- * fused multiply-adds). The decode stack calls the column-range forms from its team; the
- * module path calls triode_lora_f32, which splits rows among OpenMP threads.
+ * over k in order (4 vectors of columns at once), into a delta that is then added to y. So
+ * every output element's sums run in an order fixed by its own row (batch invariance:
+ * docs/architecture.md), whatever the other rows, their slots, or how the columns are cut into
+ * chunks (each column's lane does the same fused multiply-adds, named: vec.h's fma_of). The
+ * decode stack calls the column-range forms from its team; the module path calls
+ * triode_lora_f32, which splits rows among OpenMP threads.
  */
 #include <stdint.h>
 
