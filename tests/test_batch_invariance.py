@@ -267,7 +267,7 @@ def _linear_in_batches(weight: QuantizedWeight, in_features: int) -> int:
     return checked
 
 
-@pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no AVX-512 VNNI (the interleaved kernels)")
+@pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no interleaved kernels (AVX2 and a C compiler)")
 @pytest.mark.parametrize("activations", ["int8", "int16"], indirect=True)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_interleaved_linear_is_the_same_in_any_batch(kind, activations):
@@ -285,10 +285,9 @@ def invariant():
 @pytest.mark.parametrize("activations", ["float32"], indirect=True)
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_layout_linear_is_the_same_in_any_batch_when_invariant(activations, isa, kind, invariant):
-    """Weights in GGUF's layout (float32 activations: the default on CPUs without AVX-512 VNNI)
-    under set_batch_invariant: the C loop at every row count, past FUSED_ROWS too.
-    (``activations`` before ``isa``: it restores int16 activations, left by an earlier test,
-    only once the AVX2 build is gone again.)"""
+    """Weights in GGUF's layout (float32 activations: the default where there are no
+    interleaved kernels) under set_batch_invariant: the C loop at every row count, past
+    FUSED_ROWS too."""
     weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 96, 512, seed=3)))
     assert _linear_in_batches(weight, 512) == len(BATCHES)
 

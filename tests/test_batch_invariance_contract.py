@@ -2,10 +2,10 @@
 request's tokens and logprobs (every top-5 value, compared as floats, not within a tolerance)
 are the same alone, among the other prompts, inside a batch of 64 mixed requests, after
 preemptions made it recompute, and after a worker SIGKILL made every running request
-recompute: with ``batch_invariant`` on this CPU's kernels and on the AVX2 build (float32
-activations, the default on CPUs without AVX-512 VNNI), and without it where the default
-path is invariant as it is (AVX-512 VNNI). ``--batch-invariant`` is refused, naming the
-reason, where no kernel honours it. The kernels behind it are checked one by
+recompute: with ``batch_invariant`` on this CPU's kernels and on the AVX2 build with float32
+activations (the loops over weights in GGUF's layout), and without it where the default path
+is invariant as it is (int16 activations over interleaved weights, in both builds).
+``--batch-invariant`` is refused, naming the reason, where no kernel honours it. The kernels behind it are checked one by
 one in tests/test_batch_invariance.py; tiny float32 models of every family are checked here in
 the worker's runner (alone, together, chunked, recomputed)."""
 
@@ -28,15 +28,15 @@ from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError
 from triode.engine.model_files.resolve import resolve_model
 from triode.engine.worker.runner import ModelRunner
-from triode.kernels import native
 from triode.kernels.quant_linear import interleaved_kernels_available
 
 pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 
 MAX_TOKENS = 24
-# (TRIODE_CPU_ISA, batch_invariant): the setting on this CPU's build and on the AVX2 one, and
-# the default where it is invariant without the setting.
-CONFIGURATIONS = [("native", True), ("avx2", True)] + [("native", False)] * interleaved_kernels_available()
+# (TRIODE_CPU_ISA, batch_invariant, quantized_activations): the setting on this CPU's build and
+# on the AVX2 one's float32 loops, and the default where it is invariant without the setting.
+CONFIGURATIONS = [("native", True, "auto"), ("avx2", True, "float32")] + [
+    (isa, False, "auto") for isa in ("native", "avx2") if interleaved_kernels_available()]
 
 
 def greedy() -> SamplingParams:
@@ -69,10 +69,10 @@ def generate_killing_the_worker(llm: LLM, after_steps: int, prompts: list[str] =
     return [finished[f"kill-{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize(("isa", "batch_invariant"), CONFIGURATIONS)
-def test_a_request_recomputed_or_batched_otherwise_keeps_its_logprobs(monkeypatch, isa, batch_invariant):
+@pytest.mark.parametrize(("isa", "batch_invariant", "activations"), CONFIGURATIONS)
+def test_a_request_recomputed_or_batched_otherwise_keeps_its_logprobs(monkeypatch, isa, batch_invariant, activations):
     monkeypatch.setenv("TRIODE_CPU_ISA", isa)  # read by the worker processes
-    options = {"batch_invariant": batch_invariant}
+    options = {"batch_invariant": batch_invariant, "quantized_activations": activations}
     others = [f"Count from {i} to {i + 40}: " + "x " * (i % 13) for i in range(63)]
     mixed = [greedy()] + [SamplingParams(temperature=0.8, seed=i, max_tokens=8 + i % 40) for i in range(63)]
     with LLM(kv_cache_memory="256MiB", max_model_len=512, max_num_batched_tokens=256, **options) as llm:
@@ -119,17 +119,14 @@ def test_tiny_models_of_each_family_recompute_the_same_logprobs(tiny_model, tiny
             assert (token, recomputed) == (tokens[step], logprobs[step]), f"prompt {index}, step {step}"
 
 
-def test_batch_invariant_is_refused_for_int8_activations_over_gguf_layout(kernel_settings):
+def test_batch_invariant_is_refused_for_int8_activations_over_gguf_layout(kernel_settings, monkeypatch):
     path = resolve_model(None, cache_dir=EngineArgs().resolved_cache_dir()).path
     args = EngineArgs(kv_cache_memory="64MiB", max_model_len=128, batch_invariant=True, quantized_activations="int8")
-    previous = native.cpu_isa()
-    native.set_cpu_isa("avx2")  # no interleaved weights: int8 runs the loop over GGUF's layout
-    try:
-        with pytest.raises(ModelLoadError, match=r"--batch-invariant cannot be honoured: int8 activations over "
-                                                 r"weights in GGUF's layout"):
-            ModelRunner(args, path)
-    finally:
-        native.set_cpu_isa(previous)
+    # A build without the interleaved kernels: int8 runs the loop over GGUF's layout.
+    monkeypatch.setattr(kernels.quant_linear, "interleaved_kernels_available", lambda: False)
+    with pytest.raises(ModelLoadError, match=r"--batch-invariant cannot be honoured: int8 activations over "
+                                             r"weights in GGUF's layout"):
+        ModelRunner(args, path)
 
 
 _THREADS_PROBE = """

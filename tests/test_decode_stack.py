@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(not quantized_kernels_available(), reason="no AV
 MAX_TOKENS = 12
 MIXED = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q6_K", "ffn_down": "Q4_K"}
 INT16 = pytest.param("int16", marks=pytest.mark.skipif(not interleaved_kernels_available(),
-                                                         reason="this CPU has no AVX-512 VNNI"))
+                                                         reason="this CPU has no interleaved kernels (AVX2 and a C compiler)"))
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "mixed"])

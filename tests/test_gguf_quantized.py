@@ -96,7 +96,7 @@ def test_quantized_and_dequantized_runs_match_hf_on_the_same_file(quantized_gguf
 @pytest.mark.parametrize(("activations", "logprob_atol"), [
     ("int8", 0.25),
     pytest.param("int16", 2e-3, marks=pytest.mark.skipif(not interleaved_kernels_available(),
-                                                          reason="this CPU has no AVX-512 VNNI")),
+                                                          reason="this CPU has no interleaved kernels (AVX2 and a C compiler)")),
 ])
 def test_integer_activations_follow_hf_within_the_top5_rule(quantized_gguf, prompts, activations, logprob_atol):
     """--quantized-activations int8 (llama.cpp's arithmetic): the tokens hold to HF reading

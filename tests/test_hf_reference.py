@@ -230,8 +230,8 @@ def test_default_model_matches_hf(default_model_path, default_model_prompts):
 
 @pytest.mark.default_model
 def test_default_model_with_its_default_activations_is_close_to_hf(default_model_path, default_model_prompts):
-    """triode's defaults: int16 activations on CPUs with AVX-512 VNNI (15-bit, over interleaved
-    weights), float32 elsewhere; HF's tokens by vLLM's rule with logprobs within 5e-3 (int16
+    """triode's defaults: int16 activations on CPUs with AVX2 (15-bit, over interleaved weights;
+    the AVX2 and AVX-512 VNNI kernels give the same bits), float32 elsewhere; HF's tokens by vLLM's rule with logprobs within 5e-3 (int16
     measured at most 2.4e-3 over 30 layers, every token HF's; int8 activations moved them by
     0.25 and changed 74 of 128 tokens), and the chat answer, a near tie on its first token,
     still "Paris" (int8 activations tip it)."""

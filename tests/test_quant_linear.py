@@ -10,8 +10,9 @@ The int8-activation loop (csrc/quant_linear_int8.c) is held to the same referenc
 rows that int8 represents without loss (integers times a power of two per 32 values, or per
 256 for the K types, each 32 reaching 127), which checks its integer arithmetic bit for bit,
 and within the quantization error of the activations on random rows. Weights interleaved 16
-rows at a time (csrc/quant_x16.h, on CPUs with AVX-512 VNNI) are held to the same reference
-and to the same matrix in GGUF's layout: the same rows back, the same integer sums.
+rows at a time (csrc/quant_x16.h) are held to the same reference and to the same matrix in
+GGUF's layout: the same rows back, the same integer sums; in both builds, which must give the
+same bits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from triode.engine.model_files.gguf_convert import KERNEL_TYPES
+from triode.kernels import native
 from triode.kernels.quant_linear import (
     FUSED_ROWS,
     QUANT_TYPES,
@@ -126,7 +128,7 @@ def test_int8_activations_stay_within_their_rounding(kind, int8_activations, tmp
 
 
 needs_interleaved = pytest.mark.skipif(not interleaved_kernels_available(),
-                                       reason="this CPU has no AVX-512 VNNI (the interleaved kernels)")
+                                       reason="this CPU has no interleaved kernels (AVX2 and a C compiler)")
 
 
 def _interleaved(kind: str, rows: int, in_features: int, seed: int, tmp_path) -> tuple[QuantizedWeight, np.ndarray]:
@@ -148,7 +150,7 @@ def test_interleaved_rows_are_the_same_rows(kind, tmp_path):
 
 @needs_interleaved
 @pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
-def test_interleaved_int8_computes_exactly_what_it_holds(kind, int8_activations, tmp_path):
+def test_interleaved_int8_computes_exactly_what_it_holds(kind, isa, int8_activations, tmp_path):
     weights = QUANT_TYPES[kind][1]
     in_features = 3 * weights if weights == 256 else 7 * weights
     weight, blocks = _interleaved(kind, 64, in_features, 9, tmp_path)
@@ -165,7 +167,7 @@ def test_interleaved_int8_computes_exactly_what_it_holds(kind, int8_activations,
 
 @needs_interleaved
 @pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
-def test_interleaved_int8_matches_the_gguf_layout(kind, int8_activations, tmp_path):
+def test_interleaved_int8_matches_the_gguf_layout(kind, isa, int8_activations, tmp_path):
     """Random rows: the same integer sums and activation scales as the row-by-row int8 loop
     (which takes up to FUSED_ROWS rows), float sums in another order."""
     weights = QUANT_TYPES[kind][1]
@@ -180,7 +182,7 @@ def test_interleaved_int8_matches_the_gguf_layout(kind, int8_activations, tmp_pa
 
 @needs_interleaved
 @pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
-def test_int16_activations_stay_within_their_rounding(kind, int16_activations, tmp_path):
+def test_int16_activations_stay_within_their_rounding(kind, isa, int16_activations, tmp_path):
     """15-bit activations on the same scales as int8 ones: each moves by at most half of
     max |x| / 16319 over its 32 (or 256), so each output by at most sum(|w| * step); checked
     at every row count (one tile, several, two blocks of 128 rows), the features of a matrix
@@ -197,6 +199,46 @@ def test_int16_activations_stay_within_their_rounding(kind, int16_activations, t
         bound = (reference_weight.abs().reshape(1, 96, -1, weights).sum(-1) * step.reshape(rows, 1, -1)).sum(-1)
         error = (interleaved.linear(x, bias).double() - expected).abs()
         assert (error <= bound + 1e-5 * expected.abs().max()).all(), (kind, rows)
+
+
+@needs_interleaved
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_the_avx2_build_gives_the_native_builds_bits(kind, activations, tmp_path):
+    """The AVX2 kernels (two parts of 8 rows a tile, vpmaddubsw's int16 sums folded into int32
+    before they could overflow, Q8_0's bytes made signed) compute the integers and the float
+    operations of the AVX-512 VNNI ones: the same bits, at every row count, on activations
+    with outlier channels and on extreme blocks (every weight at its type's top or bottom, with
+    activations at +-127 and their remainders at their limits, where a int16 sum could pass
+    32767). On a CPU with AVX2 alone both are the AVX2 build."""
+    weights = QUANT_TYPES[kind][1]
+    in_features = 2 * weights if weights == 256 else 6 * weights
+    random = torch.from_numpy(random_blocks(kind, 96, in_features, 16))
+    extreme = torch.from_numpy(random_blocks(kind, 96, in_features, 17))
+    _, _, size = QUANT_TYPES[kind]
+    scale_bytes = {offset + k for offset in _HALF_OFFSETS[kind] for k in (0, 1)}
+    data = extreme.view(96, -1, size)
+    top, bottom = (127, 128) if kind == "Q8_0" else (255, 0)  # Q8_0's bytes are int8: 127 and -128
+    for position in range(size):
+        if position not in scale_bytes:
+            data[:48, :, position] = top
+            data[48:, :, position] = bottom
+    x = torch.randn(200, in_features) * torch.where(torch.rand(in_features) < 0.03, 40.0, 1.0)
+    x[:100:2], x[1:100:2] = 1.0, -1.0  # rows whose every activation is at its top, or its bottom
+    bias = torch.randn(96)
+    previous, results = quantized_activations(), {}
+    try:
+        for build in ("native", "avx2"):
+            native.set_cpu_isa(build)
+            set_quantized_activations(activations)
+            results[build] = [QuantizedWeight.from_bytes(kind, blocks).interleave().linear(x[:rows], bias)
+                              for blocks in (random, extreme) for rows in (1, 2, 3, 5, 17, 200)]
+    finally:
+        native.set_cpu_isa("native")
+        set_quantized_activations(previous)
+    assert len(results["native"]) == len(results["avx2"]) == 12
+    for index, (mine, theirs) in enumerate(zip(results["avx2"], results["native"], strict=True)):
+        assert torch.equal(mine, theirs), (kind, activations, index)
 
 
 @needs_interleaved
@@ -218,7 +260,7 @@ def test_int16_activations_are_far_closer_than_int8(tmp_path):
 
 @needs_interleaved
 @pytest.mark.parametrize("activations", ["int8", "int16"])
-def test_threads_sharing_the_quantization_give_each_rows_own_result(activations, tmp_path):
+def test_threads_sharing_the_quantization_give_each_rows_own_result(activations, isa, tmp_path):
     """Above 65536 weights the threads quantize a share of the rows each, then multiply their
     share of the features by every row: a batch gives each row what it gives alone (one row
     leaves the first thread no rows to quantize)."""
@@ -241,7 +283,7 @@ def test_threads_sharing_the_quantization_give_each_rows_own_result(activations,
 
 @needs_interleaved
 @pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
-def test_interleaved_features_may_start_and_end_inside_a_tile(kind):
+def test_interleaved_features_may_start_and_end_inside_a_tile(kind, isa):
     """The decode stack's entry takes any range of output features of an interleaved matrix.
     All types but Q6_K take two tiles at a time where the range holds both: features 5..20
     go through a pair, 21..31 through tile 1 alone, and the whole matrix pairs tiles 0 and 1,
@@ -369,7 +411,7 @@ def test_an_unknown_activation_type_is_refused():
 
 @pytest.mark.skipif(interleaved_kernels_available(), reason="this CPU has the interleaved kernels")
 def test_int16_activations_need_the_interleaved_kernels():
-    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+    with pytest.raises(ValueError, match="need a CPU with AVX2"):
         set_quantized_activations("int16")
 
 

@@ -403,7 +403,7 @@ def default_prompts(default_path):
 
 @pytest.fixture(scope="module")
 def default_reference(default_path, default_prompts):
-    # The engine's default activations (int16 on CPUs with AVX-512 VNNI, float32 elsewhere),
+    # The engine's default activations (int16 on CPUs with AVX2, float32 elsewhere),
     # as default_tp2 runs: TP=2 against TP=1 of the same arithmetic.
     return ours_greedy(default_path, default_prompts, MAX_TOKENS, quantized_activations="auto")
 
@@ -421,8 +421,9 @@ def test_default_model_tp2_matches_tp1(default_tp2, default_prompts, default_ref
     # Integer activations round each layer's input: a sum in another order (a row-parallel
     # matrix's two halves) may round an activation the other way, a step of 1 / 32638 of its
     # group's largest, where float32 ones move by their last bit (measured in int16: 1.9e-4 on
-    # chosen tokens, 2.3e-3 on an alternative at -12.5).
-    atol = 5e-3 if interleaved_kernels_available() else ATOL  # auto: int16 where they run
+    # chosen tokens, 2.3e-3 on an alternative at -12.5 with AVX-512; 5.5e-3 on an alternative
+    # at -4.1 with the AVX2 build, whose attention sums in another order).
+    atol = 1e-2 if interleaved_kernels_available() else ATOL  # auto: int16 where they run
     assert_same_generation(ours, default_reference, label="default model", atol=atol)
 
 

@@ -160,7 +160,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--quantized-activations", nargs="+", default=["auto"], choices=QUANTIZED_ACTIVATIONS,
                       help="one runner per activation type, for runners that keep quantized weights (each "
                            "loaded with its own: integer activations interleave the weights on CPUs with "
-                           "AVX-512 VNNI)")
+                           "AVX2)")
     step.add_argument("--output-dir", default="bench-results")
     step.set_defaults(handler=_step)
 

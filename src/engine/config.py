@@ -111,8 +111,8 @@ class EngineArgs:
     # What quantized weights multiply on a CPU: float32 activations (closest to the
     # dequantized model), int8 ones per 32 values as llama.cpp does (fastest, and lossy: the
     # default model's answers change), or 15-bit integer ones (int16: interleaved weights on
-    # CPUs with AVX-512 VNNI, logprobs within 1e-3 of float32's). auto: int16 where the CPU
-    # has those kernels, float32 elsewhere (docs/benchmarks.md).
+    # CPUs with AVX2, logprobs within 1e-3 of float32's). auto: int16 where the CPU has those
+    # kernels, float32 elsewhere (docs/benchmarks.md).
     quantized_activations: str = attrs.field(default="auto", validator=_one_of(QUANTIZED_ACTIVATIONS))
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
@@ -137,7 +137,7 @@ class EngineArgs:
     enforce_eager: bool = False
     # Every kernel computes a token's result in an order that does not depend on its step's
     # batch (vLLM's VLLM_BATCH_INVARIANT): a sequence recomputed after a restart or a preemption
-    # gets the bits it had. The default model's path on AVX-512 VNNI CPUs is so without it; this
+    # gets the bits it had. The default model's path on CPUs with AVX2 is so without it; this
     # also takes the invariant loops for quantized weights in GGUF's layout and for float
     # weights (a cost past a few rows), and refuses a device that has no invariant kernels
     # (docs/architecture.md).

@@ -18,8 +18,8 @@ _HELP = {
                     "kernels: int8 (Q8_0 blocks) or int4 (Q4_1 layers, Q8_0 embedding and LM head)",
     "quantized_activations": "what quantized weights multiply on a CPU: float32 activations (closest to "
                              "the dequantized model), int8 per 32 values as llama.cpp (fastest, lossy) or "
-                             "15-bit integers (int16: AVX-512 VNNI CPUs); auto: int16 where the CPU has "
-                             "AVX-512 VNNI, float32 elsewhere",
+                             "15-bit integers (int16: CPUs with AVX2); auto: int16 where the CPU has the "
+                             "interleaved kernels (AVX2 and a C compiler), float32 elsewhere",
     "kv_cache_memory": "KV-cache budget per rank, bytes or with a unit (e.g. 2GiB); default: sized from "
                        "the memory left once the weights are in (--gpu-memory-utilization)",
     "gpu_memory_utilization": "where --kv-cache-memory is not given, the share of memory the weights and "

@@ -10,10 +10,11 @@ once per panel for all the rows, and the multiply runs at the matrix library's s
 :func:`set_quantized_activations` ``("int8")`` the C loop quantizes the activations to int8
 first and multiplies bytes by bytes, as llama.cpp does (faster at one or two rows).
 
-On a CPU with AVX-512 VNNI, integer activations run over weights interleaved 16 rows at a time
+Integer activations run over weights interleaved 16 rows at a time
 (:meth:`QuantizedWeight.interleave`, ``csrc/quant_x16.h``), which a model does at load
 (:func:`interleaving`): the same bytes in an order that lets one instruction multiply 4
-weights of 16 rows, several times fewer instructions per weight than GGUF's row-by-row order.
+weights of 16 rows (AVX-512 VNNI's vpdpbusd; two, of 8 rows each, with AVX2), several times
+fewer instructions per weight than GGUF's row-by-row order. Both builds give the same bits.
 There the activations may also be 15-bit integers (``"int16"``, the default where available:
 two such products per weight byte, and results as close to float32 as its sums allow).
 
@@ -87,8 +88,8 @@ def set_quantized_activations(name: str) -> None:
     if name not in ACTIVATIONS:
         raise ValueError(f"quantized activations must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
     if name == "int16" and not interleaved_kernels_available():
-        raise ValueError("int16 activations run on interleaved weights, whose kernels need a CPU with AVX-512 "
-                         "VNNI (and a C compiler); use float32 or int8 here")
+        raise ValueError("int16 activations run on interleaved weights, whose kernels need a CPU with AVX2 "
+                         "(and a C compiler); use float32 here")
     _activations = name
 
 
@@ -115,7 +116,7 @@ def _entries(isa: str):
 @functools.cache
 def _interleave_entry(isa: str):
     """(the C function that interleaves a matrix, the kernel that reads it) where the build has
-    that kernel (AVX-512 VNNI), else None."""
+    that kernel (AVX2 or AVX-512 VNNI), else None."""
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     interleave = bind("triode_quant_x16_interleave", i32, pointer, i64, i64, i32, pointer)
     x16_linear = bind("triode_quant_x16_linear", i32, i32, pointer, i64, pointer, i64, pointer, pointer, i64,
@@ -123,7 +124,7 @@ def _interleave_entry(isa: str):
     if interleave is None or x16_linear is None or _entries(isa) is None:
         return None
     probe = x16_linear(0, 0, None, 0, None, 0, None, None, 0, 0, 0, 0)
-    return None if probe == _NOT_BUILT else (interleave, x16_linear)  # built without AVX-512 VNNI
+    return None if probe == _NOT_BUILT else (interleave, x16_linear)  # built without AVX2
 
 
 def _kernels():
@@ -136,7 +137,8 @@ def quantized_kernels_available() -> bool:
 
 
 def interleaved_kernels_available() -> bool:
-    """Whether this build runs integer activations over interleaved weights (AVX-512 VNNI)."""
+    """Whether this build runs integer activations over interleaved weights (AVX2 or AVX-512
+    VNNI)."""
     return _interleave_entry(cpu_isa()) is not None
 
 
@@ -222,7 +224,7 @@ class QuantizedWeight:
         :func:`interleaved_kernels_available` and a multiple of 16 rows."""
         entries = _interleave_entry(cpu_isa())
         if entries is None:
-            raise RuntimeError("interleaved kernels are not built for this CPU (they need AVX-512 VNNI)")
+            raise RuntimeError("interleaved kernels are not built for this CPU (they need AVX2)")
         if self.interleaved:
             return self
         if self.out_features % INTERLEAVED_ROWS:

@@ -1,11 +1,13 @@
 /* y = x @ w^T (+ bias) for w in the 16-row interleaved layout (quant_x16.h) and x quantized to
- * int8 (q8_activations.h), on CPUs with AVX-512 VNNI; and the layout's conversions.
+ * int8 (q8_activations.h), on CPUs with AVX-512 VNNI or AVX2 (quant_x16_vec.h: the same bits
+ * in both); and the layout's conversions.
  *
  * A tile (16 rows' block k) is multiplied into up to MAX_ROWS activation rows at once: each
- * 64-byte vector of weights is 4 weights of each of the 16 rows, and one vpdpbusd adds their
- * products with 4 broadcast activation bytes into 16 int32 row sums. All but Q6_K take two
- * tiles side by side, so that each broadcast serves two vpdpbusd. The integer sums of a
- * group of 32 (or of a K type's sub-block) are scaled once, by the 16 rows' scales loaded as
+ * weight vector is 4 weights of each of the tile's rows (of 8 of them with AVX2), and one dot4
+ * adds their products with 4 broadcast activation bytes into one int32 sum per row. With
+ * AVX-512 all but Q6_K take two tiles side by side, so that each broadcast serves two
+ * vpdpbusd; with AVX2 each broadcast serves a tile's two parts. The integer sums of a
+ * group of 32 (or of a K type's sub-block) are scaled once, by the rows' scales loaded as
  * one vector, so the float work is a few instructions per 512 weight-activation products. The
  * arithmetic is quant_linear_int8.c's (the same integer sums, the same activation scales), in
  * another order of float additions.
@@ -49,29 +51,31 @@ void triode_quant_x16_row(int type, const uint8_t *w, int64_t row_bytes, int blo
         x16_take(type, group + k * X16_ROWS * block, (int)(row % X16_ROWS), out + k * block);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#include <immintrin.h>
+#include "quant_x16_vec.h"
 
+#ifdef X16_BUILT
 #include "q8_activations.h"
 #include "quant_x16_tiles.h"
 
 #define PARALLEL_MIN_WEIGHTS 65536
 
 /* Whether the kernel takes two groups of 16 rows at a time, each activation broadcast serving
- * both (quant_x16_tiles.h's sums_add). Q6_K's tile keeps two sets of sums already (its two
- * halves' scales differ): for two tiles that is 32 accumulators, more than the registers. */
-static inline int pairs_groups(int type) { return type != TYPE_Q6_K; }
+ * both (quant_x16_tiles.h's sums_add): with AVX-512, but for Q6_K, whose tile keeps two sets
+ * of sums already (its two halves' scales differ): for two tiles that is 32 accumulators,
+ * more than the registers. AVX2's two parts of one tile are already two columns. */
+static inline int pairs_groups(int type) { return type != TYPE_Q6_K && X16_PARTS == 1; }
 
-/* Features [first, last) of acc, the sums of the 16 features from `base`, plus the bias. */
+/* Features [first, last) of acc, the sums of the X16_LANES features from `base`, plus the
+ * bias; a column wholly outside them stores nothing. */
 static inline __attribute__((always_inline)) void x16_store(
-    const int rows, const __m512 *acc, const float *bias, float *y, int64_t y_stride, int64_t base, int64_t first,
+    const int rows, const fvec *acc, const float *bias, float *y, int64_t y_stride, int64_t base, int64_t first,
     int64_t last)
 {
-    const int lo = first > base ? (int)(first - base) : 0, hi = last < base + X16_ROWS ? (int)(last - base) : X16_ROWS;
-    const __mmask16 lanes = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + base) : _mm512_setzero_ps();
+    const int lo = first > base ? (int)(first - base) : 0;
+    const int hi = last < base + X16_LANES ? (int)(last - base) : X16_LANES;
+    if (lo >= hi) return;
     UNROLL
-    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * y_stride + base, lanes, _mm512_add_ps(acc[r], b));
+    for (int r = 0; r < rows; r++) store_lanes(y + r * y_stride + base, acc[r], bias ? bias + base : NULL, lo, hi);
 }
 
 /* Row groups g .. g + tiles - 1 against ROWS activation rows, storing features [first, last). */
@@ -81,24 +85,32 @@ static inline __attribute__((always_inline)) void x16_tiles(
 {
     const int block = block_bytes(type), per_block = 32 * block_groups(type), blocks = in / per_block;
     const int64_t tile_bytes = (int64_t)X16_ROWS * block;
-    __m512 acc[2][MAX_ROWS];
+    const int columns = tiles * X16_PARTS;
+    fvec acc[2][MAX_ROWS];
     UNROLL
-    for (int i = 0; i < tiles; i++)
+    for (int i = 0; i < columns; i++)
         UNROLL
-        for (int r = 0; r < rows; r++) acc[i][r] = _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) acc[i][r] = MM(setzero_ps)();
     for (int k = 0; k < blocks; k++) {
-        const uint8_t *t[2];
+        column c[2];
         UNROLL
-        for (int i = 0; i < tiles; i++) {
-            t[i] = w + (g + i) * X16_ROWS * row_bytes + k * tile_bytes;
-            if (tile_bytes <= 1024) prefetch_ahead(t[i], tile_bytes);
+        for (int i = 0; i < columns; i++) {
+            c[i] = (column){w + (g + i / X16_PARTS) * X16_ROWS * row_bytes + k * tile_bytes, i % X16_PARTS};
+            if (tile_bytes <= 1024 && c[i].part == 0) prefetch_ahead(c[i].tile, tile_bytes);
         }
-        if (type == TYPE_Q6_K) tile_q6_k(rows, wide, x, in, t[0], k, acc[0]);
-        else if (type == TYPE_Q4_K || type == TYPE_Q5_K) tile_k45(type, rows, wide, x, in, t, tiles, k, acc);
-        else tile_small(type, rows, wide, x, in, t, tiles, k, acc);
+        if (type == TYPE_Q6_K) {
+            UNROLL
+            for (int i = 0; i < columns; i++) tile_q6_k(rows, wide, x, in, c[i], k, acc[i]);
+        } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+            tile_k45(type, rows, wide, x, in, c, columns, k, acc);
+        } else {
+            tile_small(type, rows, wide, x, in, c, columns, k, acc);
+        }
     }
     UNROLL
-    for (int i = 0; i < tiles; i++) x16_store(rows, acc[i], bias, y, y_stride, (g + i) * X16_ROWS, first, last);
+    for (int i = 0; i < columns; i++)
+        x16_store(rows, acc[i], bias, y, y_stride, (g + i / X16_PARTS) * X16_ROWS + i % X16_PARTS * X16_LANES, first,
+                  last);
 }
 
 /* Tiles of row groups [g0, g1) against ROWS activation rows, storing features [first, last). */
@@ -114,23 +126,19 @@ static inline __attribute__((always_inline)) void x16_groups(
     }
 }
 
-#define DEFINE_X16_TILE(SUFFIX, TYPE, N, WIDE)                                                  \
+#define DEFINE_X16_TILE(N, TYPE, SUFFIX, WIDE)                                                  \
 static void x16_##SUFFIX##_##N##_##WIDE(rows_q8 x, const uint8_t *w, int64_t row_bytes, const float *bias, \
                                         float *y, int64_t y_stride, int in, int64_t first, int64_t last) \
 {                                                                                               \
     x16_groups(TYPE, N, WIDE, x, in, w, row_bytes, bias, y, y_stride, first, last);             \
 }
-
-#define DEFINE_X16_WIDTH(TYPE, SUFFIX, WIDE)                                                    \
-DEFINE_X16_TILE(SUFFIX, TYPE, 1, WIDE) DEFINE_X16_TILE(SUFFIX, TYPE, 2, WIDE)                   \
-DEFINE_X16_TILE(SUFFIX, TYPE, 3, WIDE) DEFINE_X16_TILE(SUFFIX, TYPE, 4, WIDE)
+#define X16_ENTRY(N, SUFFIX, WIDE) x16_##SUFFIX##_##N##_##WIDE,
 
 #define DEFINE_X16(TYPE, SUFFIX)                                                                \
-DEFINE_X16_WIDTH(TYPE, SUFFIX, 0) DEFINE_X16_WIDTH(TYPE, SUFFIX, 1)                             \
+FOR_EACH_ROW_COUNT(DEFINE_X16_TILE, TYPE, SUFFIX, 0) FOR_EACH_ROW_COUNT(DEFINE_X16_TILE, TYPE, SUFFIX, 1) \
 static void (*const x16_##SUFFIX[2][MAX_ROWS])(rows_q8, const uint8_t *, int64_t, const float *, float *, \
                                                int64_t, int, int64_t, int64_t) = {               \
-    {x16_##SUFFIX##_1_0, x16_##SUFFIX##_2_0, x16_##SUFFIX##_3_0, x16_##SUFFIX##_4_0},          \
-    {x16_##SUFFIX##_1_1, x16_##SUFFIX##_2_1, x16_##SUFFIX##_3_1, x16_##SUFFIX##_4_1}};
+    {FOR_EACH_ROW_COUNT(X16_ENTRY, SUFFIX, 0)}, {FOR_EACH_ROW_COUNT(X16_ENTRY, SUFFIX, 1)}};
 FOR_EACH_QUANT_TYPE(DEFINE_X16)
 
 #define X16_CASE(TYPE, SUFFIX) \
