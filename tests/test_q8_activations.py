@@ -4,17 +4,19 @@ The wide activations (15 bits: x_q = round(x * 16319 / max |x|) per span of a ro
 128 * q + lo) and the int8 ones are integers, so the C code must give these bytes exactly:
 float32 products rounded half to even, as torch rounds them. A share of the rows quantized
 into its place in the buffer (as the threads of quant_x16.c do) must give the same bytes as
-the whole. Runs with this CPU's widest vectors and with the AVX2 build alike: the buffers are
-one build's bytes on every CPU.
+the whole. Runs with this CPU's build and with the AVX2 one: the same bytes, which a build
+without AVX-512 VNNI follows with the wide activations whole, as int16, for its Q8_0 kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
 
+from triode.kernels import native
 from triode.kernels.native import bind
 from triode.kernels.quant_linear import QUANT_TYPES, quantized_kernels_available
 
@@ -31,6 +33,13 @@ def _entries():
     for size in sizes.values():
         size.restype = ctypes.c_int64
     return rows_entry, sizes
+
+
+def _keeps_whole() -> bool:
+    """Whether the build in use keeps x_q whole too (q8_activations.h's Q8_KEEPS_WHOLE)."""
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split())
+    return native.cpu_isa() == "avx2" or not {"avx512f", "avx512bw", "avx512_vnni"} <= flags
 
 
 def _activations(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -65,6 +74,8 @@ def _expected(kind: str, wide: bool, x: torch.Tensor) -> dict[str, torch.Tensor]
         low = value - 128 * high
         parts |= {"q": high, "lo": low, "sum16": high.reshape(rows, -1, 16).sum(-1),
                   "sum16_lo": low.reshape(rows, -1, 16).sum(-1)}
+        if _keeps_whole():
+            parts["whole"] = value
     else:
         parts |= {"q": value, "sum16": value.reshape(rows, -1, 16).sum(-1)}
     return parts
@@ -77,6 +88,8 @@ def _fields(wide: bool, buffer: torch.Tensor, rows: int, width: int, span: int) 
             "sum": (rows * (width // 32) * 4, torch.int32), "sum16": (rows * (width // 16) * 2, torch.int16)}
     if wide:
         cuts |= {"lo": (rows * width, torch.int8), "sum16_lo": (rows * (width // 16) * 2, torch.int16)}
+        if _keeps_whole():
+            cuts["whole"] = (rows * width * 2, torch.int16)
     fields, at = {}, 0
     for name, (size, dtype) in cuts.items():
         fields[name] = buffer[at:at + size].view(dtype).reshape(rows, -1)
@@ -89,7 +102,7 @@ def _fields(wide: bool, buffer: torch.Tensor, rows: int, width: int, span: int) 
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "int8"])
 @pytest.mark.parametrize(("kind", "rows", "width"), [("Q4_1", 1, 576), ("Q4_1", 37, 1536), ("Q8_0", 5, 96),
                                                       ("Q4_K", 9, 512), ("Q6_K", 3, 768)])
-def test_buffers_hold_torchs_integers(kind, rows, width, wide):
+def test_buffers_hold_torchs_integers(kind, rows, width, wide, isa):
     x = _activations(rows, width, seed=rows)
     fields = _fields(wide, _quantized(kind, wide, x, [(0, rows)]), rows, width, SPAN[kind])
     expected = _expected(kind, wide, x)
@@ -99,7 +112,7 @@ def test_buffers_hold_torchs_integers(kind, rows, width, wide):
 
 
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "int8"])
-def test_shares_of_the_rows_fill_the_same_buffer(wide):
+def test_shares_of_the_rows_fill_the_same_buffer(wide, isa):
     x = _activations(11, 576, seed=3)
     whole = _quantized("Q4_1", wide, x, [(0, 11)])
     assert torch.equal(_quantized("Q4_1", wide, x, [(6, 11), (0, 2), (2, 6), (4, 4)]), whole)

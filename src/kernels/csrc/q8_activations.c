@@ -79,7 +79,7 @@ static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int i
     int8_t *q = (int8_t *)out.q, *lo = (int8_t *)out.lo;
     float *scale = (float *)out.scale;
     int32_t *sum = (int32_t *)out.sum;
-    int16_t *sum16 = (int16_t *)out.sum16, *sum16_lo = (int16_t *)out.sum16_lo;
+    int16_t *sum16 = (int16_t *)out.sum16, *sum16_lo = (int16_t *)out.sum16_lo, *whole = (int16_t *)out.whole;
     const __m256i half = _mm256_set1_epi32(64);
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < in / span; s++) {
@@ -97,6 +97,10 @@ static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int i
                 const int64_t k = (int64_t)s * (span / 32) + g, at = (int64_t)r * in + 32 * k;
                 _mm256_storeu_si256((__m256i *)(q + at), bytes_in_order(high));
                 _mm256_storeu_si256((__m256i *)(lo + at), bytes_in_order(low));
+                if (Q8_KEEPS_WHOLE)
+                    for (int i = 0; i < 4; i += 2)
+                        _mm256_storeu_si256((__m256i *)(whole + at + 8 * i),
+                                            _mm256_permute4x64_epi64(_mm256_packs_epi32(value[i], value[i + 1]), 0xD8));
                 /* The four sums of 16 in one vector: high's two, then low's; value's sum of 32
                  * follows from them, as value = 128 * high + low. */
                 const __m256i pairs = _mm256_hadd_epi32(

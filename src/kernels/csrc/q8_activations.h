@@ -26,6 +26,7 @@ typedef struct {
     const int32_t *sum;    /* the integer sum of every 32 (of x_q, for the wide ones) */
     const int16_t *sum16;  /* the integer sum of every 16 of q (Q6_K's scales are per 16) */
     const int16_t *sum16_lo;  /* the same of lo */
+    const int16_t *whole;  /* the wide ones whole, x_q as int16 (AVX2's Q8_0 kernel), or NULL */
 } rows_q8;
 
 static inline int32_t hsum8i(__m256i v) {
@@ -49,20 +50,30 @@ static inline rows_q8 q8_rows(void *buffer, int64_t rows, int in, int span, int6
     int32_t *sum = (int32_t *)(scale + rows * (in / 32));
     int16_t *sum16 = (int16_t *)(sum + rows * (in / 32));
     return (rows_q8){q + first_row * in, NULL, scale + first_row * (in / span), sum + first_row * (in / 32),
-                     sum16 + first_row * (in / 16), NULL};
+                     sum16 + first_row * (in / 16), NULL, NULL};
 }
 
-/* The wide activations' buffer: q8_rows' layout, then lo and its sums of 16. */
+/* Whether the wide activations are kept whole too, as int16: the AVX2 build's Q8_0 kernel
+ * reads them (quant_x16_tiles.h), the AVX-512 VNNI one does not. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_KEEPS_WHOLE 0
+#else
+#define Q8_KEEPS_WHOLE 1
+#endif
+
+/* The wide activations' buffer: q8_rows' layout, then lo, its sums of 16 and x_q whole. */
 static inline int64_t q8_wide_bytes(int64_t rows, int in) {
-    return q8_bytes(rows, in) + rows * in + (int64_t)sizeof(int16_t) * rows * (in / 16);
+    return q8_bytes(rows, in) + rows * in + (int64_t)sizeof(int16_t) * (rows * (in / 16) + Q8_KEEPS_WHOLE * rows * in);
 }
 
 static inline rows_q8 q8_wide_rows(void *buffer, int64_t rows, int in, int span, int64_t first_row) {
     rows_q8 x = q8_rows(buffer, rows, in, span, first_row);
     int8_t *lo = (int8_t *)buffer + q8_bytes(rows, in);
     int16_t *sum16_lo = (int16_t *)(lo + rows * in);
+    int16_t *whole = sum16_lo + rows * (in / 16);
     x.lo = lo + first_row * in;
     x.sum16_lo = sum16_lo + first_row * (in / 16);
+    x.whole = Q8_KEEPS_WHOLE ? whole + first_row * in : NULL;
     return x;
 }
 

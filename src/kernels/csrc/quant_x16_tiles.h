@@ -92,9 +92,9 @@ static inline __attribute__((always_inline)) void sums_nibbles(
     }
 }
 
-/* A Q4_0 / Q4_1 / Q8_0 column's block k into acc, from its integer sums. */
+/* A Q4_0 / Q4_1 / Q8_0 column's block k into acc, from its integer sums of each row. */
 static inline __attribute__((always_inline)) void small_scaled(
-    const int type, const int rows, const int wide, rows_q8 x, int in, column c, int k, const sums *s, fvec *acc)
+    const int type, const int rows, rows_q8 x, int in, column c, int k, const ivec *dots, fvec *acc)
 {
     const fvec d = scales_at(c, 0);
     const fvec m = type == TYPE_Q4_1 ? scales_at(c, 32) : MM(setzero_ps)();
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void small_scaled(
     for (int r = 0; r < rows; r++) {
         const int32_t sum = x.sum[r * groups + k];
         const float x_scale = x.scale[r * groups + k];
-        ivec dot = dot_total(wide, s, r);
+        ivec dot = dots[r];
         /* Q8_0 went in as q + 128, Q4_0's value is q - 8: the same integer sum of x off again. */
         if (type == TYPE_Q8_0 && Q8_HOLDS_OFFSET) dot = MM(sub_epi32)(dot, MM(set1_epi32)(128 * sum));
         if (type == TYPE_Q4_0) dot = MM(sub_epi32)(dot, MM(set1_epi32)(8 * sum));
@@ -112,12 +112,64 @@ static inline __attribute__((always_inline)) void small_scaled(
     }
 }
 
+#if Q8_KEEPS_WHOLE
+/* AVX2's Q8_0 block k against wide activations, x_q whole (int16) times the weights widened to
+ * int16 with vpmaddwd: a quarter of the instructions of vpmaddubsw on q and on lo, whose
+ * products of Q8_0's bytes fill int16 alone. A column's rows 0-3 (`first`) and 4-7 (`second`)
+ * each sum in two lanes a row, weights 0-1 and 2-3 of every 4, added at the end: the same
+ * integer as the AVX-512 build's. */
+static inline __attribute__((always_inline)) void q8_0_whole_dots(
+    const int rows, rows_q8 x, int in, const column *c, const int columns, int k, ivec dots[][MAX_ROWS])
+{
+    ivec first[2][MAX_ROWS], second[2][MAX_ROWS];
+    UNROLL
+    for (int i = 0; i < columns; i++)
+        UNROLL
+        for (int r = 0; r < rows; r++) first[i][r] = second[i][r] = ivec_zero();
+    UNROLL
+    for (int v = 0; v < 8; v++) {
+        ivec low[2], high[2];
+        UNROLL
+        for (int i = 0; i < columns; i++) {
+            const ivec q = _mm256_xor_si256(weights_at(c[i], X16_SMALL_NIBBLES + 64 * v), _mm256_set1_epi8((char)0x80));
+            low[i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+            high[i] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+        }
+        UNROLL
+        for (int r = 0; r < rows; r++) {
+            int64_t four;
+            memcpy(&four, x.whole + (int64_t)r * in + 32 * k + 4 * v, sizeof four);
+            const ivec xs = _mm256_set1_epi64x(four);
+            UNROLL
+            for (int i = 0; i < columns; i++) {
+                first[i][r] = _mm256_add_epi32(first[i][r], _mm256_madd_epi16(low[i], xs));
+                second[i][r] = _mm256_add_epi32(second[i][r], _mm256_madd_epi16(high[i], xs));
+            }
+        }
+    }
+    UNROLL
+    for (int i = 0; i < columns; i++)
+        UNROLL
+        for (int r = 0; r < rows; r++)
+            dots[i][r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(first[i][r], second[i][r]), 0xD8);
+}
+#endif
+
 /* Block k (32 weights) of `columns` Q4_0 / Q4_1 / Q8_0 columns (c[i]) into acc[i]: each
  * column's arithmetic is the same beside another as alone, so are its bits. */
 static inline __attribute__((always_inline)) void tile_small(
     const int type, const int rows, const int wide, rows_q8 x, int in, const column *c, const int columns, int k,
     fvec acc[][MAX_ROWS])
 {
+#if Q8_KEEPS_WHOLE
+    if (type == TYPE_Q8_0 && wide) {
+        ivec dots[2][MAX_ROWS];
+        q8_0_whole_dots(rows, x, in, c, columns, k, dots);
+        UNROLL
+        for (int i = 0; i < columns; i++) small_scaled(type, rows, x, in, c[i], k, dots[i], acc[i]);
+        return;
+    }
+#endif
     sums s[2];
     UNROLL
     for (int i = 0; i < columns; i++) sums_clear(rows, wide, &s[i]);
@@ -135,7 +187,12 @@ static inline __attribute__((always_inline)) void tile_small(
         sums_nibbles(rows, wide, s, c, type == TYPE_Q4_1 ? X16_Q4_1_NIBBLES : X16_SMALL_NIBBLES, columns, x, in, 32 * k);
     }
     UNROLL
-    for (int i = 0; i < columns; i++) small_scaled(type, rows, wide, x, in, c[i], k, &s[i], acc[i]);
+    for (int i = 0; i < columns; i++) {
+        ivec dots[MAX_ROWS];
+        UNROLL
+        for (int r = 0; r < rows; r++) dots[r] = dot_total(wide, &s[i], r);
+        small_scaled(type, rows, x, in, c[i], k, dots, acc[i]);
+    }
 }
 
 /* The 8 scales and 8 mins (6 bits each) of a Q4_K / Q5_K column's rows, as int32 lanes, from
