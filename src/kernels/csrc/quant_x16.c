@@ -147,7 +147,7 @@ FOR_EACH_QUANT_TYPE(DEFINE_X16)
     case TYPE: x16_##SUFFIX[wide][tile - 1](&xt, w, row_bytes, bias, y + r0 * y_stride, y_stride, in, from, to); break;
 
 /* Features [first, last) of every activation row: within a block of ROW_BLOCK activation rows,
- * each group of 16 features (two but for Q6_K) against all of them, MAX_ROWS at a
+ * each group of 16 features (two with AVX-512, but for Q6_K) against all of them, MAX_ROWS at a
  * time, so that a group's weights come from memory once per block and a block's activations
  * (at most 128 rows of 14336 bytes here) stay in the caches while the groups go by. */
 #define ROW_BLOCK 128

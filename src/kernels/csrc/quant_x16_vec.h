@@ -7,7 +7,8 @@
  * Both builds compute the same integers and the same float operations lane by lane, so they
  * give the same bits: vpdpbusd's product of 4 unsigned weight bytes and 4 signed activation
  * bytes is, on AVX2, vpmaddubsw (pairs into int16, exact: no type's weights reach the
- * saturation, and Q8_0's are made signed below) and vpmaddwd into int32.
+ * saturation, and Q8_0's are made signed below) and vpmaddwd into int32; Q8_0 against wide
+ * activations multiplies them whole, as int16, by vpmaddwd (quant_x16_tiles.h).
  */
 #ifndef TRIODE_QUANT_X16_VEC_H
 #define TRIODE_QUANT_X16_VEC_H
@@ -97,9 +98,12 @@ typedef struct {
  * |q| times x with q's sign, and the 128 * sum(x) is never added. */
 #define Q8_HOLDS_OFFSET 0
 static inline ivec dot4(ivec acc, ivec w, ivec x, int q8) {
-    const ivec q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-    ivec sum = _mm256_add_epi16(acc, q8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))
-                                        : _mm256_maddubs_epi16(w, x));
+    ivec products = _mm256_maddubs_epi16(w, x);
+    if (q8) {
+        const ivec q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+        products = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    }
+    ivec sum = _mm256_add_epi16(acc, products);
     /* Kept in a register as it is: GCC otherwise regroups the chain of integer additions
      * into a tree, computing all of a group's products first, and spills them. */
     __asm__("" : "+x"(sum));
