@@ -5,17 +5,17 @@ The wide activations (15 bits: x_q = round(x * 16319 / max |x|) per span of a ro
 float32 products rounded half to even, as torch rounds them. A share of the rows quantized
 into its place in the buffer (as the threads of quant_x16.c do) must give the same bytes as
 the whole. Runs with this CPU's build and with the AVX2 one: the same bytes, which a build
-without AVX-512 VNNI follows with the wide activations whole, as int16, for its Q8_0 kernel.
+without vpdpbusd follows with the wide activations whole, as int16, for its Q8_0 kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.test_quant_linear import cpu_flags
 from triode.kernels import native
 from triode.kernels.native import bind
 from triode.kernels.quant_linear import QUANT_TYPES, quantized_kernels_available
@@ -36,10 +36,12 @@ def _entries():
 
 
 def _keeps_whole() -> bool:
-    """Whether the build in use keeps x_q whole too (q8_activations.h's Q8_KEEPS_WHOLE)."""
-    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split())
-    return native.cpu_isa() == "avx2" or not {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    """Whether the build in use keeps x_q whole too (q8_activations.h's Q8_KEEPS_WHOLE: a build
+    without vpdpbusd)."""
+    if native.cpu_isa() != "native":
+        return native.cpu_isa() == "avx2"
+    flags = cpu_flags()
+    return not ({"avx512f", "avx512bw", "avx512_vnni"} <= flags or "avx_vnni" in flags)
 
 
 def _activations(rows: int, width: int, seed: int) -> torch.Tensor:

@@ -17,6 +17,8 @@ same bits.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -44,6 +46,12 @@ _HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5
 # float32 sums in another order than the float64 reference: error relative to the largest
 # output, per type (measured at most 4e-7; the K types' larger blocks sum more terms).
 TOLERANCE = {"Q4_0": 2e-6, "Q4_1": 2e-6, "Q8_0": 2e-6, "Q4_K": 5e-6, "Q5_K": 5e-6, "Q6_K": 5e-6}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags, as /proc/cpuinfo names them."""
+    return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags")).split())
 
 
 def random_blocks(kind: str, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -204,13 +212,14 @@ def test_int16_activations_stay_within_their_rounding(kind, isa, int16_activatio
 @needs_interleaved
 @pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
-def test_the_avx2_build_gives_the_native_builds_bits(kind, activations, tmp_path):
+def test_every_build_gives_the_same_bits(kind, activations, tmp_path):
     """The AVX2 kernels (two parts of 8 rows a tile, vpmaddubsw's int16 sums folded into int32
-    before they could overflow, Q8_0's bytes made signed) compute the integers and the float
-    operations of the AVX-512 VNNI ones: the same bits, at every row count, on activations
-    with outlier channels and on extreme blocks (every weight at its type's top or bottom, with
-    activations at +-127 and their remainders at their limits, where a int16 sum could pass
-    32767). On a CPU with AVX2 alone both are the AVX2 build."""
+    before they could overflow, Q8_0's bytes made signed, or its wide activations whole) and
+    the AVX-VNNI ones (vpdpbusd on 8 lanes, where the CPU has it) compute the integers and the
+    float operations of the AVX-512 VNNI ones: the same bits, at every row count, on
+    activations with outlier channels and on extreme blocks (every weight at its type's top or
+    bottom, with rows of activations all at +127 or all at -127, where an int16 sum one
+    product too many would pass 32767). On a CPU with AVX2 alone, native is the AVX2 build."""
     weights = QUANT_TYPES[kind][1]
     in_features = 2 * weights if weights == 256 else 6 * weights
     random = torch.from_numpy(random_blocks(kind, 96, in_features, 16))
@@ -226,9 +235,10 @@ def test_the_avx2_build_gives_the_native_builds_bits(kind, activations, tmp_path
     x = torch.randn(200, in_features) * torch.where(torch.rand(in_features) < 0.03, 40.0, 1.0)
     x[:100:2], x[1:100:2] = 1.0, -1.0  # rows whose every activation is at its top, or its bottom
     bias = torch.randn(96)
+    builds = ("native", "avx2", "avx2-vnni") if "avx_vnni" in cpu_flags() else ("native", "avx2")
     previous, results = quantized_activations(), {}
     try:
-        for build in ("native", "avx2"):
+        for build in builds:
             native.set_cpu_isa(build)
             set_quantized_activations(activations)
             results[build] = [QuantizedWeight.from_bytes(kind, blocks).interleave().linear(x[:rows], bias)
@@ -236,9 +246,10 @@ def test_the_avx2_build_gives_the_native_builds_bits(kind, activations, tmp_path
     finally:
         native.set_cpu_isa("native")
         set_quantized_activations(previous)
-    assert len(results["native"]) == len(results["avx2"]) == 12
-    for index, (mine, theirs) in enumerate(zip(results["avx2"], results["native"], strict=True)):
-        assert torch.equal(mine, theirs), (kind, activations, index)
+    assert len(results) == len(builds) and all(len(outputs) == 12 for outputs in results.values())
+    for build in builds[1:]:
+        for index, (mine, theirs) in enumerate(zip(results[build], results["native"], strict=True)):
+            assert torch.equal(mine, theirs), (build, kind, activations, index)
 
 
 @needs_interleaved

@@ -9,7 +9,8 @@ Without a compiler (or if the build fails) :func:`native_library` returns None, 
 is logged once, and the ops take their torch references. ``TRIODE_CPU_ISA=avx2`` (or
 :func:`set_cpu_isa`) builds and loads the library for AVX2 (``-march=x86-64-v3``) instead of
 this CPU's widest vectors, so that the AVX2 code paths run, and are tested, on an AVX-512
-machine too. The library links the
+machine too; ``avx2-vnni`` adds AVX-VNNI (``vpdpbusd`` on 8 lanes, as Intel's cores from Alder
+Lake and its E-core Xeons have without AVX-512), for a CPU that has it. The library links the
 ``libgomp.so.1`` that torch has already loaded, so the kernels share torch's OpenMP thread
 pool (``torch.set_num_threads`` governs both).
 """
@@ -31,7 +32,8 @@ _HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 # -ffast-math lets the dot products vectorize; it is given to the compile step only, since
 # linking a shared library with it would set flush-to-zero for the whole process (gcc < 13).
 _COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
+             "avx2-vnni": ("-march=x86-64-v3", "-mavxvnni", "-mtune=native")}
 _LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,8 @@ _isa = os.environ.get("TRIODE_CPU_ISA", "native")
 
 
 def set_cpu_isa(name: str) -> None:
-    """Which build later calls bind: 'native' (this CPU's instructions) or 'avx2'."""
+    """Which build later calls bind: 'native' (this CPU's instructions), 'avx2' or
+    'avx2-vnni'."""
     global _isa
     if name not in ISA_FLAGS:
         raise ValueError(f"CPU ISA must be one of {', '.join(ISA_FLAGS)}; got {name!r}")

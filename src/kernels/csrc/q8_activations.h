@@ -53,9 +53,10 @@ static inline rows_q8 q8_rows(void *buffer, int64_t rows, int in, int span, int6
                      sum16 + first_row * (in / 16), NULL, NULL};
 }
 
-/* Whether the wide activations are kept whole too, as int16: the AVX2 build's Q8_0 kernel
- * reads them (quant_x16_tiles.h), the AVX-512 VNNI one does not. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Whether the wide activations are kept whole too, as int16: the Q8_0 kernel of a build
+ * without vpdpbusd reads them (quant_x16_tiles.h); with AVX-512 VNNI or AVX-VNNI it does not
+ * (quant_x16_vec.h's DPBUSD). */
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || defined(__AVXVNNI__)
 #define Q8_KEEPS_WHOLE 0
 #else
 #define Q8_KEEPS_WHOLE 1

@@ -2,13 +2,14 @@
  * AVX-512 VNNI a tile's 16 rows are one vector of X16_LANES = 16 lanes; with AVX2 they are
  * X16_PARTS = 2 parts of 8 lanes, part h holding rows 8h .. 8h + 7, whose 4 weights each
  * are bytes 32h .. 32h + 31 of every 64-byte weight vector (quant_x16.h), so the layout is the
- * same in both builds.
+ * same in every build.
  *
- * Both builds compute the same integers and the same float operations lane by lane, so they
+ * Every build computes the same integers and the same float operations lane by lane, so they
  * give the same bits: vpdpbusd's product of 4 unsigned weight bytes and 4 signed activation
- * bytes is, on AVX2, vpmaddubsw (pairs into int16, exact: no type's weights reach the
- * saturation, and Q8_0's are made signed below) and vpmaddwd into int32; Q8_0 against wide
- * activations multiplies them whole, as int16, by vpmaddwd (quant_x16_tiles.h).
+ * bytes (AVX-512 VNNI's, or AVX-VNNI's on 8 lanes) is, on AVX2 alone, vpmaddubsw (pairs into
+ * int16, exact: no type's weights reach the saturation, and Q8_0's are made signed below) and
+ * vpmaddwd into int32; there Q8_0 against wide activations multiplies them whole, as int16, by
+ * vpmaddwd (quant_x16_tiles.h).
  */
 #ifndef TRIODE_QUANT_X16_VEC_H
 #define TRIODE_QUANT_X16_VEC_H
@@ -22,6 +23,7 @@
 #define X16_BUILT 1
 #define X16_LANES 16
 #define MM(op) _mm512_##op
+#define DPBUSD _mm512_dpbusd_epi32
 typedef __m512i ivec;
 typedef __m512 fvec;
 /* Activation rows a tile takes at once: 2 tiles x 4 rows x 2 sums fill 16 of 32 registers. */
@@ -38,27 +40,6 @@ static inline __m128i bytes_at(const uint8_t *p) { return _mm_loadu_si128((const
 static inline ivec signed_pairs_at(const uint8_t *p) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
 }
-/* The running sums of a column's rows, int32 lanes: `dot` of the int8 values, `rest` of wide
- * activations' remainders (quant_x16_tiles.h's sums_add). */
-typedef struct {
-    ivec dot[MAX_ROWS], rest[MAX_ROWS];
-} sums;
-/* acc + the products of 4 unsigned bytes of w and 4 signed bytes of x in each lane; for Q8_0
- * (`q8`) w holds q + 128, and the kernel takes 128 * sum(x) off again. */
-#define Q8_HOLDS_OFFSET 1
-static inline ivec dot4(ivec acc, ivec w, ivec x, int q8) { (void)q8; return _mm512_dpbusd_epi32(acc, w, x); }
-/* vpdpbusd sums into int32 at once: nothing to fold. */
-static inline void sums_fold(int rows, int wide, sums *s) { (void)rows, (void)wide, (void)s; }
-static inline __attribute__((always_inline)) void sums_clear(const int rows, const int wide, sums *s) {
-    UNROLL
-    for (int r = 0; r < rows; r++) {
-        s->dot[r] = _mm512_setzero_si512();
-        if (wide) s->rest[r] = _mm512_setzero_si512();
-    }
-}
-static inline ivec dot_total(int wide, const sums *s, int r) {
-    return wide ? _mm512_add_epi32(_mm512_slli_epi32(s->dot[r], 7), s->rest[r]) : s->dot[r];
-}
 static inline ivec pairs_dot(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
 /* Lanes [lo, hi) of y = v + bias (bias may be NULL). */
 static inline void store_lanes(float *y, fvec v, const float *bias, int lo, int hi) {
@@ -71,6 +52,10 @@ static inline void store_lanes(float *y, fvec v, const float *bias, int lo, int 
 #define X16_BUILT 1
 #define X16_LANES 8
 #define MM(op) _mm256_##op
+#if defined(__AVXVNNI__)
+/* Intel's cores from Alder Lake on, and its E-core Xeons: vpdpbusd without AVX-512. */
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#endif
 typedef __m256i ivec;
 typedef __m256 fvec;
 /* 2 parts x 2 rows x 2 sums: 8 of the 16 registers, the weights and constants the rest. */
@@ -86,6 +71,40 @@ static inline __m128i bytes_at(const uint8_t *p) { return _mm_loadl_epi64((const
 static inline ivec signed_pairs_at(const uint8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
+static inline ivec pairs_dot(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+static inline void store_lanes(float *y, fvec v, const float *bias, int lo, int hi) {
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i lanes = _mm256_and_si256(_mm256_cmpgt_epi32(index, _mm256_set1_epi32(lo - 1)),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), index));
+    const fvec b = bias ? _mm256_maskload_ps(bias, lanes) : _mm256_setzero_ps();
+    _mm256_maskstore_ps(y, lanes, _mm256_add_ps(v, b));
+}
+#endif
+
+#ifdef DPBUSD
+/* The running sums of a column's rows, int32 lanes: `dot` of the int8 values, `rest` of wide
+ * activations' remainders (quant_x16_tiles.h's sums_add). */
+typedef struct {
+    ivec dot[MAX_ROWS], rest[MAX_ROWS];
+} sums;
+/* acc + the products of 4 unsigned bytes of w and 4 signed bytes of x in each lane; for Q8_0
+ * (`q8`) w holds q + 128, and the kernel takes 128 * sum(x) off again. */
+#define Q8_HOLDS_OFFSET 1
+static inline ivec dot4(ivec acc, ivec w, ivec x, int q8) { (void)q8; return DPBUSD(acc, w, x); }
+/* vpdpbusd sums into int32 at once: nothing to fold. */
+static inline void sums_fold(int rows, int wide, sums *s) { (void)rows, (void)wide, (void)s; }
+static inline __attribute__((always_inline)) void sums_clear(const int rows, const int wide, sums *s) {
+    UNROLL
+    for (int r = 0; r < rows; r++) {
+        s->dot[r] = ivec_zero();
+        if (wide) s->rest[r] = ivec_zero();
+    }
+}
+static inline ivec dot_total(int wide, const sums *s, int r) {
+    return wide ? MM(add_epi32)(MM(slli_epi32)(s->dot[r], 7), s->rest[r]) : s->dot[r];
+}
+
+#elif defined(X16_BUILT)
 /* `dot` and `rest` are int16 lanes, a pair per row, that vpmaddubsw's products go into;
  * sums_fold moves them into the int32 `total` (128 * dot + rest) before they could overflow:
  * a product of 4-bit weights is at most 2 * 15 * 127, so a group of 32 weights (8 products)
@@ -127,14 +146,6 @@ static inline __attribute__((always_inline)) void sums_clear(const int rows, con
     (void)wide;
 }
 static inline ivec dot_total(int wide, const sums *s, int r) { return _mm256_add_epi32(s->total[r], folded(wide, s, r)); }
-static inline ivec pairs_dot(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-static inline void store_lanes(float *y, fvec v, const float *bias, int lo, int hi) {
-    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i lanes = _mm256_and_si256(_mm256_cmpgt_epi32(index, _mm256_set1_epi32(lo - 1)),
-                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), index));
-    const fvec b = bias ? _mm256_maskload_ps(bias, lanes) : _mm256_setzero_ps();
-    _mm256_maskstore_ps(y, lanes, _mm256_add_ps(v, b));
-}
 #endif
 
 #ifdef X16_BUILT
