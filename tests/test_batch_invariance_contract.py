@@ -5,9 +5,10 @@ preemptions made it recompute, and after a worker SIGKILL made every running req
 recompute: with ``batch_invariant`` on this CPU's kernels and on the AVX2 build with float32
 activations (the loops over weights in GGUF's layout), and without it where the default path
 is invariant as it is (int16 activations over interleaved weights, in both builds).
-``--batch-invariant`` is refused, naming the reason, where no kernel honours it. The kernels behind it are checked one by
-one in tests/test_batch_invariance.py; tiny float32 models of every family are checked here in
-the worker's runner (alone, together, chunked, recomputed)."""
+``--batch-invariant`` is refused, naming the reason, where no kernel honours it. The kernels
+behind it are checked one by one in tests/test_batch_invariance.py; tiny float32 models of
+every family are checked here in the worker's runner (alone, together, chunked,
+recomputed)."""
 
 from __future__ import annotations
 

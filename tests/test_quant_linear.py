@@ -236,7 +236,7 @@ def test_every_build_gives_the_same_bits(kind, activations, tmp_path):
     x[:100:2], x[1:100:2] = 1.0, -1.0  # rows whose every activation is at its top, or its bottom
     bias = torch.randn(96)
     builds = ("native", "avx2", "avx2-vnni") if "avx_vnni" in cpu_flags() else ("native", "avx2")
-    previous, results = quantized_activations(), {}
+    previous, previous_build, results = quantized_activations(), native.cpu_isa(), {}
     try:
         for build in builds:
             native.set_cpu_isa(build)
@@ -244,7 +244,7 @@ def test_every_build_gives_the_same_bits(kind, activations, tmp_path):
             results[build] = [QuantizedWeight.from_bytes(kind, blocks).interleave().linear(x[:rows], bias)
                               for blocks in (random, extreme) for rows in (1, 2, 3, 5, 17, 200)]
     finally:
-        native.set_cpu_isa("native")
+        native.set_cpu_isa(previous_build)
         set_quantized_activations(previous)
     assert len(results) == len(builds) and all(len(outputs) == 12 for outputs in results.values())
     for build in builds[1:]:

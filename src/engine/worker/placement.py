@@ -61,8 +61,8 @@ def kept_quantized(kinds: dict[str, str], args: EngineArgs, device: torch.device
 
 def resolve_quantized_activations(name: str) -> str:
     """What quantized weights multiply: ``auto`` is int16 on a CPU whose kernels run integer
-    activations over interleaved weights (AVX2 or AVX-512 VNNI), float32 elsewhere; int16 asked for
-    on another CPU is a start-up error."""
+    activations over interleaved weights (AVX2 or AVX-512 VNNI), float32 elsewhere; int16
+    asked for on another CPU is a start-up error."""
     if name == "auto":
         return "int16" if kernels.interleaved_kernels_available() else "float32"
     if name == "int16" and not kernels.interleaved_kernels_available():
