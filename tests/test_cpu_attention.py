@@ -163,6 +163,30 @@ def _forget_the_library() -> None:
         cached.cache_clear()
 
 
+@needs_kernel
+def test_a_cpu_without_avx2_still_builds_the_kernels(monkeypatch, tmp_path):
+    """The library for x86-64's baseline (SSE2): the quantized kernels report themselves not
+    built, and the rest, decode attention among them, runs (a unit that stopped such a build
+    would leave every op on its torch reference)."""
+    from triode.kernels import quant_linear
+
+    monkeypatch.setitem(native.ISA_FLAGS, "x86-64", ("-march=x86-64",))
+    monkeypatch.setattr(native, "_directory", tmp_path)
+    previous = native.cpu_isa()
+    native.set_cpu_isa("x86-64")
+    _forget_the_library()
+    try:
+        assert native.native_library() is not None
+        assert not quant_linear.quantized_kernels_available()
+        assert not quant_linear.interleaved_kernels_available()
+        assert cpu_decode_available()
+        _check_against_reference(_decode_batch(kv_heads=3, group=3, head_dim=64, block_size=16,
+                                               dtype=torch.float32), torch.float32)
+    finally:
+        native.set_cpu_isa(previous)
+        _forget_the_library()
+
+
 def test_without_a_compiler_the_ops_fall_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setattr(native, "_directory", tmp_path)

@@ -53,14 +53,15 @@ static inline rows_q8 q8_rows(void *buffer, int64_t rows, int in, int span, int6
                      sum16 + first_row * (in / 16), NULL, NULL};
 }
 
-/* Whether the wide activations are kept whole too, as int16: the Q8_0 kernel of a build
- * without vpdpbusd reads them (quant_x16_tiles.h); with AVX-512 VNNI or AVX-VNNI it does not
- * (quant_x16_vec.h's DPBUSD). */
+/* Whether this build multiplies bytes with vpdpbusd: AVX-512 VNNI's, or AVX-VNNI's on 8 lanes
+ * (quant_x16_vec.h). One without it keeps the wide activations whole too, as int16, for its
+ * Q8_0 kernel (quant_x16_tiles.h). */
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || defined(__AVXVNNI__)
-#define Q8_KEEPS_WHOLE 0
+#define HAS_VPDPBUSD 1
 #else
-#define Q8_KEEPS_WHOLE 1
+#define HAS_VPDPBUSD 0
 #endif
+#define Q8_KEEPS_WHOLE (!HAS_VPDPBUSD)
 
 /* The wide activations' buffer: q8_rows' layout, then lo, its sums of 16 and x_q whole. */
 static inline int64_t q8_wide_bytes(int64_t rows, int in) {

@@ -17,7 +17,12 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* Nothing here builds without AVX2 (quant_x16.c then returns NOT_BUILT), and these headers
+ * stop such a build. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "q8_activations.h"
 #include "quant_blocks.h"
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define X16_BUILT 1
@@ -52,7 +57,7 @@ static inline void store_lanes(float *y, fvec v, const float *bias, int lo, int 
 #define X16_BUILT 1
 #define X16_LANES 8
 #define MM(op) _mm256_##op
-#if defined(__AVXVNNI__)
+#if HAS_VPDPBUSD
 /* Intel's cores from Alder Lake on, and its E-core Xeons: vpdpbusd without AVX-512. */
 #define DPBUSD _mm256_dpbusd_avx_epi32
 #endif
