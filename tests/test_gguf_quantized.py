@@ -10,6 +10,7 @@ the file and the tensor named, and leave nothing in the cache.
 
 from __future__ import annotations
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -26,6 +27,8 @@ from tests.hf_compare import (
     make_driver,
     ours_greedy,
 )
+from tests.tiny_models import train_tokenizer
+from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError, UnsupportedModelError
 from triode.engine.model_files.resolve import resolve_model
@@ -252,3 +255,48 @@ def test_moe_gguf_files_keep_their_experts_quantized(tmp_path, tiny_model_factor
     assert [tokens for tokens, _ in kept] == [tokens for tokens, _ in dequantized]
     for (_, ours), (_, theirs) in zip(kept, dequantized, strict=True):
         assert max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs, strict=True)) < 2e-3
+
+
+@pytest.fixture
+def kernel_settings():
+    """The process-wide kernel settings a runner made in this process changes, put back."""
+    activations, invariant = kernels.quantized_activations(), kernels.batch_invariant()
+    yield
+    kernels.set_quantized_activations(activations)
+    kernels.set_batch_invariant(invariant)
+
+
+@pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no interleaved kernels (AVX2 and a C compiler)")
+def test_batch_invariant_int8_is_refused_where_a_matrix_keeps_gguf_layout(tmp_path, kernel_settings):
+    """A vocabulary of 405 rows does not interleave 16 at a time, so the LM head stays in GGUF's
+    layout, where int8 activations run a loop that is not batch invariant: refused at load,
+    naming it, rather than failing the first step. int16 activations run that matrix through
+    the invariant float32 loop."""
+    tokenizer = train_tokenizer(405)
+    path = tmp_path / "tiny.Q4_0.gguf"
+    write_tiny_gguf(path, tiny_quantizable_llama(tokenizer), tokenizer, "Q4_0")
+    entry = resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False).path
+    args = EngineArgs(model=str(entry), kv_cache_memory=64 << 20, max_model_len=512, batch_invariant=True,
+                      quantized_activations="int8")
+    with pytest.raises(ModelLoadError, match=r"int8 activations over weights in GGUF's layout have no invariant "
+                                             r"kernel, and 1 of this model's 9 quantized matrices stay in it "
+                                             r"\(Q4_0 \[405, 256\]\)"):
+        ModelRunner(args, entry)
+    driver = Driver(ModelRunner(attrs.evolve(args, quantized_activations="int16"), entry))
+    assert [part.interleaved for part in driver.runner.model.lm_head.parts] == [False]
+    prompts = [tokenizer.encode(text) for text in TINY_MODEL_TEXTS]
+    together = driver.generate(prompts, greedy_params(8), name="together")
+    assert len(together) == len(prompts) >= 4
+    assert driver.generate(prompts[:1], greedy_params(8), name="alone") == together[:1]
+
+
+def test_batch_invariant_int8_is_refused_for_quantized_experts(tmp_path, tiny_model_factory, tiny_tokenizer,
+                                                               kernel_settings):
+    """A mixture's quantized experts stay in GGUF's layout (each runs over its own tokens), so
+    int8 activations cannot be batch invariant there either."""
+    _, entry = _written_and_converted(tmp_path, tiny_model_factory("mixtral", intermediate_size=64),
+                                      tiny_tokenizer, "Q8_0")
+    args = EngineArgs(model=str(entry), kv_cache_memory=64 << 20, max_model_len=512, batch_invariant=True,
+                      quantized_activations="int8")
+    with pytest.raises(ModelLoadError, match=r"--batch-invariant cannot be honoured: .* Q8_0 \[128, 64\]"):
+        ModelRunner(args, entry)

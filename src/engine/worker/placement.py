@@ -71,13 +71,23 @@ def resolve_quantized_activations(name: str) -> str:
     return name
 
 
-def check_batch_invariant(*, quantized: bool) -> None:
+def check_batch_invariant(model: nn.Module) -> None:
     """Refuses ``--batch-invariant`` where some kernel would not honour it: int8 activations
-    over ``quantized`` weights in GGUF's layout (their loop's tile sizes round differently).
-    Every other path has an invariant form (:mod:`triode.kernels.invariance`)."""
-    if quantized and kernels.quantized_activations() == "int8" and not kernels.quant_linear.interleaving():
-        raise ModelLoadError("--batch-invariant cannot be honoured: int8 activations over weights in "
-                             "GGUF's layout have no invariant kernel (use float32)")
+    over quantized weights left in GGUF's layout (their loop's tile sizes round differently):
+    every matrix on a build without the interleaved kernels, elsewhere those whose rows are not
+    a multiple of 16 and a mixture's experts. Every other path has an invariant form
+    (:mod:`triode.kernels.invariance`)."""
+    if kernels.quantized_activations() != "int8":
+        return
+    matrices = model.quantized_matrices()
+    in_gguf_layout = [matrix for matrix in matrices if not matrix.interleaved]
+    if in_gguf_layout:
+        shapes = ", ".join(f"{matrix.kind} {list(matrix.shape)}" for matrix in in_gguf_layout[:3])
+        raise ModelLoadError(f"--batch-invariant cannot be honoured: int8 activations over weights in GGUF's "
+                             f"layout have no invariant kernel, and {len(in_gguf_layout)} of this model's "
+                             f"{len(matrices)} quantized matrices stay in it ({shapes}"
+                             f"{', ...' if len(in_gguf_layout) > 3 else ''}); use --quantized-activations auto or "
+                             f"float32")
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
@@ -107,8 +117,8 @@ def load_weights(path: Path, args: EngineArgs, config: ModelConfig, *, device: t
     model = build_model(config, iter_safetensors(path, select=select), dtype=dtype, device=device,
                         max_positions=max_positions, source=str(path), parallel=parallel, quantized=quantized,
                         head=head)
-    if args.batch_invariant:  # after the build, which decides whether the weights interleave
-        check_batch_invariant(quantized=bool(quantized))
+    if args.batch_invariant and quantized:  # after the build, which decides whether the weights interleave
+        check_batch_invariant(model)
     kernels.set_batch_invariant(args.batch_invariant)
     if quantized:
         logger.info("%d quantized tensors kept as blocks, %s activations%s", len(quantized),

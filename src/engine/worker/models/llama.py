@@ -189,6 +189,19 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
             # The table is the LM head too: interleaved for its matmul; lookups read any layout.
             self.embed_tokens.parts = interleaved_parts(self.embed_tokens.parts)
 
+    def quantized_matrices(self) -> list[kernels.QuantizedWeight]:
+        """Every quantized weight this model multiplies by: its linears' parts, its experts'
+        and the table's where it is the LM head (a lookup reads any layout)."""
+        matrices = []
+        for module in self.modules():
+            if isinstance(module, Linear) and module.parts is not None:
+                matrices += module.parts
+            elif isinstance(module, SparseMoE) and module.quantized is not None:
+                matrices += [weight for expert in module.quantized for weight in expert]
+        if self.head and self.lm_head is None and self.embed_tokens.parts is not None:
+            matrices += self.embed_tokens.parts
+        return matrices
+
     def init_rope(self) -> None:
         config = self.config
         self.rope_cache = cos_sin_cache(
