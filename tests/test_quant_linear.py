@@ -441,3 +441,57 @@ def test_row_ids_outside_the_table_raise():
         weight.dequantize(torch.tensor([0, 5]))
     with pytest.raises(IndexError):
         weight.dequantize(torch.tensor([-1]))
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"x": torch.randn(2, 32)}, r"x must be float32 \[rows, 64\]; got torch.float32 \[2, 32\]"),
+    ({"x": torch.randn(2, 64, dtype=torch.float64)}, r"x must be float32 .* got torch.float64"),
+    ({"x": torch.randn(2, 3, 64)}, r"x must be float32 \[rows, 64\]; got torch.float32 \[2, 3, 64\]"),
+    ({"x": torch.randn(64)}, r"x must be float32 \[rows, 64\]; got torch.float32 \[64\]"),
+    ({"out": torch.empty(2, 8)}, r"out must be float32 \[2, 16\] .* got torch.float32 \[2, 8\]"),
+    ({"out": torch.empty(2, 16, dtype=torch.float16)}, r"out must be float32 .* got torch.float16"),
+    ({"out": torch.empty(16, 2).t()}, r"out must be .* unit column stride; got .* strides \(1, 2\)"),
+    ({"bias": torch.zeros(4)}, r"bias must be float32 \[16\] .* got torch.float32 \[4\]"),
+    ({"bias": torch.arange(32.0)[::2]}, r"bias must be .* unit stride; got .* strides \(2,\)"),
+])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_linear_refuses_what_the_kernels_would_misread(arguments, message, interleaved, int16_activations):
+    """The C kernels take raw pointers: a wrong shape, dtype or stride read or wrote memory
+    outside the tensors (found by review: a short ``out`` overwritten past its end, a short
+    bias or a float16 x a segfault), so they are refused first."""
+    weight = QuantizedWeight.from_bytes("Q8_0", torch.from_numpy(random_blocks("Q8_0", 16, 64, 1)))
+    if interleaved and not interleaved_kernels_available():
+        pytest.skip("this CPU has no interleaved kernels")
+    weight = weight.interleave() if interleaved else weight
+    with pytest.raises(ValueError, match=message):
+        weight.linear(**{"x": torch.randn(2, 64), **arguments})
+
+
+@pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no interleaved kernels")
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
+def test_integer_activations_carry_a_nan_or_an_infinity_to_the_outputs(kind, activations, isa):
+    """A NaN or an infinity among a row's activations makes every output of that row NaN, as
+    float arithmetic does, and leaves the other rows as they were. The span's max |x| once
+    dropped a NaN and turned it into the integer -128: finite garbage, different in each
+    build. A span of magnitudes under 2^-100 counts as zeros (its scale's inverse would
+    overflow)."""
+    in_features = 512
+    weight = QuantizedWeight.from_bytes(kind, torch.from_numpy(random_blocks(kind, 32, in_features, 2))).interleave()
+    previous = quantized_activations()
+    set_quantized_activations(activations)
+    try:
+        x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(3))
+        expected = weight.linear(x)
+        poisoned = x.clone()
+        poisoned[1, 5], poisoned[2, 300] = float("nan"), float("inf")
+        tiny = x.clone()
+        tiny[3, 256:] = torch.randn(256) * 1e-38
+        zeroed = x.clone()
+        zeroed[3, 256:] = 0.0
+        out = weight.linear(poisoned)
+        assert out[1:3].isnan().all()
+        assert torch.equal(out[[0, 3]], expected[[0, 3]])
+        assert torch.equal(weight.linear(tiny)[3], weight.linear(zeroed)[3])
+    finally:
+        set_quantized_activations(previous)

@@ -211,6 +211,20 @@ class QuantizedWeight:
         data = self.data[:, start // weights * size: stop // weights * size].contiguous()
         return QuantizedWeight(self.kind, data, stop - start)
 
+    def _check_linear_arguments(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        # The C kernels take raw pointers: a wrong shape, dtype or stride would read or write
+        # memory outside these tensors.
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be float32 [rows, {self.in_features}]; got {x.dtype} {list(x.shape)}")
+        if out.dtype != torch.float32 or out.shape != (x.shape[0], self.out_features) or (
+                out.stride(-1) != 1 and self.out_features > 1):
+            raise ValueError(f"out must be float32 [{x.shape[0]}, {self.out_features}] with unit column stride; "
+                             f"got {out.dtype} {list(out.shape)}, strides {out.stride()}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (self.out_features,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be float32 [{self.out_features}] with unit stride; got {bias.dtype} "
+                             f"{list(bias.shape)}, strides {bias.stride()}")
+
     def _check_gguf_layout(self, what: str) -> None:
         if self.interleaved:
             raise ValueError(f"{what} of an interleaved {self.kind} matrix: slice it before interleaving")
@@ -272,6 +286,7 @@ class QuantizedWeight:
         rows = x.shape[0]
         if out is None:
             out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        self._check_linear_arguments(x, bias, out)
         if rows == 0:
             return out
         kind = self.type_id

@@ -6,6 +6,7 @@
  * scale's constant as a multiply by its inverse (tests/test_q8_activations.py follows).
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "exports.h"
 #include "quant_x16.h"
@@ -24,15 +25,46 @@ static int check_q8(int type, int64_t rows, int in) {
     return rows < 1 ? -3 : 0;
 }
 
-/* max |x| over a span (a multiple of 8 values). */
-static inline float max_abs(const float *src, int span) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    __m256 peak = _mm256_setzero_ps();
-    for (int i = 0; i < span; i += 8) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + i)));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
+/* max |x| over a span (a multiple of 8 values), as its bits: a non-negative float's bits order
+ * as its value, and a NaN's lie above an infinity's, so a NaN anywhere in the span comes out
+ * (max_ps keeps its second operand when either is NaN, and -ffast-math may fold a float test
+ * for one). */
+static inline uint32_t max_abs_bits(const float *src, int span) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+    __m256i peak = _mm256_setzero_si256();
+    for (int i = 0; i < span; i += 8)
+        peak = _mm256_max_epu32(peak, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(src + i)), magnitude));
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(peak), _mm256_extracti128_si256(peak, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
+
+/* Below this magnitude (2^-100) a span is taken as zeros: top / max |x| would overflow to
+ * infinity under about 1e-35, and the integers with it. */
+#define SMALLEST_PEAK_BITS 0x0d800000u
+#define INFINITY_BITS 0x7f800000u
+
+/* A span's scale (max |x| / top) and the factor its values are multiplied by (top / max |x|):
+ * 0 and 0 for a span of zeros, NaN and 0 for one holding a NaN or an infinity, so that every
+ * output it enters is NaN, as in float arithmetic, and its integers stay 0. */
+static inline float span_scale(const float *src, int span, float top, __m256 *inverse) {
+    const uint32_t bits = max_abs_bits(src, span);
+    float amax;
+    memcpy(&amax, &bits, sizeof amax);
+    if (bits >= INFINITY_BITS) {
+        const uint32_t nan_bits = 0x7fc00000u;
+        float nan;
+        memcpy(&nan, &nan_bits, sizeof nan);
+        *inverse = _mm256_setzero_ps();
+        return nan;
+    }
+    if (bits < SMALLEST_PEAK_BITS) {
+        *inverse = _mm256_setzero_ps();
+        return 0.0f;
+    }
+    *inverse = _mm256_set1_ps(top / amax);
+    return amax / top;
 }
 
 /* 8 values times `inverse`, rounded to the nearest integer (half to even). */
@@ -54,9 +86,8 @@ static void quantize_rows(const float *x, int64_t x_stride, int rows, int in, in
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < in / span; s++) {
             const float *src = x + r * x_stride + s * span;
-            const float amax = max_abs(src, span);
-            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            scale[(int64_t)r * (in / span) + s] = amax / 127.0f;
+            __m256 inverse;
+            scale[(int64_t)r * (in / span) + s] = span_scale(src, span, 127.0f, &inverse);
             for (int g = 0; g < span / 32; g++) {
                 __m256i i32[4];
                 for (int i = 0; i < 4; i++) i32[i] = scaled_integers(src + 32 * g + 8 * i, inverse);
@@ -84,9 +115,8 @@ static void quantize_wide_rows(const float *x, int64_t x_stride, int rows, int i
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < in / span; s++) {
             const float *src = x + r * x_stride + s * span;
-            const float amax = max_abs(src, span);
-            const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? WIDE_TOP / amax : 0.0f);
-            scale[(int64_t)r * (in / span) + s] = amax / WIDE_TOP;
+            __m256 inverse;
+            scale[(int64_t)r * (in / span) + s] = span_scale(src, span, WIDE_TOP, &inverse);
             for (int g = 0; g < span / 32; g++) {
                 __m256i value[4], high[4], low[4];
                 for (int i = 0; i < 4; i++) {
