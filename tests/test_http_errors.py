@@ -161,6 +161,17 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
      400, "response_format.json_schema.schema", None),
     (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"json": "{"}}, 400, "structured_outputs.json", None),
+    (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"regex": "a", "disable_any_whitespace": "x"}}, 400,
+     "structured_outputs.disable_any_whitespace", None),  # once a ValueError that ended the engine
+    (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"json_object": "x"}}, 400, "structured_outputs.json_object",
+     None),
+    # A lone surrogate ("\\ud800" in JSON) is not valid Unicode: the tokenizer's TypeError on it
+    # ended the engine (or was a 500 on /tokenize).
+    (COMPLETIONS, {"prompt": "Hi \ud800"}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": ["\udc80abc"]}, 400, "prompt", None),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", None),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", None),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", None),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
     (CHAT, {"messages": MESSAGES, "max_completion_tokens": -1}, 400, "max_completion_tokens", None),
@@ -185,6 +196,13 @@ BAD_REQUESTS = [
                          ids=[f"{i}-{p.rsplit('/', 1)[-1]}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
 def test_bad_request(url, path, body, status, param, code):
     assert_error(_post(url, path, body), status, param=param, code=code)
+
+
+def test_a_structured_option_sent_as_null_is_unset(url):
+    body = {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"regex": "a+", "disable_any_whitespace": None}}
+    response = _post(url, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] in ("a", "aa")
 
 
 def test_wrong_content_type_routes_and_methods(url):

@@ -133,6 +133,11 @@ def test_errors_come_in_anthropics_shape(protocol_server, client, model):
     too_long = [{"role": "user", "content": "word " * 2000}]
     anthropic_error(httpx2.post(url, json={"model": model, "max_tokens": 4, "messages": too_long}), 400,
                     "invalid_request_error", "maximum length")
+    # "\\ud800", a lone surrogate: not valid Unicode, and once the end of the engine
+    surrogate = {"model": model, "messages": [{"role": "user", "content": "\ud800"}]}
+    for path, body in ((url, {**surrogate, "max_tokens": 4}), (url + "/count_tokens", surrogate)):
+        anthropic_error(httpx2.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"}),
+                        400, "invalid_request_error", "lone surrogate")
     anthropic_error(httpx2.get(url), 405, "invalid_request_error", "GET")
     anthropic_error(httpx2.post(url + "/batches", json={}), 404, "not_found_error", "no such route")
     anthropic_error(httpx2.post(url, content=b"{", headers={"Content-Type": "application/json"}), 400,

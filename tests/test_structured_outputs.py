@@ -54,6 +54,10 @@ def compiler(tokenizer_file, tiny_tokenizer, eos, timeout_s=10.0) -> GrammarComp
     ({"json": 5}, "structured_outputs.json"),
     ({"regex": ""}, "structured_outputs.regex"),
     ({"grammar": "  "}, "structured_outputs.grammar"),
+    ({"regex": "a", "disable_any_whitespace": None}, "structured_outputs.disable_any_whitespace"),
+    ({"regex": "a", "disable_any_whitespace": "false"}, "structured_outputs.disable_any_whitespace"),
+    ({"json": SCHEMA, "disable_additional_properties": 1}, "structured_outputs.disable_additional_properties"),
+    ({"json_object": "x"}, "structured_outputs.json_object"),
 ])
 def test_malformed_params_name_the_field(fields, field):
     with pytest.raises(InvalidRequestError) as caught:

@@ -191,14 +191,27 @@ class InputProcessor:
 
     def _tokens(self, prompt: PromptInput | ChatOptions) -> tuple[str | None, tuple[int, ...]]:
         if isinstance(prompt, ChatOptions):
-            text: str | None = self.render_chat(prompt)
-            return text, tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            rendered = self.render_chat(prompt)
+            return rendered, tuple(self.encode(rendered, add_special_tokens=False, field="messages"))
         text, ids = parse_prompt(prompt)
         if ids is not None:
             return text, self._checked_ids(ids)
         if not text:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        return text, tuple(self.tokenizer.encode(text, add_special_tokens=True))
+        return text, tuple(self.encode(text, add_special_tokens=True, field="prompt"))
+
+    def encode(self, text: str, *, add_special_tokens: bool, field: str) -> list[int]:
+        """``text``'s token ids; ``InvalidRequestError`` naming ``field`` for text that is not
+        valid Unicode (a lone surrogate, which JSON's \\ud800 escapes can carry and the tokenizer
+        raises TypeError on)."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"{field}: the text holds a lone surrogate "
+                                          f"({text[e.start]!a}) at character {e.start}, which is not valid "
+                                          f"Unicode", field=field) from None
+        return cast("list[int]", self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _pooling(self, prompt: PromptInput | ChatOptions, params: PoolingParams) -> ProcessedPrompt:
         """A prompt to embed: whole within max_model_len, or its last truncate_prompt_tokens."""
@@ -235,7 +248,7 @@ class InputProcessor:
         if text is None or not from_text or frame is None or keep <= len(frame[0]) + len(frame[1]):
             return token_ids[-keep:]
         prefix, suffix = frame
-        words = self.tokenizer.encode(text, add_special_tokens=False)
+        words = self.encode(text, add_special_tokens=False, field="prompt")
         return (*prefix, *words[len(words) - (keep - len(prefix) - len(suffix)):], *suffix)
 
     def _checked_ids(self, token_ids: tuple[Any, ...]) -> tuple[int, ...]:

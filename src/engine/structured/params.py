@@ -84,6 +84,10 @@ class StructuredOutputsParams:
             _fail("grammar", "must be a non-empty string")
         if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
             _fail("choice", "must list at least one non-empty string")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and (value is not None or name == "disable_any_whitespace"):
+                _fail(name, f"must be true or false, got {value!r}")
 
     @property
     def kind(self) -> str:

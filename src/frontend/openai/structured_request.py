@@ -92,7 +92,7 @@ def _structured_outputs(reader: Reader) -> Constraint:
     if unknown := sorted(set(value) - _OPTIONS):
         raise bad_request(f"{FIELD}.{unknown[0]}: unknown field; the fields are {', '.join(sorted(_OPTIONS))}",
                           param=f"{FIELD}.{unknown[0]}")
-    return _params(dict(value), {})
+    return _params({name: option for name, option in value.items() if option is not None}, {})  # null: unset
 
 
 def _guided(reader: Reader) -> Constraint:

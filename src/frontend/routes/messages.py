@@ -56,7 +56,7 @@ async def count_tokens() -> Response:
     processor = llm.intake.processor
 
     def count() -> int:
-        return len(llm.tokenizer.encode(processor.render_chat(chat), add_special_tokens=False))
+        return len(processor.encode(processor.render_chat(chat), add_special_tokens=False, field="messages"))
 
     try:
         tokens = await trio.to_thread.run_sync(count)

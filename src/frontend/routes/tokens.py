@@ -21,7 +21,7 @@ async def tokenize() -> Response:
     reader = Reader(await read_json_object(request), "/tokenize")
     check_model(reader.string("model"))
     llm = host().require_ready()
-    tokenizer = llm.tokenizer
+    tokenizer, processor = llm.tokenizer, llm.intake.processor
     return_strs = reader.bool("return_token_strs", False)
     if reader.body.get("messages") is not None:
         chat = parse_chat_options(reader)
@@ -33,10 +33,9 @@ async def tokenize() -> Response:
             except InvalidRequestError as error:
                 raise from_engine_error(error) from None
         add_special = reader.bool("add_special_tokens", False)
-        processor = llm.intake.processor
 
         def encode() -> list[int]:
-            return tokenizer.encode(processor.render_chat(chat), add_special_tokens=add_special)
+            return processor.encode(processor.render_chat(chat), add_special_tokens=add_special, field="messages")
     else:
         prompt = reader.string("prompt")
         if prompt is None:
@@ -44,7 +43,7 @@ async def tokenize() -> Response:
         add_special = reader.bool("add_special_tokens", True)
 
         def encode() -> list[int]:
-            return tokenizer.encode(prompt, add_special_tokens=add_special)
+            return processor.encode(prompt, add_special_tokens=add_special, field="prompt")
     reader.log_unknown()
     try:
         tokens = await trio.to_thread.run_sync(encode)
