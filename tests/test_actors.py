@@ -298,7 +298,77 @@ async def test_bad_requests_fail_alone(model_dir, autojump_clock):
                 await collect(llm, [1, 10**6], greedy(4))
             with pytest.raises(InvalidRequestError, match="prompt"):
                 await collect(llm, [1] * 300, greedy(4))
+            # A lone surrogate (JSON's "\\ud800") is not valid Unicode: the tokenizer raised
+            # TypeError on it, which ended the engine.
+            with pytest.raises(InvalidRequestError, match=r"prompt: the text holds a lone surrogate "
+                                                          r"\('\\ud800'\) at character 3"):
+                await collect(llm, "abc\ud800", greedy(4))
+            with pytest.raises(InvalidRequestError, match="messages: the text holds a lone surrogate") as error:
+                await collect(llm, ChatOptions(messages=[{"role": "user", "content": "\udc80"}],
+                                               chat_template="{{ messages[0].content }}"), greedy(4))
+            assert error.value.field == "messages"
         assert good["out"].outputs[0].token_ids == expected_tokens("good", 3, 6)
+
+
+async def test_a_fault_in_processing_one_request_fails_it_alone(model_dir, autojump_clock, monkeypatch):
+    """An exception the intake did not expect (a bug, not bad input, which raises
+    InvalidRequestError) fails its request with that exception; the engine serves on."""
+    async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+        process = llm.intake.processor.process
+
+        def faulty(prompt, params, lora_request=None):
+            if prompt == [9, 9, 9]:
+                raise TypeError("a fault in processing")
+            return process(prompt, params, lora_request)
+
+        monkeypatch.setattr(llm.intake.processor, "process", faulty)
+        with pytest.raises(TypeError, match="a fault in processing"):
+            await collect(llm, [9, 9, 9], greedy(4))
+        output = await collect(llm, [1, 2, 3], greedy(6), request_id="after")
+        assert output.outputs[0].token_ids == expected_tokens("after", 3, 6)
+        assert llm.intake.statistics().rejected == 1
+
+
+async def test_an_actor_that_raises_fails_every_open_request(model_dir, autojump_clock, monkeypatch):
+    """Consumers outside the engine's nursery (the server's request handlers) are not
+    cancelled with it: when an actor raises, each open request fails with EngineDeadError
+    naming the fault, instead of waiting for ever, and the engine reports itself dead."""
+    ready, opened = trio.Event(), {}
+    errors: list[EngineDeadError] = []
+
+    async def engine() -> None:
+        try:
+            async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+                opened["llm"] = llm
+                complete_step, steps = llm.scheduler.core.complete_step, []
+
+                def failing_on_the_third(*args):
+                    steps.append(None)
+                    if len(steps) == 3:
+                        raise RuntimeError("a fault in the scheduler")
+                    return complete_step(*args)
+
+                monkeypatch.setattr(llm.scheduler.core, "complete_step", failing_on_the_third)
+                ready.set()
+                await trio.sleep_forever()
+        except* RuntimeError:
+            pass
+
+    async def client(i: int) -> None:
+        await ready.wait()
+        try:
+            await collect(opened["llm"], [1, 2, 3 + i], greedy(20), request_id=f"c{i}")
+        except EngineDeadError as error:
+            errors.append(error)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine)
+        for i in range(3):
+            nursery.start_soon(client, i)
+    assert len(errors) == 3
+    assert all("the engine failed: RuntimeError: a fault in the scheduler" == str(e) for e in errors)
+    with pytest.raises(EngineDeadError, match="a fault in the scheduler"):
+        opened["llm"].check_health()
 
 
 @pytest.fixture

@@ -75,6 +75,7 @@ class AsyncLLM:
         self._idle.set()
         self._observers: list[RequestObserver] = []
         self._accepting = True
+        self._failure: EngineDeadError | None = None  # set when an actor raised
         info = supervisor.info
         if info is None:
             raise RuntimeError("AsyncLLM needs a running worker-supervisor (its workers loaded)")
@@ -101,32 +102,38 @@ class AsyncLLM:
             to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMessage](_ACTOR_CHANNEL_SIZE)
             to_output, output_inbox = trio.open_memory_channel[OutputMessage](_ACTOR_CHANNEL_SIZE)
             stack.enter_context(to_scheduler)
-            async with trio.open_nursery() as nursery:
-                supervisor = await nursery.start(
-                    WorkerSupervisor(model.args, str(model.path), open_group=open_group).run
-                )
-                info = supervisor.info
-                core = EngineCore.from_engine_args(
-                    args, info, eos_token_ids=model.generation.eos_token_ids,
-                    publish_kv_events=publisher.publish if publisher is not None else None,
-                )
-                output = await nursery.start(
-                    OutputActor(OutputProcessor(model.tokenizer), output_inbox, to_scheduler.clone()).run
-                )
-                scheduler = await nursery.start(
-                    SchedulerActor(core, supervisor, scheduler_inbox, to_output).run
-                )
-                processor = open_input_processor(model, args, info)
-                intake = await nursery.start(
-                    IntakeActor(processor, to_scheduler.clone(), capacity=args.max_queued_requests).run
-                )
-                llm = cls(args=args, model=model, supervisor=supervisor, intake=intake,
-                          scheduler=scheduler, output=output, to_scheduler=to_scheduler)
-                try:
-                    yield llm
-                finally:
-                    llm._accepting = False
-                    nursery.cancel_scope.cancel()
+            llm: AsyncLLM | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    supervisor = await nursery.start(
+                        WorkerSupervisor(model.args, str(model.path), open_group=open_group).run
+                    )
+                    info = supervisor.info
+                    core = EngineCore.from_engine_args(
+                        args, info, eos_token_ids=model.generation.eos_token_ids,
+                        publish_kv_events=publisher.publish if publisher is not None else None,
+                    )
+                    output = await nursery.start(
+                        OutputActor(OutputProcessor(model.tokenizer), output_inbox, to_scheduler.clone()).run
+                    )
+                    scheduler = await nursery.start(
+                        SchedulerActor(core, supervisor, scheduler_inbox, to_output).run
+                    )
+                    processor = open_input_processor(model, args, info)
+                    intake = await nursery.start(
+                        IntakeActor(processor, to_scheduler.clone(), capacity=args.max_queued_requests).run
+                    )
+                    llm = cls(args=args, model=model, supervisor=supervisor, intake=intake,
+                              scheduler=scheduler, output=output, to_scheduler=to_scheduler)
+                    try:
+                        yield llm
+                    finally:
+                        llm._accepting = False
+                        nursery.cancel_scope.cancel()
+            except Exception as error:  # an actor failed: its nursery cancelled the rest
+                if llm is not None:
+                    llm._fail_open_requests(error)
+                raise
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without SamplingParams: vLLM's defaults under the model's
@@ -262,6 +269,19 @@ class AsyncLLM:
     def check_health(self) -> None:
         if self.scheduler.dead is not None:
             raise EngineDeadError(f"the engine failed: {self.scheduler.dead}") from self.scheduler.dead
+        if self._failure is not None:
+            raise self._failure
+
+    def _fail_open_requests(self, error: Exception) -> None:
+        """An actor raised: the engine is gone, so every open request fails with the reason
+        (their consumers run outside the engine's nursery and would wait for ever)."""
+        leaves = _leaves(error)
+        reason = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves)
+        self._failure = EngineDeadError(f"the engine failed: {reason}")
+        self._failure.__cause__ = leaves[0] if len(leaves) == 1 else error
+        self._accepting = False
+        for stream in self._open.values():
+            stream.fail(self._failure)
 
     @property
     def num_open_requests(self) -> int:
@@ -280,3 +300,9 @@ class AsyncLLM:
 # vLLM's name for its async engine (vLLM's own AsyncLLMEngine is its AsyncLLM too), so that ported
 # code and vLLM's architecture documents find it under either.
 AsyncLLMEngine = AsyncLLM
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]

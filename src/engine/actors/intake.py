@@ -1,10 +1,13 @@
 """The request-intake actor: validation, chat templates and tokenization off the event loop.
 
 Clients ``submit`` without waiting: a full queue raises ``QueueFull`` at once (HTTP 503), so
-backpressure reaches the client instead of growing memory."""
+backpressure reaches the client instead of growing memory. Bad input raises a ``TriodeError``
+that fails its request; any other exception is a fault in processing that one request, so it
+fails that request alone (logged) and the engine serves on."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import attrs
@@ -14,6 +17,8 @@ from triode.engine.actors.messages import AddRequest, NewRequest, SchedulerMessa
 from triode.engine.errors import InvalidRequestError, QueueFull, TriodeError
 from triode.engine.inputs import InputProcessor, ProcessedPrompt
 from triode.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -64,6 +69,11 @@ class IntakeActor:
                     else:
                         processed = self._process(request)  # token ids: a linear check
                 except TriodeError as error:
+                    self._rejected += 1
+                    request.stream.fail(error)
+                    continue
+                except Exception as error:  # a fault in one request's processing fails it alone
+                    logger.exception("processing request %s failed", request.request_id)
                     self._rejected += 1
                     request.stream.fail(error)
                     continue

@@ -120,7 +120,7 @@ class EngineHost:
                     raise
                 raise leaf from None  # its message names the problem; a group's does not
             log.exception("the engine failed")
-            self.state, self.error = "dead", e
+            self.state, self.error = "dead", _sole_leaf(e)
         else:
             self.state = "closed"
         finally:
