@@ -310,6 +310,26 @@ async def test_bad_requests_fail_alone(model_dir, autojump_clock):
         assert good["out"].outputs[0].token_ids == expected_tokens("good", 3, 6)
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_dir, autojump_clock):
+    """vLLM's truncate_prompt_tokens: the last k tokens (-1: the model's length), after which
+    max_tokens is bounded by what is left; more than the model's length is refused."""
+    async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+        limit = llm.max_model_len
+        output = await collect(llm, list(range(1, 11)), greedy(5, truncate_prompt_tokens=4), request_id="cut")
+        assert output.prompt_token_ids == (7, 8, 9, 10)
+        assert output.outputs[0].token_ids == expected_tokens("cut", 4, 5)
+        long = await collect(llm, [3] * (limit + 40), SamplingParams(
+            temperature=0.0, max_tokens=None, ignore_eos=True, truncate_prompt_tokens=limit - 4), request_id="long")
+        assert len(long.prompt_token_ids) == limit - 4 and len(long.outputs[0].token_ids) == 4
+        with pytest.raises(InvalidRequestError, match=f"truncate_prompt_tokens: {limit + 1} exceeds") as error:
+            await collect(llm, [3] * 10, greedy(2, truncate_prompt_tokens=limit + 1))
+        assert error.value.field == "truncate_prompt_tokens"
+        with pytest.raises(InvalidRequestError, match="no room for output"):
+            await collect(llm, [3] * (limit + 40), greedy(2, truncate_prompt_tokens=-1))
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens: expected -1 or a positive integer"):
+        greedy(2, truncate_prompt_tokens=0)
+
+
 async def test_a_fault_in_processing_one_request_fails_it_alone(model_dir, autojump_clock, monkeypatch):
     """An exception the intake did not expect (a bug, not bad input, which raises
     InvalidRequestError) fails its request with that exception; the engine serves on."""

@@ -144,6 +144,20 @@ def test_chat_stream_equals_non_stream(client, n):
     assert whole.usage.completion_tokens <= 10 * n
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens sent
+    so far (it was accepted and ignored), and the last chunk's is the whole request's."""
+    params = dict(model=MODEL, prompt="Paris is the capital", max_tokens=6, **greedy())
+    whole = client.completions.create(**params)
+    _, _, chunks = collect_completion_stream(client.completions.create(
+        **params, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert len(chunks) >= 3 and all(c.usage is not None for c in chunks)
+    completion_tokens = [c.usage.completion_tokens for c in chunks]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[0] >= 1
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+    assert chunks[-1].choices == [] and same_counts(chunks[-1].usage, whole.usage)
+
+
 def test_prompt_forms_and_choice_indices(client, url):
     ids = tokenize(url, "structured concurrency")
     by_text = client.completions.create(model=MODEL, prompt="structured concurrency", max_tokens=5, **greedy())

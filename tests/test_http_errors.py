@@ -130,6 +130,9 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs", None),
     (COMPLETIONS, {"prompt": "Hi", "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", None),
     (COMPLETIONS, {"prompt": "Hi", "echo": "yes"}, 400, "echo", None),
+    (COMPLETIONS, {"prompt": "Hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", None),
+    (COMPLETIONS, {"prompt": "Hi", "truncate_prompt_tokens": "x"}, 400, "truncate_prompt_tokens", None),
+    (COMPLETIONS, {"prompt": "Hi", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens", None),
     (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
@@ -158,6 +161,13 @@ BAD_REQUESTS = [
      None),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
             "tool_choice": "required"}, 400, "tools[0].function.parameters", None),
+    # A schema that does not compile, named as the request sent it (not structured_outputs.json).
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}],
+            "tool_choice": "required"}, 400, "tools", None),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}, {
+        "type": "function", "function": {"name": "g", "parameters": {"type": "objekt"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tools[1].function.parameters", None),
     (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
      400, "response_format.json_schema.schema", None),
     (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"json": "{"}}, 400, "structured_outputs.json", None),
@@ -176,6 +186,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
     (CHAT, {"messages": MESSAGES, "max_completion_tokens": -1}, 400, "max_completion_tokens", None),
     (CHAT, {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", None),
+    (CHAT, {"messages": MESSAGES, "best_of": 2}, 400, "best_of", "unsupported_parameter"),
     (CHAT, {"messages": [{"role": "user", "content": "fox " * 600}]}, 400, "prompt", "context_length_exceeded"),
     (CHAT, {"messages": MESSAGES, "model": "other"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": MESSAGES, "chat_template": "{{ messages }}"}, 400, "chat_template",
@@ -196,6 +207,15 @@ BAD_REQUESTS = [
                          ids=[f"{i}-{p.rsplit('/', 1)[-1]}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
 def test_bad_request(url, path, body, status, param, code):
     assert_error(_post(url, path, body), status, param=param, code=code)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(url, path):
+    """A prompt past the model's length, cut to its last 8 tokens (it was once ignored)."""
+    body = {"prompt": "fox " * 600} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "fox " * 600}]}
+    response = _post(url, path, {**body, "max_tokens": 2, "truncate_prompt_tokens": 8})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 8
 
 
 def test_a_structured_option_sent_as_null_is_unset(url):

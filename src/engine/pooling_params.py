@@ -15,7 +15,8 @@ def _dimensions(instance: object, attribute: attrs.Attribute[Any], value: int | 
         raise InvalidRequestError(f"dimensions: expected a positive integer, got {value!r}", field="dimensions")
 
 
-def _truncation(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+def check_truncation(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    """truncate_prompt_tokens, for pooling and sampling alike: None, -1 or a positive integer."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1):
         raise InvalidRequestError(f"truncate_prompt_tokens: expected -1 or a positive integer, got {value!r}",
                                   field="truncate_prompt_tokens")
@@ -29,7 +30,7 @@ class PoolingParams:
     normalize: bool | None = None
     # vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the model
     # takes), rather than refusing a prompt over the model's length.
-    truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_truncation)
+    truncate_prompt_tokens: int | None = attrs.field(default=None, validator=check_truncation)
 
     def validate_for(self, hidden_size: int) -> None:
         if self.dimensions is not None and self.dimensions > hidden_size:

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.pooling_params import check_truncation
 from triode.engine.structured.params import (
     StructuredOutputsParams,  # vLLM imports it from here too
 )
@@ -83,6 +84,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, converter=_structured)
+    # Keep the prompt's last k tokens (-1: the model's length), as vLLM's truncate_prompt_tokens.
+    truncate_prompt_tokens: int | None = attrs.field(default=None, validator=check_truncation)
 
     def __attrs_post_init__(self) -> None:
         if self.n < 1:

@@ -146,19 +146,21 @@ class Reader:
 class StreamOptions:
     stream: bool
     include_usage: bool
+    # vLLM's: with include_usage, every chunk carries the usage so far (not null)
+    continuous_usage_stats: bool = False
 
 
 def read_stream(reader: Reader) -> StreamOptions:
     stream = reader.bool("stream", False)
     options = reader.object("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not stream:
             raise reader.fail("stream_options", "only allowed when stream is true")
         sub = Reader(options, reader.endpoint, prefix="stream_options.")
         include_usage = sub.bool("include_usage", False)
-        sub.bool("continuous_usage_stats", False)
-    return StreamOptions(stream=stream, include_usage=include_usage)
+        continuous = sub.bool("continuous_usage_stats", False)
+    return StreamOptions(stream=stream, include_usage=include_usage, continuous_usage_stats=continuous)
 
 
 def read_stop(reader: Reader) -> tuple[str, ...]:
@@ -222,6 +224,7 @@ def read_sampling(reader: Reader, *, max_tokens: int | None, logprobs: int | Non
         prompt_logprobs=prompt_logprobs,
         output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
         structured_outputs=structured_outputs,
+        truncate_prompt_tokens=reader.int("truncate_prompt_tokens", minimum=-1),
     )
     try:
         return SamplingParams(**fields)

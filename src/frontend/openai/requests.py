@@ -104,6 +104,7 @@ def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None,
         chat = attrs.evolve(chat, tools=tools.tools)
     reader.reject("functions", lambda v: v == [], "function calling is not supported")
     reader.reject("function_call", lambda v: v == "none", "function calling is not supported")
+    reader.reject("best_of", lambda v: v == 1, "is not supported (only best_of=1)")
     reader.reject("audio", lambda v: False, "audio output is not supported")
     reader.reject("modalities", lambda v: v == ["text"], "only the text modality is supported")
     logprobs = reader.bool("logprobs", False)
@@ -127,8 +128,9 @@ def parse_chat(body: dict[str, Any], defaults: GenerationDefaults | None = None,
                            stream=common["stream"].stream, aliases=aliases, defaults=defaults,
                            structured_outputs=forced or constraint.params)
     reader.log_unknown()
+    names = tools.constraint_names() if forced is not None and tools is not None else constraint.names
     return GenerationRequest(**common, params=params, chat=chat, logprobs=top,
-                             param_names=constraint.names, tools=tools,
+                             param_names=names, tools=tools,
                              reasoning_parser=serving.reasoning_parser)
 
 

@@ -3,7 +3,8 @@
 Choice indices are ``prompt_index * n + sample_index``. In a stream every choice gets exactly
 one chunk with a finish_reason (a choice the engine ended without a last delta, which happens
 on abort, gets a closing chunk with "abort"), and the usage chunk, when asked for, comes last
-with empty choices."""
+with empty choices; with ``continuous_usage_stats`` every chunk carries the request's usage so
+far."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ class ResponseBuilder:
         chunk = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
                  "created": self.created, "model": self.model, "choices": choices}
         if self.request.stream.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage() if self.request.stream.continuous_usage_stats else None
         return chunk
 
     def usage_chunk(self) -> dict[str, Any]:

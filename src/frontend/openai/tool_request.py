@@ -54,6 +54,16 @@ class ToolPlan:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
 
+    def constraint_names(self) -> dict[str, str]:
+        """What the request calls the parts of :meth:`constraint`, for its errors: the named
+        function's parameters, or the tools whose parameters ``required`` joins."""
+        if self.mode == "named":
+            index = next(i for i, tool in enumerate(self.tools) if tool["function"]["name"] == self.named)
+            schema = f"tools[{index}].function.parameters"
+        else:
+            schema = "tools"
+        return {"structured_outputs.json": schema, "structured_outputs": "tool_choice"}
+
     def forced_calls(self, text: str) -> list[ToolCall] | None:
         """The calls in a ``required`` or named output (None if it was cut short)."""
         try:
