@@ -102,6 +102,10 @@ def test_the_grammar_keeps_property_order_and_closes_objects_on_request():
     ({"json": {"type": "array", "uniqueItems": True}}, r"Unimplemented keys: \[\"uniqueItems\"\]"),
     ({"regex": "[a-"}, r"structured_outputs\.regex: invalid regular expression '\[a-': unclosed character class$"),
     ({"grammar": "start: foo"}, r"structured_outputs\.grammar: .*unknown name: \"foo\""),
+    # Compiles, but stops the parser at once: its stop reason, not a dump of its state.
+    ({"json": {"$ref": "#"}}, r"^structured_outputs\.json: admits no output: no token of the model can begin it "
+                              r"\(NoExtensionBias\)$"),
+    ({"grammar": "start: start"}, r"^structured_outputs\.grammar: admits no output"),
 ])
 def test_constraints_that_do_not_compile_are_refused_with_the_field(
     tokenizer_file, tiny_tokenizer, eos, fields, match

@@ -108,6 +108,12 @@ def _readable(params: StructuredOutputsParams, error: str) -> str:
                    if line.startswith("error: ")), None)
     if params.kind == "regex" and reason is not None:
         return f"invalid regular expression {params.regex!r}: {reason}"
+    if "\n<state>\n" in error:
+        # A constraint that compiles but stops the parser at once (a schema that refers only to
+        # itself, a grammar rule that never ends, a regex matching no character): llguidance
+        # follows its stop reason with a dump of its parser's state, which says nothing to a client.
+        stop = error.split("\n", 1)[0]
+        return f"admits no output: no token of the model can begin it ({stop})"
     return error.strip()
 
 
