@@ -159,6 +159,8 @@ BAD_REQUESTS = [
             "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name", None),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "retrieval"}], "tool_choice": "required"}, 400, "tools[0]",
      None),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "strict": "x"}}],
+            "tool_choice": "required"}, 400, "tools[0].function.strict", None),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
             "tool_choice": "required"}, 400, "tools[0].function.parameters", None),
     # A schema that does not compile, named as the request sent it (not structured_outputs.json).

@@ -197,6 +197,12 @@ def test_errors_in_openais_shape(protocol_server, model):
     openai_error(httpx2.post(url, json={"model": model, "input": "x", "text": {"format": {
         "type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}), 400, "text.format.schema", "")
     openai_error(httpx2.post(url, json={"model": model, "input": "word " * 2000}), 400, "input", "maximum length")
+    # metadata and user are echoed back, so they are held to OpenAI's types and limits
+    openai_error(httpx2.post(url, json={"model": model, "input": "x", "metadata": 5}), 400, "metadata", "object")
+    openai_error(httpx2.post(url, json={"model": model, "input": "x", "metadata": {"a": 1}}), 400, "metadata", "'a'")
+    openai_error(httpx2.post(url, json={"model": model, "input": "x", "metadata": {str(i): "v" for i in range(17)}}),
+                 400, "metadata", "16 pairs")
+    openai_error(httpx2.post(url, json={"model": model, "input": "x", "user": 5}), 400, "user", "string")
     openai_error(httpx2.post(url, json={"model": "gpt-5", "input": "x"}), 404, "model", "gpt-5")
     openai_error(httpx2.get(f"{url}/resp_gone"), 404, None, "resp_gone")
     openai_error(httpx2.delete(f"{url}/resp_gone"), 404, None, "resp_gone")

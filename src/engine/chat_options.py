@@ -55,6 +55,8 @@ def _checked_tool(index: int, tool: Any) -> dict[str, Any]:
         raise _tool_error(f"{name}.function.parameters", "expected a JSON Schema of an object")
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise _tool_error(f"{name}.function.description", "expected a string")
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise _tool_error(f"{name}.function.strict", "expected true or false")
     return {"type": "function", "function": dict(function)}
 
 

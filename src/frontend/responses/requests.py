@@ -88,9 +88,10 @@ def parse_responses_request(body: dict[str, Any], defaults: GenerationDefaults |
     reader.reject("conversation", lambda v: False, "the Conversations API is not served (use previous_response_id)")
     reader.reject("prompt", lambda v: False, "stored prompts are not served")
     reader.reject("top_logprobs", lambda v: v == 0, "logprobs are not served here (use /v1/chat/completions)")
-    for name in ("include", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
-                 "max_tool_calls", "stream_options"):
-        reader.raw(name)  # accepted; metadata and user are echoed
+    for name in ("include", "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls",
+                 "stream_options"):
+        reader.raw(name)  # accepted
+    metadata, user = _metadata(reader), reader.string("user")  # echoed
     tools = _tools(reader, serving)
     constraint = _text_format(reader)
     forced = tools.constraint() if tools is not None else None
@@ -108,13 +109,13 @@ def parse_responses_request(body: dict[str, Any], defaults: GenerationDefaults |
         reader.raw(name)
     effort = _reasoning(reader)
     reader.log_unknown()
-    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": body.get("metadata") or {},
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata,
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": previous,
             "reasoning": {"effort": effort, "summary": None}, "store": store, "background": background,
             "temperature": params.temperature, "top_p": params.top_p, "truncation": "disabled",
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or ("auto" if tools is not None else "none"),
-            "tools": body.get("tools") or [], "user": body.get("user")}
+            "tools": body.get("tools") or [], "user": user}
     kwargs = None if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
     return ResponsesRequest(model=model, input_items=items, instructions=instructions, previous_response_id=previous,
                             store=store, background=background, stream=stream, params=params,
@@ -289,3 +290,15 @@ def _reasoning(reader: Reader) -> str | None:
         raise bad_request(f"reasoning.effort: expected one of {', '.join(_EFFORTS)}, got {effort!r}",
                           param="reasoning.effort")
     return effort
+
+
+def _metadata(reader: Reader) -> dict[str, str]:
+    """OpenAI's metadata: up to 16 pairs of strings, keys up to 64 characters, values up to 512."""
+    metadata = reader.object("metadata") or {}
+    if len(metadata) > 16:
+        raise reader.fail("metadata", f"holds at most 16 pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise reader.fail("metadata", f"{key[:64]!r}: keys are strings of up to 64 characters and values "
+                                          f"strings of up to 512")
+    return metadata
