@@ -310,6 +310,28 @@ async def test_bad_requests_fail_alone(model_dir, autojump_clock):
         assert good["out"].outputs[0].token_ids == expected_tokens("good", 3, 6)
 
 
+async def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized(model_dir, autojump_clock, monkeypatch):
+    """More characters than max_model_len of the vocabulary's longest tokens could spell: the
+    intake refuses it without tokenizing (megabytes took seconds, while the requests behind it
+    waited). With truncate_prompt_tokens it is tokenized and cut."""
+    async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+        processor = llm.intake.processor
+        longest = max(map(len, llm.tokenizer.get_vocab()))
+        text = "fox " * (llm.max_model_len * longest // 4 + 1)
+        encoded = []
+        encode = processor.encode
+        monkeypatch.setattr(processor, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+        with pytest.raises(InvalidRequestError, match=f"prompt: {len(text)} characters are more than the model's "
+                                                      f"maximum length of {llm.max_model_len} tokens") as error:
+            await collect(llm, text, greedy(2))
+        assert error.value.field == "prompt" and encoded == []
+        with pytest.raises(InvalidRequestError, match=r"messages: .* characters are more than"):
+            await collect(llm, ChatOptions(messages=[{"role": "user", "content": text}],
+                                           chat_template="{{ messages[0].content }}"), greedy(2))
+        cut = await collect(llm, text, greedy(2, truncate_prompt_tokens=8))
+        assert len(cut.prompt_token_ids) == 8 and encoded == [len(text)]
+
+
 async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_dir, autojump_clock):
     """vLLM's truncate_prompt_tokens: the last k tokens (-1: the model's length), after which
     max_tokens is bounded by what is left; more than the model's length is refused."""

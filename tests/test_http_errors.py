@@ -141,6 +141,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "fox " * 600}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {"prompt": [5] * 600}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {"prompt": "fox " * 600, "stream": True}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "fox " * 15000}, 400, "prompt", "context_length_exceeded"),  # refused untokenized
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": []}, 400, "messages", None),
     (CHAT, {}, 400, "messages", None),

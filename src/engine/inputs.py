@@ -166,7 +166,7 @@ class InputProcessor:
             self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
             return self._pooling(prompt, params)
-        text, token_ids = self._tokens(prompt)
+        text, token_ids = self._tokens(prompt, whole=params.truncate_prompt_tokens is None)
         keep = self._kept_tokens(params.truncate_prompt_tokens)
         if keep is not None and len(token_ids) > keep:
             token_ids = token_ids[-keep:]
@@ -193,16 +193,37 @@ class InputProcessor:
             params = attrs.evolve(params, max_tokens=room)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, lora_request=lora_request)
 
-    def _tokens(self, prompt: PromptInput | ChatOptions) -> tuple[str | None, tuple[int, ...]]:
+    def _tokens(self, prompt: PromptInput | ChatOptions, *, whole: bool) -> tuple[str | None, tuple[int, ...]]:
+        """The prompt's text and token ids. ``whole``: the prompt must fit the model's length
+        as it is (no truncate_prompt_tokens), so a text too long for that is refused before
+        it is tokenized."""
         if isinstance(prompt, ChatOptions):
             rendered = self.render_chat(prompt)
+            if whole:
+                self._check_fits(rendered, "messages")
             return rendered, tuple(self.encode(rendered, add_special_tokens=False, field="messages"))
         text, ids = parse_prompt(prompt)
         if ids is not None:
             return text, self._checked_ids(ids)
         if not text:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        if whole:
+            self._check_fits(text, "prompt")
         return text, tuple(self.encode(text, add_special_tokens=True, field="prompt"))
+
+    @functools.cached_property
+    def _longest_token_chars(self) -> int:
+        return max(map(len, self.tokenizer.get_vocab()))
+
+    def _check_fits(self, text: str, field: str) -> None:
+        """Refuses a text longer than ``max_model_len`` of the vocabulary's longest tokens could
+        spell, without tokenizing it: the intake takes one request at a time, and megabytes of
+        text took seconds to tokenize while the requests behind it waited."""
+        if len(text) > self.max_model_len and len(text) > self.max_model_len * self._longest_token_chars:
+            raise InvalidRequestError(
+                f"{field}: {len(text)} characters are more than the model's maximum length of "
+                f"{self.max_model_len} tokens can hold (its longest token is {self._longest_token_chars} "
+                f"characters)", field=field)
 
     def encode(self, text: str, *, add_special_tokens: bool, field: str) -> list[int]:
         """``text``'s token ids; ``InvalidRequestError`` naming ``field`` for text that is not
@@ -220,7 +241,7 @@ class InputProcessor:
     def _pooling(self, prompt: PromptInput | ChatOptions, params: PoolingParams) -> ProcessedPrompt:
         """A prompt to embed: whole within max_model_len, or its last truncate_prompt_tokens."""
         params.validate_for(self.hidden_size)
-        text, token_ids = self._tokens(prompt)
+        text, token_ids = self._tokens(prompt, whole=params.truncate_prompt_tokens is None)
         keep = self._kept_tokens(params.truncate_prompt_tokens)
         if keep is not None and len(token_ids) > keep:
             token_ids = self._truncated(text, token_ids, keep, from_text=not isinstance(prompt, ChatOptions))
