@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny random models of each architecture, built once per session."""
+"""Shared fixtures: tiny random models of each architecture, built once per session, and the
+process-wide kernel settings put back after a test."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.tiny_models import ARCHITECTURES, build_tiny_model, train_tokenizer
+from triode import kernels
 from triode.kernels import native
 
 
@@ -65,3 +67,12 @@ def isa(request):
     native.set_cpu_isa(request.param)
     yield request.param
     native.set_cpu_isa(previous)
+
+
+@pytest.fixture
+def kernel_settings():
+    """The process-wide kernel settings that a runner made in this process changes, put back."""
+    activations, invariant = kernels.quantized_activations(), kernels.batch_invariant()
+    yield
+    kernels.set_quantized_activations(activations)
+    kernels.set_batch_invariant(invariant)

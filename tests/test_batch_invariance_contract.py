@@ -93,14 +93,6 @@ def test_a_request_recomputed_or_batched_otherwise_keeps_its_logprobs(monkeypatc
     assert [trace(o) for o in preempted] == together
 
 
-@pytest.fixture
-def kernel_settings():
-    """The process-wide kernel settings that a runner made in this process changes, put back."""
-    activations, invariant = kernels.quantized_activations(), kernels.batch_invariant()
-    yield
-    kernels.set_quantized_activations(activations)
-    kernels.set_batch_invariant(invariant)
-
 
 def test_tiny_models_of_each_family_recompute_the_same_logprobs(tiny_model, tiny_tokenizer, kernel_settings):
     """Float32 models of every family with --batch-invariant, in the worker's runner: each

@@ -28,7 +28,6 @@ from tests.hf_compare import (
     ours_greedy,
 )
 from tests.tiny_models import train_tokenizer
-from triode import kernels
 from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError, UnsupportedModelError
 from triode.engine.model_files.resolve import resolve_model
@@ -256,14 +255,6 @@ def test_moe_gguf_files_keep_their_experts_quantized(tmp_path, tiny_model_factor
     for (_, ours), (_, theirs) in zip(kept, dequantized, strict=True):
         assert max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs, strict=True)) < 2e-3
 
-
-@pytest.fixture
-def kernel_settings():
-    """The process-wide kernel settings a runner made in this process changes, put back."""
-    activations, invariant = kernels.quantized_activations(), kernels.batch_invariant()
-    yield
-    kernels.set_quantized_activations(activations)
-    kernels.set_batch_invariant(invariant)
 
 
 @pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no interleaved kernels (AVX2 and a C compiler)")
