@@ -137,6 +137,16 @@ def test_top_p_one_keeps_the_far_tail_next_to_a_row_that_truncates() -> None:
     assert kept(mask_logits(logits, batch)) == [{0, 1, 2}, {0}]
 
 
+def test_a_top_p_below_float32s_smallest_value_keeps_the_top_token() -> None:
+    """top_p 1e-50 passes (0, 1] but is 0 as a float32: it kept no token, and the index -1
+    that followed crashed the worker on every retry until the engine died."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, 5.0, 0.0]])
+    batch = build([SamplingRow(params=SamplingParams(top_p=1e-50)), SamplingRow(params=SamplingParams(top_p=1e-300))],
+                  3)
+    assert kept(mask_logits(logits, batch)) == [{1}, {0, 1}]
+    assert Sampler(0).sample(logits, batch).token_ids[0] == 1
+
+
 @st.composite
 def penalty_rows(draw: st.DrawFn, vocab: int) -> SamplingRow:
     tokens = st.integers(0, vocab - 1)

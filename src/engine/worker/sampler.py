@@ -102,7 +102,9 @@ def _truncate(
         before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
         # top_p == 1 keeps all: rounding must not make the sum reach 1 before the tail.
         keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        cutoff = torch.maximum(cutoff, sorted_x.gather(1, keep.sum(dim=-1, keepdim=True) - 1))
+        # The top token always stays: a top_p under float32's smallest value (1e-50) is 0 here.
+        kept = keep.sum(dim=-1, keepdim=True).clamp_min(1)
+        cutoff = torch.maximum(cutoff, sorted_x.gather(1, kept - 1))
         row_max = sorted_x[:, :1]
     elif use_k:
         top = x.topk(max_k, dim=-1).values  # cheaper than a full sort when k is small
