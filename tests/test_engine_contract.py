@@ -112,7 +112,19 @@ def test_bad_input_raises_typed_errors_and_leaves_nothing_queued(llm):
                            ("temperature", {"temperature": -1.0}), ("seed", {"seed": 2**63})]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**options)
+    # The batch's shape: each once a bare TypeError or ValueError, and a priority that reached
+    # the scheduler's queue left every later call failing.
+    for call, field in [(lambda: llm.generate(None, greedy()), "prompt"),
+                        (lambda: llm.generate(b"hello", greedy()), "prompt"),
+                        (lambda: llm.generate(["a", "b"], [greedy()]), "sampling_params"),
+                        (lambda: llm.generate("a", {"max_tokens": 2}), "sampling_params"),
+                        (lambda: llm.generate("a", greedy(), lora_request="x"), "lora_request"),
+                        (lambda: llm.generate(["a", "b", "c"], greedy(), priority=[1, "x", 2]), "priority")]:
+        with pytest.raises(InvalidRequestError) as error:
+            call()
+        assert error.value.field == field
     assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate(["a", "b"], greedy(), use_tqdm=False)) == 2
 
 
 def test_a_colliding_sample_id_rejects_the_request_whole(llm, prompts, reference):

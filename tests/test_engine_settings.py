@@ -3,7 +3,8 @@ vLLM-only ones included, is named); what triode reads from a model's config.json
 generation_config.json (triode.engine.model.generation_config): every end-of-sequence id, sampling
 defaults, the ``--generation-config`` modes, malformed files named in the error; and the
 server's request parsing applying those defaults only to the fields a request leaves unset;
-whether requests may bring a chat template."""
+whether requests may bring a chat template. Values of the wrong type, in EngineArgs and
+SamplingParams alike, are refused naming the field (triode.engine.field_types)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import pytest
 
 from triode.engine.config import EngineArgs
+from triode.engine.sampling_params import SamplingParams
 from triode.engine.errors import InvalidRequestError, ModelLoadError
 from triode.engine.model.generation_config import read_generation_defaults
 from triode.frontend.openai.errors import APIError
@@ -95,6 +97,52 @@ def test_unknown_engine_arguments_are_named():
     with pytest.raises(InvalidRequestError, match=r"max_num_seq: unknown.*max_num_seqs"):
         EngineArgs.from_options(max_num_seq=4)
     assert EngineArgs.from_options(max_num_seqs=4).max_num_seqs == 4
+
+
+# Each once passed its range check and failed later: inside a worker step, on every retry of it
+# until the engine died (top_k=1.5, seed=1.5, logprobs=True), in an actor (stop=[1, 2],
+# skip_special_tokens=None, n=2.5), in a loop that never ended (n=10**30), or as a bare
+# TypeError or AttributeError deep inside.
+WRONG_SAMPLING = [
+    ({"top_k": 1.5}, "top_k: expected an integer, got float 1.5"),
+    ({"seed": 1.5}, "seed: expected an integer or None"),
+    ({"logprobs": True}, "logprobs: expected an integer or None, got bool True"),
+    ({"n": 2.5}, "n: expected an integer"),
+    ({"n": 10**30}, "n: must be in [1, 128]"),
+    ({"stop": [1, 2]}, "stop: expected a string or a list of strings"),
+    ({"stop": b"x"}, "stop: expected a string or a list of strings, got bytes"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids: expected a list of integers"),
+    ({"skip_special_tokens": None}, "skip_special_tokens: expected true or false"),
+    ({"temperature": None}, "temperature: expected a finite number"),
+    ({"temperature": float("inf")}, "temperature: expected a finite number, got float inf"),
+    ({"top_p": "0.5"}, "top_p: expected a finite number, got str"),
+    ({"logit_bias": {"a": 1}}, "logit_bias: keys must be token ids, got 'a'"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias: the bias of token 1 must be a finite number"),
+    ({"output_kind": "delta"}, "output_kind: expected an OutputKind"),
+]
+WRONG_ENGINE = [
+    ({"step_timeout": float("nan")}, "step_timeout: expected a number, got float nan"),
+    ({"block_size": 3.5}, "block_size: expected an integer"),
+    ({"max_model_len": "100"}, "max_model_len: expected an integer or None, got str"),
+    ({"max_model_len": True}, "max_model_len: expected an integer or None, got bool"),
+    ({"model": 123}, "model: expected a string or None"),
+    ({"kv_cache_memory": 2.5e8}, "kv_cache_memory: 250000000.0 is not a size"),
+    ({"enable_lora": "no"}, "enable_lora: expected true or false, got str"),
+    ({"seed": "x"}, "seed: expected an integer, got str"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), WRONG_SAMPLING + WRONG_ENGINE)
+def test_values_of_the_wrong_type_are_refused_naming_the_field(options, message):
+    kind = SamplingParams if (options, message) in WRONG_SAMPLING else EngineArgs
+    with pytest.raises(InvalidRequestError) as error:
+        kind(**options)
+    assert str(error.value).startswith(message) and error.value.field == next(iter(options))
+
+
+def test_the_types_a_field_admits_still_pass():
+    assert SamplingParams(temperature=0, top_p=1, logit_bias={"5": 2}, stop=("a",), seed=None).temperature == 0
+    assert EngineArgs(kv_cache_memory="1GiB", step_timeout=5, gpu_memory_utilization=0.5).step_timeout == 5
 
 
 def test_server_requests_take_the_defaults_only_where_unset(tmp_path):

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.field_types import check_field, check_field_types
 from triode.engine.kv_events.config import KVEventsConfig, kv_events_config
 from triode.engine.model.pooling import CONVERTS, RUNNERS, PoolerConfig, pooler_config
 from triode.engine.spec_decode.config import SpeculativeConfig, speculative_config
@@ -22,6 +23,7 @@ GiB = 1 << 30
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    check_field(attribute, value)
     if value is not None and value <= 0:
         raise InvalidRequestError(f"{attribute.name} must be positive, got {value}", field=attribute.name)
 
@@ -48,8 +50,10 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
 
 def parse_size(text: str | int) -> int:
     """Bytes from ``4096``, ``512MiB``, ``2GiB``, ``1.5GB``..."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
+    if not isinstance(text, str):
+        raise ValueError(f"{text!r} is not a size (e.g. 4096, 512MiB, 2GiB)")
     stripped = text.strip().lower()
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz ")
     unit = stripped[len(number):].strip()
@@ -78,6 +82,7 @@ _VLLM_ONLY_ARGS = {
 
 
 def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    check_field(attribute, value)
     if value is not None and not 0 < value <= 1:
         raise InvalidRequestError(f"{attribute.name} must be in (0, 1]; got {value!r}", field=attribute.name)
 
@@ -177,6 +182,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = attrs.field(default=None, converter=speculative_config)
 
     def __attrs_post_init__(self) -> None:
+        check_field_types(self)
         if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):
             raise InvalidRequestError(
                 f"quantization {self.quantization} keeps the weights quantized for the CPU kernels: "

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from triode.engine.chat_options import ChatMessage, ChatOptions
 from triode.engine.config import EngineArgs
+from triode.engine.errors import InvalidRequestError
 from triode.engine.inputs import PromptInput
 from triode.engine.llm_engine import LLMEngine
 from triode.engine.lora.request import LoRARequest
@@ -57,7 +58,7 @@ class LLM:
         adapter of every prompt, or one per prompt (None: the base model's)."""
         batch = _as_batch(prompts)
         if priority is not None and len(priority) != len(batch):
-            raise ValueError(f"priority: {len(priority)} values for {len(batch)} prompts")
+            raise InvalidRequestError(f"priority: {len(priority)} values for {len(batch)} prompts", field="priority")
         return self._run(batch, sampling_params, use_tqdm=use_tqdm, priority=priority,
                          loras=_loras_per_prompt(lora_request, len(batch)))
 
@@ -171,15 +172,21 @@ def _loras_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] |
                       count: int) -> list[LoRARequest | None]:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * count
+    if not isinstance(lora_request, list | tuple):
+        raise InvalidRequestError(f"lora_request: expected a LoRARequest or a list of them, got "
+                                  f"{type(lora_request).__name__}", field="lora_request")
     loras = list(lora_request)
     if len(loras) != count:
-        raise ValueError(f"lora_request: {len(loras)} adapters for {count} prompts")
+        raise InvalidRequestError(f"lora_request: {len(loras)} adapters for {count} prompts", field="lora_request")
     return loras
 
 
 def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, str | Mapping):
         return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise InvalidRequestError(f"prompts: expected a prompt or a list of them, got {type(prompts).__name__}",
+                                  field="prompt")
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [cast("list[int]", items)]  # one prompt given as token ids
@@ -190,7 +197,11 @@ def _per_prompt(params: Any, count: int, kind: type) -> list[Any]:
     """One ``kind`` (SamplingParams or PoolingParams) for every prompt, or one per prompt."""
     if isinstance(params, kind):
         return [params] * count
+    field = "sampling_params" if kind.__name__ == "SamplingParams" else "pooling_params"
+    if not isinstance(params, list | tuple) or not all(isinstance(p, kind) for p in params):
+        raise InvalidRequestError(f"{field}: expected {kind.__name__} or a list of them, got "
+                                  f"{type(params).__name__}", field=field)
     each: list[Any] = list(params)
     if len(each) != count:
-        raise ValueError(f"{kind.__name__}: {len(each)} given for {count} prompts")
+        raise InvalidRequestError(f"{field}: {len(each)} {kind.__name__} given for {count} prompts", field=field)
     return each

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from triode.engine.errors import InvalidRequestError
+from triode.engine.field_types import check_field_types
 from triode.engine.pooling_params import check_truncation
 from triode.engine.structured.params import (
     StructuredOutputsParams,  # vLLM imports it from here too
@@ -17,6 +19,8 @@ from triode.engine.structured.params import (
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
+# Samples a request may ask for (n): each is a sequence of its own.
+MAX_N = 128
 
 
 class OutputKind(enum.Enum):
@@ -29,16 +33,18 @@ def _fail(field: str, message: str) -> None:
     raise InvalidRequestError(f"{field}: {message}", field=field)
 
 
-def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+def _stop_tuple(value: Any) -> Any:
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
-    return tuple(value)
+    return tuple(value) if isinstance(value, list | tuple) else value  # anything else: refused by type
 
 
-def _int_tuple(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
-    return () if value is None else tuple(value)
+def _int_tuple(value: Any) -> Any:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else value
 
 
 def _structured(value: StructuredOutputsParams | Mapping[str, Any] | None) -> StructuredOutputsParams | None:
@@ -52,10 +58,20 @@ def _structured(value: StructuredOutputsParams | Mapping[str, Any] | None) -> St
     return StructuredOutputsParams(**value)
 
 
-def _bias_items(value: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
+def _bias_items(value: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
     if not value:
         return ()
-    return tuple(sorted((int(k), float(v)) for k, v in dict(value).items()))
+    if not isinstance(value, Mapping):
+        _fail("logit_bias", f"expected a mapping of token ids to biases, got {type(value).__name__}")
+    items = []
+    for token, bias in value.items():
+        if isinstance(token, bool) or not isinstance(token, int | str) or (
+                isinstance(token, str) and not token.lstrip("-").isdigit()):
+            _fail("logit_bias", f"keys must be token ids, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            _fail("logit_bias", f"the bias of token {token} must be a finite number, got {bias!r}")
+        items.append((int(token), float(bias)))
+    return tuple(sorted(items))
 
 
 @attrs.frozen(kw_only=True)
@@ -88,8 +104,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=check_truncation)
 
     def __attrs_post_init__(self) -> None:
-        if self.n < 1:
-            _fail("n", f"must be at least 1, got {self.n}")
+        check_field_types(self, finite=True)
+        if not isinstance(self.output_kind, OutputKind):
+            _fail("output_kind", f"expected an OutputKind, got {self.output_kind!r}")
+        if not 1 <= self.n <= MAX_N:
+            _fail("n", f"must be in [1, {MAX_N}], got {self.n}")
         if not self.temperature >= 0.0:
             _fail("temperature", f"must be non-negative, got {self.temperature}")
         if self.top_k < -1:

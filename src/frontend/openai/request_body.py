@@ -14,14 +14,13 @@ from quart import Request
 
 from triode.engine.errors import InvalidRequestError
 from triode.engine.model.generation_config import GenerationDefaults
-from triode.engine.sampling_params import OutputKind, SamplingParams
+from triode.engine.sampling_params import MAX_N, OutputKind, SamplingParams
 from triode.engine.structured.params import StructuredOutputsParams
 from triode.frontend.openai.errors import bad_request, from_engine_error
 
 log = logging.getLogger("triode.frontend")
 
 _INT64 = (-(2**63), 2**63 - 1)
-MAX_N = 128
 _unknown_logged: set[tuple[str, str]] = set()
 
 

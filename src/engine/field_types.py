@@ -1,0 +1,78 @@
+"""The simple fields of a frozen attrs config checked against their annotations.
+
+A value of the wrong type that passes a range check (``top_k=1.5``, ``seed=1.5``,
+``logprobs=True``) used to fail only inside a worker step, where every retry of the step
+failed the same way until the restart budget ended the engine. Checked at construction, it is
+an ``InvalidRequestError`` naming the field. Annotations this module does not know (enums,
+nested configs, mappings) are left to the class's own validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from triode.engine.errors import InvalidRequestError
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)) and not math.isnan(value)
+
+
+def _finite(value: Any) -> bool:
+    return _number(value) and math.isfinite(value)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(item, str) for item in value)
+
+
+def _integers(value: Any) -> bool:
+    return isinstance(value, tuple) and all(_integer(item) for item in value)
+
+
+# annotation (as a string: the modules use postponed annotations) -> (check, what it expects)
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_integer, "an integer"),
+    "float": (_number, "a number"),
+    "bool": (lambda value: isinstance(value, bool), "true or false"),
+    "str": (lambda value: isinstance(value, str), "a string"),
+    "tuple[str, ...]": (_strings, "a string or a list of strings"),
+    "tuple[int, ...]": (_integers, "a list of integers"),
+}
+
+
+def check_field_types(instance: Any, *, finite: bool = False) -> None:
+    """Raises ``InvalidRequestError`` naming the first field of ``instance`` whose value is not
+    of its annotated type (``X | None`` admits None; an int is a number, a bool is not; NaN is
+    not a number, nor an infinity with ``finite``)."""
+    for field in attrs.fields(type(instance)):
+        check_field(field, getattr(instance, field.name), finite=finite)
+
+
+def check_field(field: attrs.Attribute[Any], value: Any, *, finite: bool = False) -> None:
+    """:func:`check_field_types` for one field: for validators that compare the value, which
+    attrs runs before ``__attrs_post_init__``."""
+    annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    optional = annotation.endswith(" | None")
+    known = _CHECKS.get(annotation.removesuffix(" | None"))
+    if known is None or (value is None and optional):
+        return
+    check, expected = known
+    if check is _number and finite:
+        check, expected = _finite, "a finite number"
+    if not check(value):
+        raise InvalidRequestError(f"{field.name}: expected {expected}{' or None' if optional else ''}, "
+                                  f"got {_shown(value)}", field=field.name)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
