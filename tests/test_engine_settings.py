@@ -13,9 +13,9 @@ import json
 import pytest
 
 from triode.engine.config import EngineArgs
-from triode.engine.sampling_params import SamplingParams
 from triode.engine.errors import InvalidRequestError, ModelLoadError
 from triode.engine.model.generation_config import read_generation_defaults
+from triode.engine.sampling_params import SamplingParams
 from triode.frontend.openai.errors import APIError
 from triode.frontend.openai.requests import parse_chat, parse_completion
 from triode.frontend.server.settings import ServerSettings

@@ -10,6 +10,7 @@ import socket
 import httpx2
 import openai
 import pytest
+import torch
 
 from tests.http_server import BIN, ServerProcess, alive, children, running, triode_serve, wait_until
 
@@ -57,6 +58,20 @@ def test_a_model_that_cannot_load_fails_start_up(tmp_path):
     assert server.wait_exit(60) == 2
     assert "could not start" in server.output and "no such model" in server.output
     assert "triode: serving" not in server.output
+
+
+def test_a_port_out_of_range_and_a_missing_gpu_are_plain_errors(tiny_model_factory):
+    """Each was a Python traceback: an OverflowError from bind(), an AssertionError from torch."""
+    model = str(tiny_model_factory("llama"))
+    server = ServerProcess([str(BIN / "triode"), "serve", model, "--port", "99999"])
+    assert server.wait_exit(60) == 2
+    assert "--port: 99999 is not a TCP port (0-65535)" in server.output and "Traceback" not in server.output
+    if torch.cuda.is_available():
+        return
+    server = ServerProcess([str(BIN / "triode"), "serve", model, "--host", "127.0.0.1", "--port", "0",
+                            "--device", "cuda"])
+    assert server.wait_exit(60) == 2
+    assert "--device cuda: this torch sees no CUDA device" in server.output and "Traceback" not in server.output
 
 
 def test_a_port_in_use_fails_before_the_model_loads(tiny_model_factory):

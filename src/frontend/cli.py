@@ -37,6 +37,13 @@ def _serve(namespace: argparse.Namespace) -> int:
     return serve.run(create_app(args, settings), host=namespace.host, port=namespace.port)
 
 
+def _port(text: str) -> int:
+    port = int(text)  # argparse reports a ValueError as "invalid _port value"
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triode", description="trio-native LLM inference and serving")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -44,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", help="model to serve")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed)")
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; "
                             "default: $TRIODE_API_KEY, comma-separated)")

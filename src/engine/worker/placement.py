@@ -31,6 +31,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: this torch sees no CUDA device (a CPU build, or no GPU); use "
+                             "--device auto or cpu")
     return torch.device(name)
 
 
