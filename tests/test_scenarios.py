@@ -75,6 +75,32 @@ def test_malformed_scenario_files_are_rejected_with_the_field(tmp_path):
         load_scenario(bad)
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    # each was a traceback, a scenario that passed without running, or arguments split per character
+    ('[workload]\nrequests = "lots"', r"\[workload\]: requests: expected an integer"),
+    ("[workload]\nprompt_tokens = [8]", r"prompt_tokens: expected a pair of integers"),
+    ("[workload]\nmax_tokens = [10, 2]", r"max_tokens must be \[low, high\]"),
+    ("[workload]\nrequests = -3", r"needs requests >= 1"),
+    ("[workload]\nconcurrency = 0", r"needs requests >= 1 and concurrency >= 1"),
+    ('[[fault]]\nkind = "sigkill_worker"\nat = "soon"', r"\[fault\]: at: expected a number"),
+    ("fault = 5", r"fault must be \[\[fault\]\] tables"),
+    ('[[faults]]\nkind = "sigkill_worker"', r"unknown top-level keys \['faults'\]"),
+    ('[server]\nargs = "--max-model-len 256"', r"\[server\] args must be a list of strings"),
+])
+def test_malformed_fields_are_refused_before_anything_plays(tmp_path, text, says):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'name = "x"\n{text}\n')
+    with pytest.raises(ScenarioError, match=says):
+        load_scenario(bad)
+
+
+def test_a_file_that_is_not_utf8_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b'name = "\xff"\n')
+    with pytest.raises(ScenarioError, match=r"bad\.toml.*utf-8"):
+        load_scenario(bad)
+
+
 def test_only_client_side_faults_share_the_reference_server():
     by_name = {s.name: s for s in load_scenarios(SCENARIOS)}
     assert not by_name["malformed-burst"].disturbs_server

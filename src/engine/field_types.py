@@ -46,6 +46,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "str": (lambda value: isinstance(value, str), "a string"),
     "tuple[str, ...]": (_strings, "a string or a list of strings"),
     "tuple[int, ...]": (_integers, "a list of integers"),
+    "tuple[int, int]": (lambda value: _integers(value) and len(value) == 2, "a pair of integers"),
 }
 
 

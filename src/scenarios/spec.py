@@ -9,6 +9,8 @@ from typing import Any
 
 import attrs
 
+from triode.engine.field_types import check_field_types
+
 EXTERNAL_FAULTS = ("sigkill_worker", "sigterm_server", "disconnect", "slow_reader", "malformed")
 SERVER_FAULTS = ("sigkill_worker", "sigterm_server")
 ENGINE_FAULTS = {"worker_crash": "crash", "worker_hang": "hang", "worker_raise": "raise"}
@@ -99,43 +101,79 @@ class Scenario:
         return any(f.kind in ENGINE_FAULTS or f.kind in SERVER_FAULTS for f in self.faults)
 
 
-def _build(cls: type, raw: dict[str, Any], path: Path, section: str):
+_SECTIONS = ("name", "description", "server", "workload", "fault", "expect")
+
+
+def _build(cls: type, raw: Any, path: Path, section: str):
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: [{section}] must be a table, got {type(raw).__name__}")
     names = {f.name for f in attrs.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ScenarioError(f"{path}: [{section}] has unknown fields {unknown}; known: {sorted(names)}")
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
     try:
-        return cls(**converted)
+        built = cls(**converted)
+        check_field_types(built)  # a field of the wrong type fails here, not mid-play
     except (TypeError, ValueError) as e:
         raise ScenarioError(f"{path}: [{section}]: {e}") from None
+    return built
+
+
+def _check_workload(workload: Workload, path: Path) -> None:
+    if workload.api not in ("completions", "chat"):
+        raise ScenarioError(f"{path}: [workload] api must be 'completions' or 'chat'")
+    # Nothing sent would pass every check: a scenario must play at least one request.
+    if workload.requests < 1 or (workload.concurrency < 1 and workload.arrival_rate <= 0):
+        raise ScenarioError(f"{path}: [workload] needs requests >= 1 and concurrency >= 1 (or arrival_rate > 0)")
+    for name in ("prompt_tokens", "max_tokens"):
+        low, high = getattr(workload, name)
+        if not 1 <= low <= high:
+            raise ScenarioError(f"{path}: [workload] {name} must be [low, high] with 1 <= low <= high")
+
+
+def _arguments(server: dict[str, Any], name: str, path: Path) -> tuple[str, ...] | None:
+    value = server.get(name)
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ScenarioError(f"{path}: [server] {name} must be a list of strings (one per argument)")
+    return None if value is None else tuple(value)
 
 
 def load_scenario(path: Path) -> Scenario:
     try:
         raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ScenarioError(f"{path}: {e}") from None
     if "name" not in raw:
         raise ScenarioError(f"{path}: a scenario needs a name")
+    if unknown := sorted(set(raw) - set(_SECTIONS)):
+        raise ScenarioError(f"{path}: unknown top-level keys {unknown}; known: {', '.join(_SECTIONS)} "
+                            f"(faults are [[fault]] tables)")
+    if not isinstance(raw.get("fault", []), list):
+        raise ScenarioError(f"{path}: fault must be [[fault]] tables")
     faults = tuple(_build(Fault, f, path, "fault") for f in raw.get("fault", []))
     for fault in faults:
         if fault.kind not in EXTERNAL_FAULTS and fault.kind not in ENGINE_FAULTS:
             known = ", ".join((*EXTERNAL_FAULTS, *ENGINE_FAULTS))
             raise ScenarioError(f"{path}: fault kind {fault.kind!r} is not one of {known}")
     server = raw.get("server", {})
+    if not isinstance(server, dict):
+        raise ScenarioError(f"{path}: [server] must be a table")
     unknown = sorted(set(server) - {"args", "reference_args"})
     if unknown:
         raise ScenarioError(f"{path}: [server] has unknown fields {unknown}; known: args, reference_args")
+    args = _arguments(server, "args", path) or ()
+    reference_args = _arguments(server, "reference_args", path)
     workload = _build(Workload, raw.get("workload", {}), path, "workload")
-    if workload.api not in ("completions", "chat"):
-        raise ScenarioError(f"{path}: [workload] api must be 'completions' or 'chat'")
+    _check_workload(workload, path)
+    if not isinstance(raw["name"], str) or not isinstance(raw.get("description", ""), str):
+        raise ScenarioError(f"{path}: name and description must be strings")
     return Scenario(
         name=raw["name"],
         description=raw.get("description", ""),
         path=path,
-        server_args=tuple(server.get("args", [])),
-        reference_args=tuple(server.get("reference_args", server.get("args", []))),
+        server_args=args,
+        reference_args=args if reference_args is None else reference_args,
         workload=workload,
         faults=faults,
         expect=_build(Expect, raw.get("expect", {}), path, "expect"),
