@@ -296,6 +296,10 @@ async def test_bad_requests_fail_alone(model_dir, autojump_clock):
                 await collect(llm, "", greedy(4))
             with pytest.raises(InvalidRequestError, match="vocabulary"):
                 await collect(llm, [1, 10**6], greedy(4))
+            with pytest.raises(InvalidRequestError, match="request_id: expected a string, got int"):
+                await collect(llm, [1, 2], greedy(4), request_id=123)
+            with pytest.raises(InvalidRequestError, match="priority: expected an integer, got str"):
+                await collect(llm, [1, 2], greedy(4), priority="high")
             with pytest.raises(InvalidRequestError, match="prompt"):
                 await collect(llm, [1] * 300, greedy(4))
             # A lone surrogate (JSON's "\\ud800") is not valid Unicode: the tokenizer raised
@@ -531,3 +535,19 @@ async def test_bad_chat_options_fail_naming_the_field(model_dir, autojump_clock)
                                  greedy(2))
         assert rendered.prompt == "hi!"
         assert llm.statistics().num_waiting == 0
+
+
+async def test_chat_content_given_as_text_parts_is_joined(model_dir, autojump_clock):
+    """OpenAI's array of text parts, as vLLM's LLM.chat takes it (it failed to render); another
+    kind of part is refused naming it."""
+    async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+        template = "{{ messages[0].content }}"
+        parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+        output = await collect(llm, ChatOptions(messages=[{"role": "user", "content": parts}],
+                                                chat_template=template), greedy(2))
+        assert output.prompt == "hi\nthere"
+        image = [*parts, {"type": "image_url", "image_url": {"url": "x"}}]
+        with pytest.raises(InvalidRequestError, match=r"only text parts are supported \(got type 'image_url'\)") as error:
+            await collect(llm, ChatOptions(messages=[{"role": "user", "content": image}], chat_template=template),
+                          greedy(2))
+        assert error.value.field == "messages[0].content[2]"

@@ -140,6 +140,11 @@ def test_values_of_the_wrong_type_are_refused_naming_the_field(options, message)
     assert str(error.value).startswith(message) and error.value.field == next(iter(options))
 
 
+def test_an_empty_variable_is_unset():
+    """TRIODE_MODEL= (an empty value in a unit file) loaded the current directory as the model."""
+    assert EngineArgs.from_env({"TRIODE_MODEL": "", "TRIODE_MAX_NUM_SEQS": ""}) == EngineArgs()
+
+
 def test_the_types_a_field_admits_still_pass():
     assert SamplingParams(temperature=0, top_p=1, logit_bias={"5": 2}, stop=("a",), seed=None).temperature == 0
     assert EngineArgs(kv_cache_memory="1GiB", step_timeout=5, gpu_memory_utilization=0.5).step_timeout == 5

@@ -75,6 +75,30 @@ def _checked_tools_or_none(tools: Any) -> tuple[dict[str, Any], ...] | None:
     return None if tools is None else checked_tools(tools)
 
 
+class UnsupportedContentError(InvalidRequestError):
+    """A message content part of a kind triode does not read (an image, audio...)."""
+
+
+def joined_text(content: Any, name: str) -> str:
+    """Message ``name``'s content as a template reads it: a string, or OpenAI's array of text
+    parts joined by newlines (as vLLM joins them). Another part raises
+    ``UnsupportedContentError``, anything else ``InvalidRequestError``, naming the field."""
+    if isinstance(content, list | tuple):
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                error = UnsupportedContentError if kind not in (None, "text") else InvalidRequestError
+                raise error(f"{name}.content[{index}]: only text parts are supported (got type {kind!r})",
+                            field=f"{name}.content[{index}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"{name}.content: expected a string or an array of text parts",
+                                  field=f"{name}.content")
+    return content
+
+
 def _message_tuple(messages: Iterable[ChatMessage]) -> tuple[ChatMessage, ...]:
     return tuple(messages)
 

@@ -216,7 +216,7 @@ class EngineArgs:
         values: dict[str, Any] = {}
         for field in attrs.fields(cls):
             raw = environ.get(f"TRIODE_{field.name.upper()}")
-            if raw is not None:
+            if raw:  # set and empty (TRIODE_MODEL= in a unit file) is unset, not the current directory
                 values[field.name] = _parse(field, raw)
         values.update(overrides)
         return cls(**values)

@@ -14,7 +14,12 @@ from typing import Any, NotRequired, TypedDict, cast
 import attrs
 from transformers import PreTrainedTokenizerFast
 
-from triode.engine.chat_options import ChatOptions, shipped_tool_template, template_reads_tools
+from triode.engine.chat_options import (
+    ChatOptions,
+    joined_text,
+    shipped_tool_template,
+    template_reads_tools,
+)
 from triode.engine.errors import InvalidRequestError, ModelLoadError
 from triode.engine.lora.adapters import LoRAAdapters
 from triode.engine.lora.request import LoRARequest
@@ -137,9 +142,10 @@ class InputProcessor:
             kwargs["tools"] = [dict(tool) for tool in chat.tools]
             if template is None and not template_reads_tools(self.tokenizer.chat_template):
                 template = shipped_tool_template()
+        messages = [_with_text_content(message, f"messages[{i}]") for i, message in enumerate(chat.messages)]
         try:
             rendered = self.tokenizer.apply_chat_template(
-                [dict(m) for m in chat.messages], chat_template=template,
+                messages, chat_template=template,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message, tokenize=False, **kwargs,
             )
@@ -292,3 +298,10 @@ class InputProcessor:
                     field="prompt",
                 )
         return token_ids
+
+
+def _with_text_content(message: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The message with OpenAI's array of text parts joined into one string, as templates read it."""
+    if isinstance(message.get("content"), list | tuple):
+        return {**message, "content": joined_text(message["content"], name)}
+    return dict(message)

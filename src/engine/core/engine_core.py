@@ -128,6 +128,9 @@ class EngineCore:
         a request the model does not run (generation on a pooling model, or the reverse), or
         a request that could not fit the KV cache raises ``InvalidRequestError``."""
         check_runner(self.runner, params)
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id: expected a string, got {type(request_id).__name__}",
+                                      field="request_id")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority: expected an integer, got {type(priority).__name__}", field="priority")
         scheduler = self.scheduler

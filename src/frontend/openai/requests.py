@@ -16,7 +16,8 @@ from typing import Any
 
 import attrs
 
-from triode.engine.chat_options import ChatOptions
+from triode.engine.chat_options import ChatOptions, UnsupportedContentError, joined_text
+from triode.engine.errors import InvalidRequestError
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.sampling_params import SamplingParams
 from triode.frontend.openai.errors import bad_request
@@ -160,19 +161,11 @@ def parse_messages(reader: Reader) -> tuple[dict[str, Any], ...]:
 
 
 def _text(name: str, content: Any) -> str:
-    if isinstance(content, list):
-        texts = []
-        for part_index, part in enumerate(content):
-            part_name = f"{name}.content[{part_index}]"
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else None
-                raise bad_request(f"{part_name}: only text parts are supported (got type {kind!r})",
-                                  param=part_name, code="unsupported_parameter" if kind else None)
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    if not isinstance(content, str):
-        raise bad_request(f"{name}.content: expected a string or an array of text parts", param=f"{name}.content")
-    return content
+    try:
+        return joined_text(content, name)
+    except InvalidRequestError as error:
+        code = "unsupported_parameter" if isinstance(error, UnsupportedContentError) else None
+        raise bad_request(str(error), param=error.field, code=code) from None
 
 
 def _tool_calls(name: str, calls: Any) -> list[dict[str, Any]]:

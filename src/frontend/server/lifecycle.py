@@ -81,7 +81,9 @@ class EngineHost:
         if state == "draining" or state == "closed":
             raise shutting_down()
         if state == "dead":
-            raise APIError(503, f"the engine failed: {self.error}", code="engine_dead")
+            reason = str(self.error)  # an EngineDeadError already says the engine failed
+            message = reason if isinstance(self.error, EngineDeadError) else f"the engine failed: {reason}"
+            raise APIError(503, message, code="engine_dead")
         raise APIError(503, "the model is still loading", code="loading", headers={"Retry-After": "1"})
 
     async def start(self) -> None:
