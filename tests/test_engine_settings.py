@@ -4,7 +4,7 @@ generation_config.json (triode.engine.model.generation_config): every end-of-seq
 defaults, the ``--generation-config`` modes, malformed files named in the error; and the
 server's request parsing applying those defaults only to the fields a request leaves unset;
 whether requests may bring a chat template. Values of the wrong type, in EngineArgs and
-SamplingParams alike, are refused naming the field (triode.engine.field_types)."""
+SamplingParams alike, are refused naming the field (triode.field_types)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ from typing import Any
 import attrs
 
 from triode.engine.errors import InvalidRequestError
-from triode.engine.field_types import check_field, check_field_types
 from triode.engine.kv_events.config import KVEventsConfig, kv_events_config
 from triode.engine.model.pooling import CONVERTS, RUNNERS, PoolerConfig, pooler_config
 from triode.engine.spec_decode.config import SpeculativeConfig, speculative_config
+from triode.field_types import first_type_problem, type_problem
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -22,8 +22,13 @@ QUANTIZED_ACTIVATIONS = ("auto", "float32", "int8", "int16")
 GiB = 1 << 30
 
 
+def _typed(attribute: attrs.Attribute[Any], value: Any) -> None:
+    if problem := type_problem(attribute, value):
+        raise InvalidRequestError(problem, field=attribute.name)
+
+
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    check_field(attribute, value)
+    _typed(attribute, value)
     if value is not None and value <= 0:
         raise InvalidRequestError(f"{attribute.name} must be positive, got {value}", field=attribute.name)
 
@@ -82,7 +87,7 @@ _VLLM_ONLY_ARGS = {
 
 
 def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    check_field(attribute, value)
+    _typed(attribute, value)
     if value is not None and not 0 < value <= 1:
         raise InvalidRequestError(f"{attribute.name} must be in (0, 1]; got {value!r}", field=attribute.name)
 
@@ -182,7 +187,8 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = attrs.field(default=None, converter=speculative_config)
 
     def __attrs_post_init__(self) -> None:
-        check_field_types(self)
+        if problem := first_type_problem(self):
+            raise InvalidRequestError(problem[1], field=problem[0])
         if self.quantization is not None and (self.dtype != "auto" or self.device == "cuda"):
             raise InvalidRequestError(
                 f"quantization {self.quantization} keeps the weights quantized for the CPU kernels: "

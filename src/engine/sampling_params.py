@@ -5,16 +5,16 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
 from triode.engine.errors import InvalidRequestError
-from triode.engine.field_types import check_field_types
 from triode.engine.pooling_params import check_truncation
 from triode.engine.structured.params import (
     StructuredOutputsParams,  # vLLM imports it from here too
 )
+from triode.field_types import first_type_problem
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -29,7 +29,7 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
-def _fail(field: str, message: str) -> None:
+def _fail(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"{field}: {message}", field=field)
 
 
@@ -58,9 +58,11 @@ def _structured(value: StructuredOutputsParams | Mapping[str, Any] | None) -> St
     return StructuredOutputsParams(**value)
 
 
-def _bias_items(value: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+def _bias_items(value: Mapping[int, float] | tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...]:
     if not value:
         return ()
+    if isinstance(value, tuple) and all(isinstance(item, tuple) and len(item) == 2 for item in value):
+        value = dict(value)  # the converted form, which attrs.evolve passes back in
     if not isinstance(value, Mapping):
         _fail("logit_bias", f"expected a mapping of token ids to biases, got {type(value).__name__}")
     items = []
@@ -104,7 +106,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=check_truncation)
 
     def __attrs_post_init__(self) -> None:
-        check_field_types(self, finite=True)
+        if problem := first_type_problem(self, finite=True):
+            raise InvalidRequestError(problem[1], field=problem[0])
         if not isinstance(self.output_kind, OutputKind):
             _fail("output_kind", f"expected an OutputKind, got {self.output_kind!r}")
         if not 1 <= self.n <= MAX_N:

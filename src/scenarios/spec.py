@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from triode.engine.field_types import check_field_types
+from triode.field_types import first_type_problem
 
 EXTERNAL_FAULTS = ("sigkill_worker", "sigterm_server", "disconnect", "slow_reader", "malformed")
 SERVER_FAULTS = ("sigkill_worker", "sigterm_server")
@@ -114,9 +114,10 @@ def _build(cls: type, raw: Any, path: Path, section: str):
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
     try:
         built = cls(**converted)
-        check_field_types(built)  # a field of the wrong type fails here, not mid-play
     except (TypeError, ValueError) as e:
         raise ScenarioError(f"{path}: [{section}]: {e}") from None
+    if problem := first_type_problem(built):  # a field of the wrong type fails here, not mid-play
+        raise ScenarioError(f"{path}: [{section}]: {problem[1]}")
     return built
 
 

@@ -3,8 +3,9 @@
 A value of the wrong type that passes a range check (``top_k=1.5``, ``seed=1.5``,
 ``logprobs=True``) used to fail only inside a worker step, where every retry of the step
 failed the same way until the restart budget ended the engine. Checked at construction, it is
-an ``InvalidRequestError`` naming the field. Annotations this module does not know (enums,
-nested configs, mappings) are left to the class's own validation.
+an error naming the field. Annotations this module does not know (enums, nested configs,
+mappings) are left to the class's own validation. The engine's configs and the scenario
+runner's files both use it, so it imports nothing of either: callers raise their own errors.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-
-from triode.engine.errors import InvalidRequestError
 
 
 def _integer(value: Any) -> bool:
@@ -50,28 +49,30 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_field_types(instance: Any, *, finite: bool = False) -> None:
-    """Raises ``InvalidRequestError`` naming the first field of ``instance`` whose value is not
-    of its annotated type (``X | None`` admits None; an int is a number, a bool is not; NaN is
-    not a number, nor an infinity with ``finite``)."""
+def first_type_problem(instance: Any, *, finite: bool = False) -> tuple[str, str] | None:
+    """(field, message) for the first field of ``instance`` whose value is not of its annotated
+    type (``X | None`` admits None; an int is a number, a bool is not; NaN is not a number, nor
+    an infinity with ``finite``), or None."""
     for field in attrs.fields(type(instance)):
-        check_field(field, getattr(instance, field.name), finite=finite)
+        if problem := type_problem(field, getattr(instance, field.name), finite=finite):
+            return field.name, problem
+    return None
 
 
-def check_field(field: attrs.Attribute[Any], value: Any, *, finite: bool = False) -> None:
-    """:func:`check_field_types` for one field: for validators that compare the value, which
-    attrs runs before ``__attrs_post_init__``."""
+def type_problem(field: attrs.Attribute[Any], value: Any, *, finite: bool = False) -> str | None:
+    """:func:`first_type_problem` for one field, for validators that compare the value (attrs
+    runs them before ``__attrs_post_init__``): the message, or None."""
     annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
     optional = annotation.endswith(" | None")
     known = _CHECKS.get(annotation.removesuffix(" | None"))
     if known is None or (value is None and optional):
-        return
+        return None
     check, expected = known
     if check is _number and finite:
         check, expected = _finite, "a finite number"
-    if not check(value):
-        raise InvalidRequestError(f"{field.name}: expected {expected}{' or None' if optional else ''}, "
-                                  f"got {_shown(value)}", field=field.name)
+    if check(value):
+        return None
+    return f"{field.name}: expected {expected}{' or None' if optional else ''}, got {_shown(value)}"
 
 
 def _shown(value: Any) -> str:
