@@ -22,11 +22,15 @@ def _integer(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)) and not math.isnan(value)
+    return _integer(value) or (isinstance(value, float) and not math.isnan(value))
 
 
 def _finite(value: Any) -> bool:
-    return _number(value) and math.isfinite(value)
+    # An int past float's range (10**400) would be infinite wherever it is used as a float.
+    return (_integer(value) and abs(value) <= _LARGEST_FLOAT) or (isinstance(value, float) and math.isfinite(value))
+
+
+_LARGEST_FLOAT = int(float("1.7976931348623157e308"))
 
 
 def _strings(value: Any) -> bool:

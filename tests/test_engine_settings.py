@@ -115,6 +115,7 @@ WRONG_SAMPLING = [
     ({"skip_special_tokens": None}, "skip_special_tokens: expected true or false"),
     ({"temperature": None}, "temperature: expected a finite number"),
     ({"temperature": float("inf")}, "temperature: expected a finite number, got float inf"),
+    ({"temperature": 10**400}, "temperature: expected a finite number, got int"),  # once an OverflowError
     ({"top_p": "0.5"}, "top_p: expected a finite number, got str"),
     ({"logit_bias": {"a": 1}}, "logit_bias: keys must be token ids, got 'a'"),
     ({"logit_bias": {1: float("nan")}}, "logit_bias: the bias of token 1 must be a finite number"),
