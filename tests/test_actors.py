@@ -17,7 +17,12 @@ from tests.fake_workers import FakeWorkerGroup, fake_token
 from triode.engine.async_llm import AsyncLLM
 from triode.engine.chat_options import ChatOptions
 from triode.engine.config import EngineArgs
-from triode.engine.errors import EngineDeadError, InvalidRequestError, QueueFull
+from triode.engine.errors import (
+    EngineDeadError,
+    EngineShutdownError,
+    InvalidRequestError,
+    QueueFull,
+)
 from triode.engine.sampling_params import OutputKind, SamplingParams
 from triode.engine.worker_messages import StepPlan
 
@@ -551,3 +556,35 @@ async def test_chat_content_given_as_text_parts_is_joined(model_dir, autojump_cl
             await collect(llm, ChatOptions(messages=[{"role": "user", "content": image}], chat_template=template),
                           greedy(2))
         assert error.value.field == "messages[0].content[2]"
+
+
+@pytest.mark.parametrize("block_raises", [False, True])
+async def test_closing_the_engine_ends_requests_consumed_outside_it(model_dir, autojump_clock, block_raises):
+    """A consumer outside ``AsyncLLM.open``'s block is not cancelled with it: when the block
+    ends, normally or by its own exception (which is not the engine failing), the request
+    fails with EngineShutdownError instead of waiting for ever."""
+    ready, opened, errors = trio.Event(), {}, []
+
+    async def engine() -> None:
+        try:
+            async with open_engine(model_dir, FakeWorkerGroup()) as llm:
+                opened["llm"] = llm
+                ready.set()
+                await trio.sleep(1.0)  # mock time: the request is mid-way
+                if block_raises:
+                    raise ValueError("the caller's own fault")
+        except* ValueError:
+            assert block_raises
+
+    async def client() -> None:
+        await ready.wait()
+        try:
+            await collect(opened["llm"], [1, 2, 3], greedy(10_000), request_id="long")
+        except (EngineShutdownError, EngineDeadError) as error:
+            errors.append(error)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine)
+        nursery.start_soon(client)
+    assert len(errors) == 1
+    assert type(errors[0]) is EngineShutdownError and "closed while the request was open" in str(errors[0])

@@ -103,6 +103,7 @@ class AsyncLLM:
             to_output, output_inbox = trio.open_memory_channel[OutputMessage](_ACTOR_CHANNEL_SIZE)
             stack.enter_context(to_scheduler)
             llm: AsyncLLM | None = None
+            body_raised = False
             try:
                 async with trio.open_nursery() as nursery:
                     supervisor = await nursery.start(
@@ -127,13 +128,19 @@ class AsyncLLM:
                               scheduler=scheduler, output=output, to_scheduler=to_scheduler)
                     try:
                         yield llm
+                    except Exception:
+                        body_raised = True  # the caller's block, not an actor (whose failure cancels it)
+                        raise
                     finally:
                         llm._accepting = False
                         nursery.cancel_scope.cancel()
-            except Exception as error:  # an actor failed: its nursery cancelled the rest
-                if llm is not None:
+            except Exception as error:
+                if llm is not None and not body_raised:  # an actor failed: its nursery cancelled the rest
                     llm._fail_open_requests(error)
                 raise
+            finally:
+                if llm is not None:
+                    llm._end_open_requests()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without SamplingParams: vLLM's defaults under the model's
@@ -273,8 +280,7 @@ class AsyncLLM:
             raise self._failure
 
     def _fail_open_requests(self, error: Exception) -> None:
-        """An actor raised: the engine is gone, so every open request fails with the reason
-        (their consumers run outside the engine's nursery and would wait for ever)."""
+        """An actor raised: the engine is gone, so every open request fails with the reason."""
         leaves = _leaves(error)
         reason = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves)
         self._failure = EngineDeadError(f"the engine failed: {reason}")
@@ -282,6 +288,12 @@ class AsyncLLM:
         self._accepting = False
         for stream in self._open.values():
             stream.fail(self._failure)
+
+    def _end_open_requests(self) -> None:
+        """The engine has closed: a request still open (its consumer outside the engine's
+        nursery) fails rather than waiting for outputs that will not come."""
+        for stream in self._open.values():
+            stream.fail(EngineShutdownError("the engine closed while the request was open"))
 
     @property
     def num_open_requests(self) -> int:
