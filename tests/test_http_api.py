@@ -207,6 +207,35 @@ def test_echo_and_completion_logprobs(client):
     assert echoed[0] == choice.text
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, url):
+    """lm-eval's loglikelihood requests: echo, max_tokens 0 and logprobs return the prompt and
+    its logprobs, nothing generated, as vLLM serves them."""
+    prompt = ["The quick brown fox", "jumps over"]
+    generated = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=1, echo=True,
+                                          extra_body={"ignore_eos": True}, **greedy())
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True,
+                                       **greedy())
+    assert len(scored.choices) == len(generated.choices) == 2
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == generated.usage.prompt_tokens
+    for text, score, full in zip(prompt, scored.choices, generated.choices, strict=True):
+        count = len(tokenize(url, text))
+        assert score.text == text and score.finish_reason == "length"
+        assert len(score.logprobs.tokens) == len(score.logprobs.token_logprobs) == count
+        assert score.logprobs.tokens == full.logprobs.tokens[:count]
+        assert score.logprobs.token_logprobs == pytest.approx(full.logprobs.token_logprobs[:count])
+        assert score.logprobs.token_logprobs[0] is None
+    streamed, finishes, chunks = collect_completion_stream(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True, stream=True,
+        stream_options={"include_usage": True}, **greedy()))
+    assert streamed == {0: prompt[0], 1: prompt[1]} and finishes == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 0
+    for body, field in [({"max_tokens": 0}, "max_tokens"),
+                        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens")]:
+        reply = httpx2.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
 def test_chat_response_shape_follows_the_openai_schema(url):
     """``message.refusal`` is required (nullable); ``system_fingerprint`` may be omitted but
     is never null."""

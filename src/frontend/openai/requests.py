@@ -45,6 +45,9 @@ class GenerationRequest:
     prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: one engine request each
     chat: ChatOptions | None = None  # chat: a single engine request
     echo: bool = False
+    # completions: echo with max_tokens 0, which scores the prompt (lm-eval's loglikelihood
+    # requests, as vLLM serves them): the engine samples one token that the response leaves out
+    score_only: bool = False
     logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs is true
     # the engine's name for a field -> the request's (response_format's parts, guided_*)
     param_names: Mapping[str, str] = attrs.field(factory=dict)
@@ -74,15 +77,20 @@ def parse_completion(body: dict[str, Any], defaults: GenerationDefaults | None =
     echo = reader.bool("echo", False)
     logprobs = reader.int("logprobs")
     max_tokens = reader.int("max_tokens", 16) if body.get("max_tokens", 16) is not None else None
+    score_only = echo and max_tokens == 0
+    if max_tokens == 0 and not echo:
+        raise reader.fail("max_tokens", "must be at least 1, or 0 with echo to score the prompt")
+    if score_only and reader.int("min_tokens", 0) > 0:
+        raise reader.fail("min_tokens", "must be 0 when max_tokens is 0")
     constraint = read_constraint(reader)
-    params = read_sampling(reader, max_tokens=max_tokens, logprobs=logprobs,
+    params = read_sampling(reader, max_tokens=1 if score_only else max_tokens, logprobs=logprobs,
                            prompt_logprobs=logprobs if echo else None, stream=common["stream"].stream,
                            defaults=defaults, structured_outputs=constraint.params)
     if len(prompts) * params.n > MAX_CHOICES:
         raise reader.fail("n", f"{len(prompts)} prompts x n={params.n} exceeds {MAX_CHOICES} choices")
     reader.log_unknown()
-    return GenerationRequest(**common, params=params, prompts=prompts, echo=echo, logprobs=logprobs,
-                             param_names=constraint.names)
+    return GenerationRequest(**common, params=params, prompts=prompts, echo=echo, score_only=score_only,
+                             logprobs=logprobs, param_names=constraint.names)
 
 
 @attrs.frozen(kw_only=True)

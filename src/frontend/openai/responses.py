@@ -46,7 +46,8 @@ class ResponseBuilder:
             self._counted_prompts.add(prompt_index)
             self.prompt_tokens += len(output.prompt_token_ids)
             self.cached_tokens += output.num_cached_tokens
-        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        if not self.request.score_only:
+            self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -71,11 +72,15 @@ class ResponseBuilder:
         if self.request.logprobs is not None and formatter is None:
             formatter = self._logprobs[index] = CompletionLogprobs(self.token_text, self.request.logprobs)
         if first and self.request.echo:
-            prompt_text = self._prompt_text(output)
-            text = prompt_text + text
+            text = self._prompt_text(output) + ("" if self.request.score_only else text)
             if formatter is not None:
                 prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
                 logprobs = formatter.format(output.prompt_token_ids, prompt_entries)
+        if self.request.score_only:
+            # the one token sampled after the prompt is not part of the answer: max_tokens was 0
+            finished = c.finish_reason is not None
+            return {"index": index, "text": text if first else "", "logprobs": logprobs,
+                    "finish_reason": "length" if finished else None, "stop_reason": None}
         if formatter is not None:
             generated = formatter.format(c.token_ids, c.logprobs or ())
             logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in logprobs}
