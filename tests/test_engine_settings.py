@@ -9,6 +9,7 @@ SamplingParams alike, are refused naming the field (triode.field_types)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -198,3 +199,13 @@ def test_tool_reasoning_and_template_settings(tmp_path):
     assert ServerSettings(chat_template="{% for m in messages %}{% endfor %}").chat_template.startswith("{%")
     with pytest.raises(InvalidRequestError, match="neither a file nor a Jinja template"):
         ServerSettings(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_every_serve_option_names_its_default_once():
+    from triode.frontend.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    helps = [action.help for action in serve._actions if action.help and action.option_strings]
+    assert len(helps) > 40
+    for text in helps:  # a text that names its default is not given a second "(default: ...)"
+        assert re.search(r"\(default.*\) \(default: [^)]*\)$", text) is None, text

@@ -74,7 +74,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
             continue
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
-        help_text = f"{_HELP.get(field.name, field.name.replace('_', ' '))} (default: {default})"
+        described = _HELP.get(field.name, field.name.replace('_', ' '))
+        # a help text that names its own default (a variable, the model's limit) says it once
+        help_text = described if "(default" in described else f"{described} (default: {default})"
         kind = str(field.type)
         if kind.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
