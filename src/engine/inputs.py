@@ -6,6 +6,7 @@ intake actor (which runs it in a worker thread: tokenizers release the GIL) shar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -136,24 +137,30 @@ class InputProcessor:
         if chat.continue_final_message and chat.add_generation_prompt:
             raise InvalidRequestError("continue_final_message: cannot be combined with "
                                       "add_generation_prompt", field="continue_final_message")
-        kwargs = dict(chat.chat_template_kwargs or {})
-        template = chat.chat_template
+        given = dict(chat.chat_template_kwargs or {})
+        template, tools = chat.chat_template, dict[str, Any]()
         if chat.tools:
-            kwargs["tools"] = [dict(tool) for tool in chat.tools]
+            tools = {"tools": [dict(tool) for tool in chat.tools]}
             if template is None and not template_reads_tools(self.tokenizer.chat_template):
                 template = shipped_tool_template()
         messages = [_with_text_content(message, f"messages[{i}]") for i, message in enumerate(chat.messages)]
+
+        def render(kwargs: dict[str, Any]) -> str:
+            return cast(str, self.tokenizer.apply_chat_template(  # tokenize=False: the text
+                messages, chat_template=template, add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message, tokenize=False, **kwargs))
+
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, chat_template=template,
-                add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message, tokenize=False, **kwargs,
-            )
+            return render({**given, **tools})
         except Exception as e:  # a template may raise anything for input it rejects
-            field = "chat_template" if chat.chat_template is not None else "messages"
-            raise InvalidRequestError(f"{field}: the chat template did not render: "
-                                      f"{type(e).__name__}: {e}", field=field) from e
-        return cast(str, rendered)  # tokenize=False: the text
+            error = e
+        field = "chat_template" if chat.chat_template is not None else "messages"
+        if given:
+            with contextlib.suppress(Exception):  # rendered without them: the kwargs were the cause
+                render(tools)
+                field = "chat_template_kwargs"
+        raise InvalidRequestError(f"{field}: the chat template did not render: "
+                                  f"{type(error).__name__}: {error}", field=field) from error
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raises ``LoRAAdapterError`` for an adapter the model cannot run (its files are read
