@@ -468,6 +468,26 @@ def test_linear_refuses_what_the_kernels_would_misread(arguments, message, inter
 
 
 @pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no interleaved kernels")
+def test_the_internal_entry_points_refuse_a_wrong_block_or_range():
+    """Called by triode's own code only, with the right values; a wrong block size would read
+    past each row, and a negative range write before the output."""
+    import ctypes
+
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    interleave = native.bind("triode_quant_x16_interleave", i32, pointer, i64, i64, i32, pointer)
+    linear_q8 = native.bind("triode_quant_x16_linear_q8", i32, i32, pointer, i64, i32, pointer, i64, pointer,
+                            pointer, i64, i64, i64)
+    q8_0 = QUANT_TYPES["Q8_0"][0]
+    rows = torch.from_numpy(random_blocks("Q8_0", 16, 64, 4))
+    into = torch.empty_like(rows)
+    assert [interleave(q8_0, rows.data_ptr(), 68, 16, block, into.data_ptr()) for block in (34, 17, 68)] == [0, -2, -2]
+    y = torch.empty(1, 16)
+    status = [linear_q8(q8_0 | 0x100, 1, None, 1, 64, into.data_ptr(), 68, None, y.data_ptr(), 16, first, last)
+              for first, last in ((0, 0), (-16, 0), (16, 0))]
+    assert status == [0, -2, -2]
+
+
+@pytest.mark.skipif(not interleaved_kernels_available(), reason="this CPU has no interleaved kernels")
 @pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize("kind", sorted(QUANT_TYPES))
 def test_integer_activations_carry_a_nan_or_an_infinity_to_the_outputs(kind, activations, isa):

@@ -25,13 +25,27 @@
 
 #define NOT_BUILT -4
 
+/* A block's bytes for each type this layout keeps, else 0: quant_blocks.h's block_bytes,
+ * which this portable part cannot include (it needs AVX2). */
+static int kept_block_bytes(int type) {
+    switch (type) {
+        case 2: return 18;
+        case 3: return 20;
+        case 8: return 34;
+        case 12: return 144;
+        case 13: return 176;
+        case 14: return 210;
+        default: return 0;
+    }
+}
+
 /* Rows of a matrix, interleaved into dst: 0, -1 for a type not kept here, -2 when out is not
- * a multiple of 16. Portable C: it runs once per matrix at load. */
+ * a multiple of 16 or `block` is not the type's. Portable C: it runs once per matrix at load. */
 int triode_quant_x16_interleave(int type, const uint8_t *src, int64_t row_bytes, int64_t out, int block,
                                 uint8_t *dst)
 {
-    if (type != 2 && type != 3 && type != 8 && type != 12 && type != 13 && type != 14) return -1;
-    if (out % X16_ROWS || block <= 0 || row_bytes % block) return -2;
+    if (!kept_block_bytes(type)) return -1;
+    if (out % X16_ROWS || block != kept_block_bytes(type) || row_bytes % block) return -2;
     const int64_t blocks = row_bytes / block, groups = out / X16_ROWS;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++)
@@ -212,13 +226,14 @@ int triode_quant_x16_linear(int type, int wide, const float *x, int64_t x_stride
 
 /* Features [first, last) from activations quantized by triode_q8_quantize_rows (int8, or
  * `wide`), on the calling thread (decode_stack.c's share of a matrix); `w`
- * is the whole matrix. last = first checks the arguments. */
+ * is the whole matrix. last = first checks the arguments; -2 where first < 0 or last < first. */
 int triode_quant_x16_linear_q8(int type, int wide, void *buffer, int64_t rows, int in, const uint8_t *w,
                                int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t first,
                                int64_t last)
 {
     const int status = x16_check(type, row_bytes, in, rows);
     if (status) return status;
+    if (first < 0 || last < first) return -2;
     if (first < last) x16_range(type & ~TYPE_X16, wide, buffer, rows, in, w, row_bytes, bias, y, y_stride, first, last);
     return 0;
 }
