@@ -1,13 +1,17 @@
 """Unit tests of /metrics rendered by ServerMetrics from a statistics record, no server: the
 per-rank series of a two-rank engine, the tokens-per-step histogram, the refresh of the
-histograms, and speculative decoding's counters."""
+histograms, and speculative decoding's counters; and the requests' counters, each request
+counted once even where a new one takes the id of one the engine is still aborting."""
 
 from __future__ import annotations
 
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
+from triode.engine.actors.streams import RequestStream
 from triode.engine.engine_stats import EngineStatistics
+from triode.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from triode.engine.sampling_params import OutputKind, SamplingParams
 from triode.engine.spec_decode.policy import SpecDecodeStats
 from triode.frontend.server.engine_metrics import CacheConfig
 from triode.frontend.server.metrics import ServerMetrics
@@ -100,3 +104,37 @@ def test_speculative_decoding_counters_are_vllms():
     plain = ServerMetrics("m", _two_rank_statistics, max_model_len=512,
                           cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
     assert "spec_decode" not in plain.render().decode()
+
+
+def _output(tokens: int, finish_reason: str | None) -> RequestOutput:
+    return RequestOutput(
+        request_id="same", prompt=None, prompt_token_ids=(1, 2, 3), prompt_logprobs=None,
+        outputs=(CompletionOutput(index=0, text="", token_ids=(7,) * tokens, finish_reason=finish_reason),),
+        finished=finish_reason is not None, metrics=RequestMetrics(arrival_time=0.0),
+    )
+
+
+def test_a_request_id_used_again_while_the_engine_aborts_the_first_counts_each_once():
+    """Found by probing: a client left a stream, another took its X-Request-Id at once, and
+    the first's abort (delivered a step later) was counted as the second's end; the second's
+    own outputs were then dropped."""
+    metrics = ServerMetrics("m", lambda: None, max_model_len=512,
+                            cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
+    params = SamplingParams(max_tokens=4, output_kind=OutputKind.DELTA)
+    first, second = RequestStream("same", OutputKind.DELTA), RequestStream("same", OutputKind.DELTA)
+    metrics.opened(first, params)
+    metrics.output(first, _output(2, None))
+    metrics.closed(first)  # the consumer left; the id is free
+    metrics.opened(second, params)
+    metrics.output(first, _output(0, "abort"))  # the engine's abort of the first
+    for finish_reason in (None, None, None, "length"):
+        metrics.output(second, _output(1, finish_reason))
+    samples = {
+        (sample.name, sample.labels.get("finished_reason")): sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+    }
+    assert samples["vllm:request_success_total", "abort"] == 1
+    assert samples["vllm:request_success_total", "length"] == 1
+    assert samples["vllm:generation_tokens_total", None] == 2 + 4
+    assert samples["vllm:prompt_tokens_total", None] == 2 * 3

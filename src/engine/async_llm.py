@@ -46,13 +46,15 @@ _ABORT_SEND_TIMEOUT = 10.0
 
 
 class RequestObserver(Protocol):
-    """What watches the requests of an :class:`AsyncLLM` (the server's metrics)."""
+    """What watches the requests of an :class:`AsyncLLM` (the server's metrics). A request is
+    its stream: its id may be used again by the next request once the consumer left, while
+    the engine still has the aborted one's last output to deliver."""
 
-    def opened(self, request_id: str, params: SamplingParams | PoolingParams) -> None: ...
+    def opened(self, stream: RequestStream, params: SamplingParams | PoolingParams) -> None: ...
 
-    def output(self, output: RequestOutput | EmbeddingRequestOutput) -> None: ...
+    def output(self, stream: RequestStream, output: RequestOutput | EmbeddingRequestOutput) -> None: ...
 
-    def closed(self, request_id: str) -> None: ...
+    def closed(self, stream: RequestStream) -> None: ...
 
 
 class AsyncLLM:
@@ -211,7 +213,7 @@ class AsyncLLM:
         self._open[request_id] = stream
         self._idle = trio.Event() if len(self._open) == 1 else self._idle
         for observer in self._observers:
-            observer.opened(request_id, params)
+            observer.opened(stream, params)
         try:
             while (output := await stream.get()) is not None:
                 yield output
@@ -223,7 +225,7 @@ class AsyncLLM:
             finally:
                 del self._open[request_id]  # the id is free once its abort is on its way
                 for observer in self._observers:
-                    observer.closed(request_id)
+                    observer.closed(stream)
                 if not self._open:
                     self._idle.set()
 

@@ -46,7 +46,8 @@ class OutputActor:
         self._streams: dict[str, RequestStream] = {}
         self._outputs_sent = 0
         self.processing_seconds = 0.0  # detokenizing and building outputs, for statistics()
-        self.observers: list[Callable[[RequestOutput | EmbeddingRequestOutput], None]] = []  # metrics; must not block
+        # metrics, told each output with its request's stream; must not block
+        self.observers: list[Callable[[RequestStream, RequestOutput | EmbeddingRequestOutput], None]] = []
 
     async def run(self, *, task_status: trio.TaskStatus[OutputActor] = trio.TASK_STATUS_IGNORED) -> None:
         with self._inbox, self._to_scheduler:
@@ -88,10 +89,10 @@ class OutputActor:
 
     def _deliver(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
         self._outputs_sent += 1
-        for observe in self.observers:
-            observe(output)
         stream = self._streams.get(output.request_id)
         if stream is not None:
+            for observe in self.observers:
+                observe(stream, output)
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]

@@ -32,6 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from triode.engine.actors.streams import RequestStream
 from triode.engine.engine_stats import EngineStatistics
 from triode.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from triode.engine.pooling_params import PoolingParams
@@ -126,8 +127,8 @@ class ServerMetrics:
             metric.labels(*self._labels)
         live.register(EngineCollector(model_name, cache, statistics, max_loras))
         ProcessCollector(registry=live)  # process_resident_memory_bytes, CPU seconds, open fds
-        self._requests: dict[str, _Request] = {}
-        self._closed: deque[str] = deque()
+        self._requests: dict[RequestStream, _Request] = {}  # a request id may come back: see closed()
+        self._closed: deque[RequestStream] = deque()
         self._histograms_text = b""
         self._histograms_at = -math.inf
 
@@ -139,23 +140,25 @@ class ServerMetrics:
 
     # ---- triode.engine.async_llm.RequestObserver ----------------------------------------
 
-    def opened(self, request_id: str, params: SamplingParams | PoolingParams) -> None:
-        self._requests[request_id] = _Request(params=params)
+    def opened(self, stream: RequestStream, params: SamplingParams | PoolingParams) -> None:
+        self._requests[stream] = _Request(params=params)
 
-    def closed(self, request_id: str) -> None:
+    def closed(self, stream: RequestStream) -> None:
         """The consumer left. The engine still delivers an aborted request's final output a
-        step later, so the entry stays until then; entries of requests that never reach the
-        engine (rejected in intake) are dropped once the most recent ``_CLOSED_KEPT`` left."""
-        if request_id in self._requests:
-            self._closed.append(request_id)
+        step later, so the entry stays until then, even where a new request took the same
+        id; entries of requests that never reach the engine (rejected in intake) are dropped
+        once the most recent ``_CLOSED_KEPT`` left."""
+        if stream in self._requests:
+            self._closed.append(stream)
             while len(self._closed) > _CLOSED_KEPT:
                 self._requests.pop(self._closed.popleft(), None)
 
-    def output(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
-        state = self._requests.get(output.request_id)
+    def output(self, stream: RequestStream, output: RequestOutput | EmbeddingRequestOutput) -> None:
+        state = self._requests.get(stream)
         if state is None:
             return
         if isinstance(output, EmbeddingRequestOutput):
+            del self._requests[stream]
             self._embedded(output)
             return
         assert isinstance(state.params, SamplingParams)
@@ -187,12 +190,12 @@ class ServerMetrics:
                 self.itl.labels(*labels).observe(last - state.last_token_time)
             state.last_token_time = last
         if output.finished:
+            del self._requests[stream]
             self._finish(output, state)
 
     def _embedded(self, output: EmbeddingRequestOutput) -> None:
         """A pooling request: its prompt, its one result, its times (no tokens generated)."""
         labels = self._labels
-        del self._requests[output.request_id]
         prompt_tokens = len(output.prompt_token_ids)
         self.prompt_tokens.labels(*labels).inc(prompt_tokens)
         self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
@@ -207,7 +210,6 @@ class ServerMetrics:
     def _finish(self, output: RequestOutput, state: _Request) -> None:
         labels = self._labels
         metrics = output.metrics
-        del self._requests[output.request_id]
         params = state.params
         assert isinstance(params, SamplingParams)
         for index in range(params.n):
