@@ -136,11 +136,15 @@ def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_fac
     truncated = _copy_adapter(source, tmp_path / "truncated")
     weights = tmp_path / "truncated" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
+    trailing = _copy_adapter(source, tmp_path / "trailing")  # safetensors' reader refuses it in the workers
+    weights = tmp_path / "trailing" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes() + bytes(8))
     other_base = tiny_model_factory("llama", hidden_size=32)
     cases = {
         "rank": (adapters["r16"].lora_path, "its rank 16 exceeds --max-lora-rank 8"),
         "missing": (str(tmp_path / "nowhere"), "is not a directory"),
         "truncated": (truncated, "is truncated"),
+        "trailing": (trailing, "8 bytes follow its last tensor"),
         "dora": (_copy_adapter(source, tmp_path / "dora", lambda c: c.update(use_dora=True)), "use_dora=True"),
         "other-base": (str(build_adapter(other_base, tmp_path / "other-base", rank=4, seed=5)), "another base model"),
         "lm-head": (_with_lm_head(_copy_adapter(source, tmp_path / "lm-head")), "adapts a layer triode does not"),
@@ -152,6 +156,19 @@ def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_fac
             with pytest.raises(LoRAAdapterError, match=reason) as caught:
                 llm.generate(prompt, params, lora_request=LoRARequest(name, 10 + index, path), use_tqdm=False)
             assert caught.value.adapter == name
+        # files that changed after the check: the workers cannot read them, and the request
+        # ends with "abort" (it used to wait for ever, over HTTP, and LLM.generate raised KeyError)
+        changed = _copy_adapter(source, tmp_path / "changed")
+        engine = llm.llm_engine
+        engine.add_request("changed", prompt, params, lora_request=LoRARequest("changed", 30, changed))
+        (tmp_path / "changed" / "adapter_model.safetensors").unlink()
+        outputs = []
+        for _ in range(50):
+            outputs += engine.step()
+            if not engine.has_unfinished_requests():
+                break
+        assert len(outputs) == 1 and outputs[0].finished
+        assert [(c.finish_reason, c.token_ids) for c in outputs[0].outputs] == [("abort", ())]
         # nothing was disturbed: the engine still serves, with an adapter too
         assert llm.generate(prompt, params, lora_request=adapters["r8"], use_tqdm=False)[0].outputs[0].token_ids
         with pytest.raises(InvalidRequestError, match="names adapter 'r8'"):

@@ -166,6 +166,8 @@ class OutputProcessor:
             if update.index == 0 and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(map(self.decode_token.logprobs, update.prompt_logprobs))
             if not update.new_token_ids:
+                if update.finish_reason is not None:  # ended without a token: its adapter failed
+                    self._end(sample, update.finish_reason)
                 touched[state.request_id] = state
                 continue
             self._apply_tokens(state, sample, update, now)
@@ -234,9 +236,13 @@ class OutputProcessor:
             return None
         for sample in state.samples:
             if sample.finish_reason is None:
-                sample.text += sample.detokenizer.update((), finished=True)
-                sample.finish_reason = reason
+                self._end(sample, reason)
         return self._output(state, now)
+
+    @staticmethod
+    def _end(sample: _Sample, reason: str) -> None:
+        sample.text += sample.detokenizer.update((), finished=True)
+        sample.finish_reason = reason
 
     def _output(self, state: _RequestState, now: float) -> RequestOutput | None:
         finished = state.finished

@@ -113,6 +113,16 @@ def _safetensors_header(path: Path, name: str) -> dict[str, Any]:
         if end > data:
             raise LoRAAdapterError(name, f"{path} is truncated: tensor {key!r} ends at byte {8 + length + end}, "
                                          f"the file has {size}")
+    # safetensors' own reader (the workers') also wants the tensors end to end, filling the file
+    covered = 0
+    for start, end in sorted(tuple(info["data_offsets"]) for info in header.values()):
+        if start != covered:
+            raise LoRAAdapterError(name, f"{path} is not a safetensors file: its tensors' data_offsets "
+                                         f"{'overlap' if start < covered else 'leave a gap'} at byte {covered}")
+        covered = end
+    if covered != data:
+        raise LoRAAdapterError(name, f"{path} is not a safetensors file: {data - covered} bytes follow its "
+                                     f"last tensor")
     return header
 
 
