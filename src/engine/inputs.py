@@ -214,7 +214,8 @@ class InputProcessor:
             rendered = self.render_chat(prompt)
             if whole:
                 self._check_fits(rendered, "messages")
-            return rendered, tuple(self.encode(rendered, add_special_tokens=False, field="messages"))
+            return rendered, self._in_vocabulary(self.encode(rendered, add_special_tokens=False, field="messages"),
+                                                 "messages")
         text, ids = parse_prompt(prompt)
         if ids is not None:
             return text, self._checked_ids(ids)
@@ -222,7 +223,18 @@ class InputProcessor:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
         if whole:
             self._check_fits(text, "prompt")
-        return text, tuple(self.encode(text, add_special_tokens=True, field="prompt"))
+        return text, self._in_vocabulary(self.encode(text, add_special_tokens=True, field="prompt"), "prompt")
+
+    def _in_vocabulary(self, token_ids: list[int], field: str) -> tuple[int, ...]:
+        """The tokenizer's ids, held to the model's vocabulary: a tokenizer with tokens past the
+        model's embedding (a broken checkpoint) failed the step in the worker on every retry,
+        which ended the engine."""
+        if token_ids and (top := max(token_ids)) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"{field}: the model's tokenizer gives token id {top} "
+                f"({self.tokenizer.convert_ids_to_tokens(top)!r}), outside the model's vocabulary "
+                f"[0, {self.vocab_size})", field=field)
+        return tuple(token_ids)
 
     @functools.cached_property
     def _longest_token_chars(self) -> int:
