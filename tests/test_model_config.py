@@ -1,12 +1,15 @@
 """Unit tests: reading a Hugging Face config.json into ModelConfig (triode.engine.model.config), the
 rope fields above all: what each rope type reads, the defaults transformers fills in, and the
-errors for what triode does not implement."""
+errors for what triode does not implement; sizes and norms that are missing, of the wrong type or
+past any model's, named before anything is built from them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from triode.engine.errors import UnsupportedModelError
+from triode.engine.errors import ModelLoadError, UnsupportedModelError
 from triode.engine.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
@@ -184,3 +187,36 @@ def test_a_gemma3_multimodal_config_is_read_as_its_text_model():
                                   "vision_config": {"hidden_size": 32}, "tie_word_embeddings": True})
     assert config.architecture == "Gemma3ForCausalLM" and config.weights_prefix == "language_model."
     assert config.num_layers == 7 and config.local_rope_theta == 10_000.0 and config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"hidden_size": None}, "hidden_size is null"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a positive integer, got 2.5"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 is past any model's"),
+    ({"vocab_size": -1}, "vocab_size must be a positive integer, got -1"),
+    ({"intermediate_size": True}, "intermediate_size must be a positive integer, got True"),
+    ({"max_position_embeddings": "big"}, "max_position_embeddings must be a positive integer"),
+    ({"num_experts": -8}, "num_experts must be a non-negative integer, got -8"),
+    ({"rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number, got nan"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of class names"),
+])
+def test_sizes_and_norms_are_checked_naming_the_field(fields, message):
+    """Found by probing: each failed later, as a KeyError or TypeError in the worker or in a
+    kernel at the first step (rms_norm_eps null: /health said ready, the first request ended
+    the engine)."""
+    with pytest.raises(ModelLoadError, match=f"config.json: {re.escape(message)}"):
+        ModelConfig.from_hf(llama_config(**fields))
+
+
+def test_a_missing_size_and_missing_architectures_are_named():
+    config = llama_config()
+    del config["hidden_size"]
+    with pytest.raises(ModelLoadError, match=r"config\.json: hidden_size is missing"):
+        ModelConfig.from_hf(config)
+    with pytest.raises(UnsupportedModelError, match=r"no architectures are named \(model_type 'llama'\)"):
+        ModelConfig.from_hf({**llama_config(), "architectures": None, "model_type": "llama"})
+    # null where transformers reads null as "derive it": the heads' count, the head size
+    derived = ModelConfig.from_hf(llama_config(num_key_value_heads=None, head_dim=None, num_experts=0))
+    assert (derived.num_kv_heads, derived.head_dim) == (4, 16)

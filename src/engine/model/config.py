@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from triode.engine.errors import UnsupportedModelError
+from triode.engine.errors import ModelLoadError, UnsupportedModelError
 from triode.engine.model.hf_fields import (
     ACTIVATIONS,
     DEFAULTS,
@@ -16,6 +16,7 @@ from triode.engine.model.hf_fields import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
     attention_layers,
+    check_sizes,
     experts,
     ropes,
     rotary_dim,
@@ -138,6 +139,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"{architecture} with hidden_act={activation!r} and position_embedding_type="
                                         f"{raw.get('position_embedding_type')!r} is not supported (gelu, absolute)",
                                         path=source)
+        check_sizes(raw, source, epsilon="layer_norm_eps")
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         return cls(
             architecture=architecture, vocab_size=raw["vocab_size"], hidden_size=hidden,
@@ -152,14 +154,19 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         architectures = raw.get("architectures") or []
+        if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+            raise ModelLoadError(f"architectures must be a list of class names, got {architectures!r}",
+                                 path=source)
         if encoder := next((a for a in architectures if a in ENCODERS), None):
             return cls._encoder(raw, encoder, source)
         base = next((a for a in architectures if a in BASE_MODELS), None)
         architectures = [BASE_MODELS[base]] if base else architectures
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
+            named = (f"architecture {architectures!r} is" if architectures
+                     else f"no architectures are named (model_type {raw.get('model_type')!r}), which is")
             raise UnsupportedModelError(
-                f"architecture {architectures or raw.get('model_type')!r} is not supported; "
+                f"{named} not supported; "
                 f"triode supports {', '.join(SUPPORTED_ARCHITECTURES)} and, as pooling models, "
                 f"{', '.join((*BASE_MODELS, *ENCODERS))}",
                 path=source,
@@ -170,6 +177,7 @@ class ModelConfig:
             architecture, prefix = "Gemma3ForCausalLM", "language_model."
             raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", True), **(raw.get("text_config") or {})}
         raw = {**DEFAULTS.get(architecture, {}), **raw}
+        check_sizes(raw, source)
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         theta, scaling, local_theta = ropes(raw, architecture, source)

@@ -5,9 +5,10 @@ and its value. triode.engine.model.config builds the ModelConfig from these."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from triode.engine.errors import UnsupportedModelError
+from triode.engine.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -52,6 +53,39 @@ ROPE_FIELDS = {
 SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+# The sizes every config.json gives (or its architecture defaults to); those it may leave out
+# or set to null (a default or another field then stands for them), positive where given; the
+# counts a dense model may give as 0 (its experts); and bounds far above any model's: a corrupt
+# count built tables of its size (a billion layers ran the loader out of memory).
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_BOUNDS = {"num_hidden_layers": 10_000, "num_local_experts": 100_000, "num_experts": 100_000}
+
+
+def check_sizes(raw: dict[str, Any], source: str, *, epsilon: str = "rms_norm_eps") -> None:
+    """Refuses a size that is missing, not an integer in range or past any model's, and a norm
+    ``epsilon`` that is not a positive number, naming the field (``ModelLoadError``): such
+    values failed later as a KeyError or TypeError in a worker, or in a kernel at the first
+    step, which ended the engine."""
+    for name in (*_REQUIRED_SIZES, *_OPTIONAL_SIZES, *_EXPERT_COUNTS):
+        value = raw.get(name)
+        if value is None:
+            if name in _REQUIRED_SIZES:
+                raise ModelLoadError(f"{name} is missing" if name not in raw else f"{name} is null", path=source)
+            continue
+        least = 0 if name in _EXPERT_COUNTS else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            kind = "a non-negative" if least == 0 else "a positive"
+            raise ModelLoadError(f"{name} must be {kind} integer, got {value!r}", path=source)
+        if value > _BOUNDS.get(name, value):
+            raise ModelLoadError(f"{name}={value} is past any model's (at most {_BOUNDS[name]})", path=source)
+    value = raw.get(epsilon)
+    if epsilon in raw and (not isinstance(value, int | float) or isinstance(value, bool)
+                           or not math.isfinite(value) or value <= 0):
+        raise ModelLoadError(f"{epsilon} must be a positive number, got {value!r}", path=source)
 
 
 def experts(raw: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from triode.engine.errors import ModelLoadError, UnsupportedModelError
+from triode.engine.model.hf_fields import check_sizes
 from triode.engine.model_files.default_model import say
 from triode.engine.model_files.gguf_metadata import ROPE_FACTORS, complete_config
 from triode.engine.model_files.tensor_writer import PlannedTensor, write_safetensors
@@ -226,6 +227,7 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
     import numpy as np
     from gguf.quants import dequantize
 
+    check_sizes(config, str(gguf_path))  # before tables of its counts are built
     expected = _expected_shapes(config)
     heads = config["num_attention_heads"]
     permute = {".q_proj.": heads, ".k_proj.": config.get("num_key_value_heads") or heads}
