@@ -40,6 +40,8 @@ def quantize(array: np.ndarray, kind: str) -> np.ndarray:
         return _quantize_q45_k(array, 31 if kind == "Q5_K" else 15)
     if kind == "Q6_K":
         return _quantize_q6_k(array)
+    if kind == "I8":  # a type neither triode nor the gguf package dequantizes
+        return np.clip(np.rint(array * 64), -128, 127).astype(np.int8).view(np.uint8)
     return gguf_quantize(array, GGMLQuantizationType[kind])
 
 

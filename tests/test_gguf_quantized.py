@@ -155,6 +155,15 @@ def test_unkept_types_are_dequantized_and_logged(tmp_path, tiny_model, tiny_toke
     assert dict(iter_safetensors(entry))["model.embed_tokens.weight"].dtype == torch.float32
 
 
+def test_a_type_nothing_reads_is_refused_naming_the_tensor(tmp_path, tiny_model, tiny_tokenizer):
+    """I8: the gguf package's dequantize raised NotImplementedError out of the conversion."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_model, tiny_tokenizer, "Q8_0", kinds={"ffn_up": "I8"})
+    with pytest.raises(UnsupportedModelError, match=r"tiny\.gguf: tensor blk\.0\.ffn_up\.weight is of block "
+                                                    r"type I8, which neither triode's kernels nor"):
+        resolve_model(str(path), cache_dir=str(tmp_path / "cache"), progress=False)
+
+
 def test_a_bfloat16_run_dequantizes(tmp_path, tiny_model, tiny_tokenizer):
     path = tmp_path / "tiny.Q8_0.gguf"
     write_tiny_gguf(path, tiny_model, tiny_tokenizer, "Q8_0")

@@ -18,6 +18,7 @@ for the metadata, may import torch while it runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -256,6 +257,10 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
             planned.append(PlannedTensor(name, kind, list(data.shape), int(data.nbytes), produce))
             continue
         if kind not in ("F32", "F16", "BF16"):
+            if not _dequantizes(tensor.tensor_type):
+                raise UnsupportedModelError(f"tensor {tensor.name} is of block type {kind}, which neither "
+                                            f"triode's kernels nor the gguf package's dequantization read",
+                                            path=str(gguf_path))
             dequantized.append(f"{tensor.name} ({kind})")
 
         offset = 1.0 if gemma and name.endswith("norm.weight") else 0.0  # llama.cpp stores 1 + w
@@ -270,6 +275,21 @@ def _plan_tensors(reader: Any, config: dict[str, Any], gguf_path: Path) -> list[
                        "dequantized to float32: %s", gguf_path.name, len(dequantized),
                        ", ".join(dequantized[:5]) + (" ..." if len(dequantized) > 5 else ""))
     return planned
+
+
+@functools.cache
+def _dequantizes(kind: Any) -> bool:
+    """Whether the gguf package dequantizes this block type (I8 and others it does not), asked
+    of one zero block."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
