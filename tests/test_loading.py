@@ -22,14 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.gguf_models import write_tiny_gguf
+from triode import LLM
 from triode.engine.config import EngineArgs
 from triode.engine.errors import ModelLoadError
 from triode.engine.model_files import resolve as loading
 from triode.engine.model_files.cache import MARKER_FILE, ensure_cache_entry, entry_is_complete
-from triode.engine.model_files.layout import load_hf_config
+from triode.engine.model_files.layout import QUANTIZED_METADATA_KEY, load_hf_config
 from triode.engine.model_files.resolve import ResolvedModel, resolve_model
 from triode.engine.worker.checkpoint import iter_safetensors
 
@@ -113,6 +115,27 @@ def test_garbage_shard_names_the_shard(sharded_dir, tmp_path):
     shard.write_bytes(b"\xff" * 64)
     with pytest.raises(ModelLoadError, match=re.escape(shard.name)):
         list(iter_safetensors(directory))
+
+
+@pytest.mark.parametrize("kinds", ['[1, 2]', '{"model.norm.weight": ["Q8_0"]}', "5"])
+def test_quantized_metadata_of_the_wrong_shape_names_the_file(single_dir, tmp_path, kinds):
+    """Found by probing: a JSON list there was an AttributeError."""
+    directory = copy_of(single_dir[0], tmp_path)
+    weights = directory / "model.safetensors"
+    save_file(load_file(weights), weights, metadata={QUANTIZED_METADATA_KEY: kinds})
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: .*(triode\.quantized|quantized tensor)"):
+        list(iter_safetensors(directory))
+
+
+def test_weights_that_are_not_floats_are_refused_naming_the_tensor(single_dir, tmp_path):
+    """Found by probing: integer and boolean tensors were cast to float and generated garbage."""
+    directory = copy_of(single_dir[0], tmp_path)
+    weights = directory / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, weights)
+    with pytest.raises(ModelLoadError, match=r"tensor 'model\.norm\.weight' is int32, not a floating-point type"):
+        LLM(model=str(directory), kv_cache_memory="16MiB", max_model_len=128)
 
 
 def test_missing_config(single_dir, tmp_path):

@@ -115,23 +115,28 @@ class _TensorReader:
         try:
             size = int.from_bytes(self._file.read(8), "little")
             self._entries = json.loads(self._file.read(size))
+            self.quantized = self._quantized_kinds(file)
         except BaseException:
             self._file.close()
             raise
         self._data_start = 8 + size
-        self.quantized = self._quantized_kinds(file)
 
     def _quantized_kinds(self, file: Path) -> dict[str, str]:
-        raw = (self._entries.get("__metadata__") or {}).get(QUANTIZED_METADATA_KEY)
+        metadata = self._entries.get("__metadata__") or {}
+        raw = metadata.get(QUANTIZED_METADATA_KEY) if isinstance(metadata, dict) else None
         if raw is None:
             return {}
         try:
             kinds = json.loads(raw)
-        except json.JSONDecodeError as e:
+        except (TypeError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"metadata {QUANTIZED_METADATA_KEY} is not JSON: {e}", path=str(file)) from e
+        if not isinstance(kinds, dict):
+            raise ModelLoadError(f"metadata {QUANTIZED_METADATA_KEY} is not a JSON object of tensor names "
+                                 f"and block types", path=str(file))
         for name, kind in kinds.items():
             entry = self._entries.get(name)
-            if kind not in QUANT_TYPES or entry is None or entry["dtype"] != "U8" or len(entry["shape"]) != 2:
+            if (not isinstance(kind, str) or kind not in QUANT_TYPES or entry is None or entry["dtype"] != "U8"
+                    or len(entry["shape"]) != 2):
                 raise ModelLoadError(f"quantized tensor {name} ({kind}) is not uint8 rows of a known "
                                      f"block type ({', '.join(QUANT_TYPES)})", path=str(file))
         return kinds

@@ -108,6 +108,7 @@ class CheckpointLoading:
             if param is None:
                 raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint", path=source)
             destination = param.data if shard is None else self._shard(param.data, target, shard)
+            _check_floating(hf_name, tensor, source)
             if destination.shape != tensor.shape:
                 raise ModelLoadError(
                     f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(destination.shape)}",
@@ -152,6 +153,7 @@ class CheckpointLoading:
             if isinstance(tensor, kernels.QuantizedWeight):
                 tensor = tensor.dequantize()
             destination = moe.expert_destination(part, expert)
+            _check_floating(hf_name, tensor, source)
             if destination.shape != tensor.shape:
                 raise ModelLoadError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected "
                                      f"{list(destination.shape)}", path=source)
@@ -218,3 +220,10 @@ def checkpoint_slices(config: ModelConfig, partition: Partition) -> Callable[[st
         return None
 
     return select
+
+
+def _check_floating(hf_name: str, tensor: torch.Tensor, source: str) -> None:
+    """Weights are floats: integer or boolean tensors were cast and ran as garbage."""
+    if not tensor.is_floating_point():
+        raise ModelLoadError(f"tensor {hf_name!r} is {str(tensor.dtype).removeprefix('torch.')}, not a "
+                             f"floating-point type (nor a quantized one triode reads)", path=source)
