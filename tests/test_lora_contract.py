@@ -146,6 +146,8 @@ def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_fac
         "truncated": (truncated, "is truncated"),
         "trailing": (trailing, "8 bytes follow its last tensor"),
         "dora": (_copy_adapter(source, tmp_path / "dora", lambda c: c.update(use_dora=True)), "use_dora=True"),
+        "rslora-text": (_copy_adapter(source, tmp_path / "rslora-text", lambda c: c.update(use_rslora="false")),
+                        "use_rslora must be true or false, got 'false'"),
         "other-base": (str(build_adapter(other_base, tmp_path / "other-base", rank=4, seed=5)), "another base model"),
         "lm-head": (_with_lm_head(_copy_adapter(source, tmp_path / "lm-head")), "adapts a layer triode does not"),
     }

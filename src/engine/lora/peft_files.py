@@ -159,7 +159,10 @@ def _check_config(config: dict[str, Any], name: str, max_rank: int) -> tuple[int
         alpha = 8  # PEFT's default
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise LoRAAdapterError(name, f"lora_alpha must be a finite number, got {alpha!r}")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    rslora = config.get("use_rslora") or False
+    if not isinstance(rslora, bool):  # the string "false" once read as true
+        raise LoRAAdapterError(name, f"use_rslora must be true or false, got {rslora!r}")
+    scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
     return rank, float(scaling)
 
 
