@@ -1,7 +1,7 @@
 """Unit tests: reading a Hugging Face config.json into ModelConfig (triode.engine.model.config), the
 rope fields above all: what each rope type reads, the defaults transformers fills in, and the
-errors for what triode does not implement; sizes and norms that are missing, of the wrong type or
-past any model's, named before anything is built from them."""
+errors for what triode does not implement; sizes, norms and rope fields that are missing, of the
+wrong type or past any model's, named before anything is built from them."""
 
 from __future__ import annotations
 
@@ -201,6 +201,10 @@ def test_a_gemma3_multimodal_config_is_read_as_its_text_model():
     ({"rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number, got nan"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of class names"),
+    ({"rope_theta": "x"}, "rope_theta must be a positive number, got 'x'"),
+    ({"rope_theta": None}, "rope_theta must be a positive number, got None"),
+    ({"rope_scaling": "yarn"}, "rope_scaling must be an object, got 'yarn'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope factor must be a finite number, got '2'"),
 ])
 def test_sizes_and_norms_are_checked_naming_the_field(fields, message):
     """Found by probing: each failed later, as a KeyError or TypeError in the worker or in a

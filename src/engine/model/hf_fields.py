@@ -177,11 +177,14 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
     """(theta, scaling) from either transformers v5's ``rope_parameters`` or v4's
     ``rope_theta`` + ``rope_scaling``."""
     params = raw.get("rope_parameters")
+    for field in ("rope_parameters", "rope_scaling"):
+        if not isinstance(raw.get(field) or {}, dict):
+            raise ModelLoadError(f"{field} must be an object, got {raw[field]!r}", path=source)
     if params and "rope_theta" in params:
-        theta = float(params["rope_theta"])
+        theta = _finite(params["rope_theta"], "rope_parameters.rope_theta", source, positive=True)
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(raw.get("rope_theta", 10000.0))
+        theta = _finite(raw.get("rope_theta", 10000.0), "rope_theta", source, positive=True)
         scaling = dict(raw.get("rope_scaling") or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
@@ -199,6 +202,9 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         raise UnsupportedModelError(f"rope type {rope_type!r}: {fields} not supported (triode reads "
                                     f"{', '.join(sorted(ROPE_FIELDS[rope_type])) or 'no fields'})",
                                     path=source)
+    for field, value in scaling.items():
+        if field not in ("short_factor", "long_factor", "truncate") and value is not None:
+            _finite(value, f"rope {field}", source)
     if rope_type == "dynamic":
         # Dynamic NTK grows the base once a sequence passes the pretraining length, which
         # transformers takes from max_position_embeddings.
@@ -211,6 +217,16 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         if scaling.get("factor") is None:
             scaling["factor"] = raw.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+
+
+def _finite(value: object, name: str, source: str, *, positive: bool = False) -> float:
+    """``value`` as a float where it is a finite number (and positive, where asked); a string or
+    null once failed as a bare ValueError or TypeError in the worker."""
+    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+            or (positive and value <= 0)):
+        raise ModelLoadError(f"{name} must be a {'positive' if positive else 'finite'} number, got {value!r}",
+                             path=source)
+    return float(value)
 
 
 def rotary_dim(raw: dict[str, Any], architecture: str, source: str) -> int | None:
