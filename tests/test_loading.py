@@ -138,6 +138,16 @@ def test_weights_that_are_not_floats_are_refused_naming_the_tensor(single_dir, t
         LLM(model=str(directory), kv_cache_memory="16MiB", max_model_len=128)
 
 
+def test_a_failure_inside_the_worker_at_load_is_a_model_load_error(single_dir, tmp_path):
+    """The worker's own exceptions (here torch's allocator, for layers of 10^12 features) came
+    out of LLM() as they were, a bare RuntimeError."""
+    directory = copy_of(single_dir[0], tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "intermediate_size": 10**12}))
+    with pytest.raises(ModelLoadError, match=r"the workers could not load the model: RuntimeError: .*allocate"):
+        LLM(model=str(directory), kv_cache_memory="16MiB", max_model_len=128)
+
+
 def test_missing_config(single_dir, tmp_path):
     directory = copy_of(single_dir[0], tmp_path)
     (directory / "config.json").unlink()

@@ -195,6 +195,7 @@ def test_a_gemma3_multimodal_config_is_read_as_its_text_model():
     ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a positive integer, got 2.5"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 is past any model's"),
     ({"vocab_size": -1}, "vocab_size must be a positive integer, got -1"),
+    ({"vocab_size": 10**12}, "vocab_size=1000000000000 is past any model's"),
     ({"intermediate_size": True}, "intermediate_size must be a positive integer, got True"),
     ({"max_position_embeddings": "big"}, "max_position_embeddings must be a positive integer"),
     ({"num_experts": -8}, "num_experts must be a non-negative integer, got -8"),

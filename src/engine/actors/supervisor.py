@@ -28,7 +28,13 @@ from triode.engine.actors.step_channel import StepRaised
 from triode.engine.actors.worker_group import StepTicket, WorkerCrashed, WorkerGroup
 from triode.engine.actors.workers import ProcessWorkerGroup
 from triode.engine.config import EngineArgs
-from triode.engine.errors import EngineDeadError, StepTimeout, WorkerFailure
+from triode.engine.errors import (
+    EngineDeadError,
+    ModelLoadError,
+    StepTimeout,
+    TriodeError,
+    WorkerFailure,
+)
 from triode.engine.worker_messages import StepPlan, StepResult, WorkerInfo
 
 GroupOpener = Callable[[], AbstractAsyncContextManager[WorkerGroup]]
@@ -72,6 +78,7 @@ class WorkerSupervisor:
         self.args = args
         self.restart_budget = restart_budget
         self.restart_window = restart_window
+        self._model_path = model_path
         self._open_group = open_group or (lambda: ProcessWorkerGroup.open(args, model_path))
         self._group: WorkerGroup | None = None
         self._failures: collections.deque[float] = collections.deque()
@@ -99,7 +106,13 @@ class WorkerSupervisor:
     async def run(self, *, task_status: trio.TaskStatus[WorkerSupervisor] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._open_group() as group:
             self._group = group
-            self.info = await group.load()
+            try:
+                self.info = await group.load()
+            except (TriodeError, WorkerCrashed):
+                raise
+            except Exception as e:  # the worker's own: a torch allocation, a file it could not parse
+                raise ModelLoadError(f"the workers could not load the model: {type(e).__name__}: {e}",
+                                     path=self._model_path) from e
             task_status.started(self)
             await trio.sleep_forever()
 

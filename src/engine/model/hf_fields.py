@@ -62,7 +62,8 @@ _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-_BOUNDS = {"num_hidden_layers": 10_000, "num_local_experts": 100_000, "num_experts": 100_000}
+_BOUNDS = {"num_hidden_layers": 10_000, "num_local_experts": 100_000, "num_experts": 100_000,
+           "vocab_size": 2**31 - 1}  # token ids are int32
 
 
 def check_sizes(raw: dict[str, Any], source: str, *, epsilon: str = "rms_norm_eps") -> None:
