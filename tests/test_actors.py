@@ -342,8 +342,9 @@ async def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized(model_di
 
 
 async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_dir, autojump_clock):
-    """vLLM's truncate_prompt_tokens: the last k tokens (-1: the model's length), after which
-    max_tokens is bounded by what is left; more than the model's length is refused."""
+    """vLLM's truncate_prompt_tokens: the last k tokens (-1: all but the one place a token of
+    output needs), after which max_tokens is bounded by what is left; more than the model's
+    length is refused."""
     async with open_engine(model_dir, FakeWorkerGroup()) as llm:
         limit = llm.max_model_len
         output = await collect(llm, list(range(1, 11)), greedy(5, truncate_prompt_tokens=4), request_id="cut")
@@ -355,8 +356,10 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_dir, a
         with pytest.raises(InvalidRequestError, match=f"truncate_prompt_tokens: {limit + 1} exceeds") as error:
             await collect(llm, [3] * 10, greedy(2, truncate_prompt_tokens=limit + 1))
         assert error.value.field == "truncate_prompt_tokens"
+        whole = await collect(llm, [3] * (limit + 40), greedy(2, truncate_prompt_tokens=-1), request_id="whole")
+        assert len(whole.prompt_token_ids) == limit - 1 and len(whole.outputs[0].token_ids) == 1
         with pytest.raises(InvalidRequestError, match="no room for output"):
-            await collect(llm, [3] * (limit + 40), greedy(2, truncate_prompt_tokens=-1))
+            await collect(llm, [3] * (limit + 40), greedy(2, truncate_prompt_tokens=limit))
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens: expected -1 or a positive integer"):
         greedy(2, truncate_prompt_tokens=0)
 

@@ -180,7 +180,7 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             return self._pooling(prompt, params)
         text, token_ids = self._tokens(prompt, whole=params.truncate_prompt_tokens is None)
-        keep = self._kept_tokens(params.truncate_prompt_tokens)
+        keep = self._kept_tokens(params.truncate_prompt_tokens, output_room=1)
         if keep is not None and len(token_ids) > keep:
             token_ids = token_ids[-keep:]
             text = cast(str, self.tokenizer.decode(list(token_ids)))  # what the model reads
@@ -267,7 +267,7 @@ class InputProcessor:
         """A prompt to embed: whole within max_model_len, or its last truncate_prompt_tokens."""
         params.validate_for(self.hidden_size)
         text, token_ids = self._tokens(prompt, whole=params.truncate_prompt_tokens is None)
-        keep = self._kept_tokens(params.truncate_prompt_tokens)
+        keep = self._kept_tokens(params.truncate_prompt_tokens, output_room=0)
         if keep is not None and len(token_ids) > keep:
             token_ids = self._truncated(text, token_ids, keep, from_text=not isinstance(prompt, ChatOptions))
         if len(token_ids) > self.max_model_len:
@@ -276,12 +276,13 @@ class InputProcessor:
                 "(truncate_prompt_tokens keeps the last ones)", field="prompt")
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
 
-    def _kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
-        """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: the model's
-        length); more than the model's length is refused."""
+    def _kept_tokens(self, truncate_prompt_tokens: int | None, *, output_room: int) -> int | None:
+        """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: as many as leave
+        ``output_room`` tokens of the model's length, one to generate, none to embed); more than
+        the model's length is refused."""
         if truncate_prompt_tokens is None:
             return None
-        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        keep = self.max_model_len - output_room if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         if keep > self.max_model_len:
             raise InvalidRequestError(f"truncate_prompt_tokens: {keep} exceeds the model's maximum length of "
                                       f"{self.max_model_len} tokens", field="truncate_prompt_tokens")

@@ -102,7 +102,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, converter=_structured)
-    # Keep the prompt's last k tokens (-1: the model's length), as vLLM's truncate_prompt_tokens.
+    # Keep the prompt's last k tokens (-1: the model's length less one, the room to generate),
+    # as vLLM's truncate_prompt_tokens.
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=check_truncation)
 
     def __attrs_post_init__(self) -> None:
