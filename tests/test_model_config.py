@@ -198,6 +198,7 @@ def test_a_gemma3_multimodal_config_is_read_as_its_text_model():
     ({"vocab_size": 10**12}, "vocab_size=1000000000000 is past any model's"),
     ({"intermediate_size": True}, "intermediate_size must be a positive integer, got True"),
     ({"max_position_embeddings": "big"}, "max_position_embeddings must be a positive integer"),
+    ({"max_position_embeddings": None}, "max_position_embeddings is null"),
     ({"num_experts": -8}, "num_experts must be a non-negative integer, got -8"),
     ({"rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number, got nan"),

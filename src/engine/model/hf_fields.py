@@ -56,11 +56,13 @@ _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 # The sizes every config.json gives (or its architecture defaults to); those it may leave out
-# or set to null (a default or another field then stands for them), positive where given; the
-# counts a dense model may give as 0 (its experts); and bounds far above any model's: a corrupt
-# count built tables of its size (a billion layers ran the loader out of memory).
+# (a default stands for them); those it may also set to null (another field stands for them);
+# the counts a dense model may give as 0 (its experts); and bounds far above any model's: a
+# corrupt count built tables of its size (a billion layers ran the loader out of memory).
 _REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts_per_tok",
+                   "moe_intermediate_size", "num_local_experts", "num_experts")
+_NULLABLE_SIZES = ("num_key_value_heads", "head_dim", "num_local_experts", "num_experts")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
 _BOUNDS = {"num_hidden_layers": 10_000, "num_local_experts": 100_000, "num_experts": 100_000,
            "vocab_size": 2**31 - 1}  # token ids are int32
@@ -71,12 +73,14 @@ def check_sizes(raw: dict[str, Any], source: str, *, epsilon: str = "rms_norm_ep
     ``epsilon`` that is not a positive number, naming the field (``ModelLoadError``): such
     values failed later as a KeyError or TypeError in a worker, or in a kernel at the first
     step, which ended the engine."""
-    for name in (*_REQUIRED_SIZES, *_OPTIONAL_SIZES, *_EXPERT_COUNTS):
+    for name in (*_REQUIRED_SIZES, *_OPTIONAL_SIZES):
         value = raw.get(name)
-        if value is None:
-            if name in _REQUIRED_SIZES:
-                raise ModelLoadError(f"{name} is missing" if name not in raw else f"{name} is null", path=source)
+        if name not in raw and name in _REQUIRED_SIZES:
+            raise ModelLoadError(f"{name} is missing", path=source)
+        if name not in raw or (value is None and name in _NULLABLE_SIZES):
             continue
+        if value is None:
+            raise ModelLoadError(f"{name} is null", path=source)
         least = 0 if name in _EXPERT_COUNTS else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             kind = "a non-negative" if least == 0 else "a positive"
