@@ -1,9 +1,17 @@
 """unit: the pieces of ``triode bench serve --peer llama.cpp`` and ``triode bench write-gguf``
 that run without llama.cpp: random blocks that dequantize to sane weights, llama.cpp's
 Q4_K_M recipe, the bytes a decode step reads, and the logit bias standing in for
-``ignore_eos``. (The peer itself is built and run only by the benchmark, never here.)"""
+``ignore_eos``; the peers' failures and a Ctrl-C while one runs, with stand-ins. (The peer
+itself is built and run only by the benchmark, never here.)"""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import gguf
 import numpy as np
@@ -139,3 +147,39 @@ def test_the_vllm_comparison_counts_the_same_work_and_names_a_failed_run(tmp_pat
     with pytest.raises(PeerUnavailable, match=rf"vLLM failed: .*see {log}"):
         run_vllm(python, tmp_path, [make_workload("W1")], engine={}, threads=[0], log=log)
     assert "libcudart" in log.read_text()
+    # a runner that exits 0 with no result, a cut one, or fewer tokens than asked (a bare
+    # FileNotFoundError, JSONDecodeError or AssertionError once, with triode's figures lost)
+    short = '{"workloads": {"W1": {"output_tokens": 5}}}'
+    for body, reason in [("exit 0", "no readable result"), ("""printf '{"work' > "$3\"""", "no readable result"),
+                         (f"""printf '{short}' > "$3\"""", "produced 5 tokens of W1, which asks for 8192")]:
+        python.write_text(f"#!/bin/sh\n{body}\n")
+        with pytest.raises(PeerUnavailable, match=reason):
+            run_vllm(python, tmp_path, [make_workload("W1")], engine={}, threads=[0], log=log)
+
+
+def test_ctrl_c_ends_a_peer_in_a_session_of_its_own(tmp_path):
+    """Found by probing: vLLM runs in its own session (so the signals it sends its group on the
+    way out spare triode), and so a Ctrl-C left it running, every core busy."""
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        from triode.bench.peer_build import run_logged
+        with open({str(tmp_path / "peer.log")!r}, "w") as out:
+            run_logged(["sh", "-c", "echo $$ > {pid_file}; exec sleep 1000"], out, "peer", own_session=True)
+    """))
+    runner = subprocess.Popen([sys.executable, str(script)])
+    for _ in range(400):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.05)
+    peer = int(pid_file.read_text())
+    runner.send_signal(signal.SIGINT)
+    assert runner.wait(30) != 0
+    for _ in range(400):
+        try:
+            os.kill(peer, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(peer, signal.SIGKILL)
+    pytest.fail("the peer outlived the Ctrl-C")

@@ -34,7 +34,7 @@ def ensure_llama_server(cache_dir: Path, log: Path, cpuinfo: Path = Path("/proc/
     flags = llama_cpp_build_flags(cpuinfo)
     home = cache_dir / "peers" / ("llama-server-" + LLAMA_CPP_SDIST.split("==")[1] + ("-no-amx" if flags else ""))
     binary = home / "build" / "bin" / "llama-server"
-    if binary.exists() and subprocess.run([str(binary), "--version"], capture_output=True).returncode == 0:
+    if binary.exists() and _answers_version(binary):
         return binary
     missing = [tool for tool, found in (("CMake", shutil.which("cmake")), ("a C++ compiler", _cxx()))
                if found is None]
@@ -59,6 +59,13 @@ def ensure_llama_server(cache_dir: Path, log: Path, cpuinfo: Path = Path("/proc/
     if not binary.exists():
         raise PeerUnavailable(f"the llama.cpp build produced no {binary}; see {log}")
     return binary
+
+
+def _answers_version(binary: Path) -> bool:
+    try:
+        return subprocess.run([str(binary), "--version"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def llama_cpp_build_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
@@ -87,14 +94,19 @@ def start_llama_server(binary: Path, gguf_path: Path, *, slots: int, slot_tokens
     with log_path.open("w") as log:  # the server writes to its own copy of the descriptor
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + _READY_TIMEOUT_S
-    while process.poll() is None and time.monotonic() < deadline:
-        try:  # 503 while the model loads, 200 once it serves
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            pass
-        time.sleep(0.5)
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            try:  # 503 while the model loads, 200 once it serves
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return process
+            except OSError:
+                pass
+            time.sleep(0.5)
+    except BaseException:  # Ctrl-C while it loads: the caller never got the process to stop
+        process.kill()
+        process.wait()
+        raise
     process.kill()
     process.wait()
     raise PeerUnavailable(f"llama-server did not start (exit code {process.returncode}); see {log_path}")

@@ -3,7 +3,10 @@ progress, or the count of lines, on screen), and the error that leaves a peer ou
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 from typing import TextIO
 
@@ -32,15 +35,34 @@ def run_logged(command: list[str], out: TextIO, what: str, *, progress: str | No
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           start_new_session=own_session) as process:
         assert process.stdout is not None
-        for line in process.stdout:
-            out.write(line)
-            if bar is None:
-                continue
-            if bar.total is None:
-                bar.update()
-            elif match := _PROGRESS.match(line):
-                bar.update(int(match.group(1)) - bar.n)
+        try:
+            for line in process.stdout:
+                out.write(line)
+                if bar is None:
+                    continue
+                if bar.total is None:
+                    bar.update()
+                elif match := _PROGRESS.match(line):
+                    bar.update(int(match.group(1)) - bar.n)
+        except BaseException:  # Ctrl-C: a session of its own does not get it, so it is ended here
+            _end(process, own_session)
+            raise
     if bar is not None:
         bar.close()
     if process.returncode != 0:
         raise PeerUnavailable(f"{what} failed (exit code {process.returncode}); see {out.name}")
+
+
+def _end(process: subprocess.Popen, group: bool) -> None:
+    """SIGTERM to the process (and its group), then SIGKILL after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(process.pid, sig)
+            else:
+                process.send_signal(sig)
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

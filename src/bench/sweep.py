@@ -40,15 +40,19 @@ def start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Pop
                *([ns.model] if ns.model else []), "--host", "127.0.0.1", "--port", "0",
                "--kv-cache-memory", str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
                "--dtype", ns.dtype]
-    log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with log_path.open("w") as log:  # the server writes to its own copy of the descriptor
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     print(f"starting triode serve (log: {log_path}) ...", flush=True)
-    while process.poll() is None:
-        for line in log_path.read_text().splitlines():
-            if line.startswith("triode: serving ") and " at http://" in line:
-                url = line.split(" at ", 1)[1].split()[0]
-                return process, f"{url}/v1"
-        time.sleep(0.2)
+    try:
+        while process.poll() is None:
+            for line in log_path.read_text().splitlines():
+                if line.startswith("triode: serving ") and " at http://" in line:
+                    url = line.split(" at ", 1)[1].split()[0]
+                    return process, f"{url}/v1"
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C while it starts: the caller never got the process to stop
+        stop_server(process)
+        raise
     raise SystemExit(f"triode: error: the server exited ({process.returncode}); see {log_path}")
 
 

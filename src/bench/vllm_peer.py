@@ -111,4 +111,14 @@ def run_vllm(python: Path, model: Path, workloads: list[Workload], *, engine: di
                            own_session=True)
             except PeerUnavailable as error:
                 raise PeerUnavailable(f"vLLM failed: {error}") from None
-        return json.loads(result_path.read_text())
+        try:
+            result = json.loads(result_path.read_text())
+            produced = {name: result["workloads"][name]["output_tokens"] for name in (w.name for w in workloads)}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise PeerUnavailable(f"vLLM left no readable result ({type(error).__name__}: {error}); "
+                                  f"see {log}") from None
+    for workload in workloads:
+        if produced[workload.name] != workload.total_output_tokens:
+            raise PeerUnavailable(f"vLLM produced {produced[workload.name]} tokens of {workload.name}, which asks "
+                                  f"for {workload.total_output_tokens}; see {log}")
+    return result
