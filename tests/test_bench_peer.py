@@ -183,3 +183,25 @@ def test_ctrl_c_ends_a_peer_in_a_session_of_its_own(tmp_path):
         time.sleep(0.05)
     os.kill(peer, signal.SIGKILL)
     pytest.fail("the peer outlived the Ctrl-C")
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["serve", "--num-prompts", "-1"], "argument --num-prompts: -1 is not a count from 1 to 1000000"),
+    (["serve", "--concurrency", "8", "0"], "argument --concurrency: 0 is not a count"),
+    (["serve", "--output-tokens", "0"], "argument --output-tokens: 0 is not a count"),
+    (["step", "--steps", "0"], "argument --steps: 0 is not a count"),
+    (["spec", "--rounds", "0"], "argument --rounds: 0 is not a count"),
+    (["throughput", "--hf-batch-size", "x"], "argument --hf-batch-size: 'x' is not a whole number"),
+    (["step", "--output-dir", "{file}"], "--output-dir {file}: File exists"),
+])
+def test_bad_counts_and_output_folders_are_refused_before_anything_runs(arguments, message, tmp_path, capsys):
+    """Found by probing: 0 fell back to the default, a negative count or an output folder that
+    is a file ran into a traceback, some after minutes of measuring."""
+    from triode.frontend.cli import main
+
+    file = tmp_path / "a-file"
+    file.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *(a.format(file=file) for a in arguments)])
+    assert exit_.value.code == 2
+    assert message.format(file=file) in capsys.readouterr().err

@@ -86,6 +86,11 @@ def test_malformed_scenario_files_are_rejected_with_the_field(tmp_path):
     ("fault = 5", r"fault must be \[\[fault\]\] tables"),
     ('[[faults]]\nkind = "sigkill_worker"', r"unknown top-level keys \['faults'\]"),
     ('[server]\nargs = "--max-model-len 256"', r"\[server\] args must be a list of strings"),
+    ("[workload]\nrequests = 1000000000", r"requests = 1000000000 is more than 100000"),
+    ('[[fault]]\nkind = "disconnect"\nclients = -1', r"disconnect: clients must not be negative"),
+    ('[[fault]]\nkind = "disconnect"\nclients = 2\nafter_chunks = 0', r"after_chunks must be at least 1"),
+    ('[[fault]]\nkind = "slow_reader"\nclients = 2\nchunk_interval = -1.0', r"chunk_interval not negative"),
+    ('[[fault]]\nkind = "worker_raise"\nat_step = 5\nuntil_step = 2', r"until_step \(2\) comes before"),
 ])
 def test_malformed_fields_are_refused_before_anything_plays(tmp_path, text, says):
     bad = tmp_path / "bad.toml"

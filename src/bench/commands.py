@@ -11,6 +11,21 @@ from triode.engine.config import QUANTIZED_ACTIVATIONS
 BENCH_EXTRA = ("matplotlib", "psutil", "httpx2")  # pyproject.toml's `bench` extra
 
 
+MAX_COUNT = 1_000_000  # more is a typo: every request of a sweep is built before it starts
+
+
+def count(text: str) -> int:
+    """An argparse type: a whole number from 1 to MAX_COUNT (0 once fell back to a default, a
+    negative one ran into a traceback after minutes of measuring)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} is not a count from 1 to {MAX_COUNT}")
+    return value
+
+
 def missing_bench_extra() -> list[str]:
     """The packages of the ``bench`` extra this interpreter lacks (checked before a benchmark
     runs, not after minutes of measuring)."""
@@ -131,10 +146,10 @@ def _write_gguf(namespace: argparse.Namespace) -> int:
 def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step = benches.add_parser("step", help="decode step time: our runner vs Hugging Face forward")
     step.add_argument("--model", default=None)
-    step.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+    step.add_argument("--batch-sizes", type=count, nargs="+", default=None,
                       help="default: 1 8 32 64 (with --overhead: 1 64 256)")
-    step.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
-    step.add_argument("--steps", type=int, default=None,
+    step.add_argument("--context", type=count, default=128, help="tokens in each sequence's context")
+    step.add_argument("--steps", type=count, default=None,
                       help="decode steps timed per batch size (default: 8; with --overhead: the tokens each "
                            "request generates, 64)")
     from triode.bench.synthetic_gguf import SHAPES
@@ -151,9 +166,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     step.add_argument("--lora", action="store_true",
                       help="what LoRA adapters cost the step: the base model, one adapter for every sequence, "
                            "and --lora-adapters mixed, in the same run")
-    step.add_argument("--lora-rank", type=int, default=16, help="with --lora: the adapters' rank")
-    step.add_argument("--lora-adapters", type=int, default=3, help="with --lora: adapters in the mixed batch")
-    step.add_argument("--repeats", type=int, default=3,
+    step.add_argument("--lora-rank", type=count, default=16, help="with --lora: the adapters' rank")
+    step.add_argument("--lora-adapters", type=count, default=3, help="with --lora: adapters in the mixed batch")
+    step.add_argument("--repeats", type=count, default=3,
                       help="with --overhead: best of this many runs; with --lora: median of this many")
     step.add_argument("--dtypes", nargs="+", default=["auto"],
                       help="one runner per dtype (auto keeps quantized weights on a CPU)")
@@ -166,18 +181,18 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
 
     moe = benches.add_parser("moe", help="decode step time: a small MoE model vs a dense one of equal active "
                                          "parameters (random weights)")
-    moe.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    moe.add_argument("--context", type=int, default=128, help="tokens in each sequence's context")
-    moe.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
-    moe.add_argument("--experts", type=int, default=8)
-    moe.add_argument("--top-k", type=int, default=2)
-    moe.add_argument("--expert-size", type=int, default=512, help="intermediate features of each expert")
+    moe.add_argument("--batch-sizes", type=count, nargs="+", default=[1, 8, 32, 64])
+    moe.add_argument("--context", type=count, default=128, help="tokens in each sequence's context")
+    moe.add_argument("--steps", type=count, default=8, help="decode steps timed per batch size")
+    moe.add_argument("--experts", type=count, default=8)
+    moe.add_argument("--top-k", type=count, default=2)
+    moe.add_argument("--expert-size", type=count, default=512, help="intermediate features of each expert")
     moe.add_argument("--output-dir", default="bench-results")
     moe.set_defaults(handler=_moe)
 
     attention = benches.add_parser("attention", help="CPU attention of a step: the batch-invariant decode "
                                                      "kernel for every row vs SDPA for prefill chunks")
-    attention.add_argument("--repeats", type=int, default=3, help="timed runs of each step (after one warm-up)")
+    attention.add_argument("--repeats", type=count, default=3, help="timed runs of each step (after one warm-up)")
     attention.add_argument("--output-dir", default="bench-results")
     attention.set_defaults(handler=_attention)
 
@@ -186,7 +201,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     )
     throughput.add_argument("--model", default=None)
     throughput.add_argument("--workloads", nargs="+", default=["W1", "W1v"], choices=["W1", "W1v"])
-    throughput.add_argument("--hf-batch-size", type=int, default=32)
+    throughput.add_argument("--hf-batch-size", type=count, default=32)
     throughput.add_argument("--skip-hf", action="store_true", help="measure triode only")
     throughput.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                             help="weights and activations of both engines (the targets are float32)")
@@ -202,7 +217,7 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                          help="triode only, async scheduling off vs on, alternated round by round")
     compare.add_argument("--compare-batch-invariant", action="store_true",
                          help="triode only, --batch-invariant off vs on, alternated round by round")
-    throughput.add_argument("--rounds", type=int, default=2, help="with --compare-*")
+    throughput.add_argument("--rounds", type=count, default=2, help="with --compare-*")
     throughput.add_argument("--shape", choices=sorted(SHAPES), default=None,
                             help="a random-weight checkpoint of this model's shape (in --dtype) instead of --model")
     throughput.add_argument("--output-dir", default="bench-results")
@@ -212,9 +227,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
         "tp", help="tensor parallelism: W1 throughput, all-reduce time and load memory per rank, TP=1 vs TP=2"
     )
     tp.add_argument("--model", default=None)
-    tp.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
-    tp.add_argument("--num-prompts", type=int, default=None, help="first N prompts of W1 (default: all 64)")
-    tp.add_argument("--max-tokens", type=int, default=None, help="cap each output (default: 128)")
+    tp.add_argument("--sizes", type=count, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
+    tp.add_argument("--num-prompts", type=count, default=None, help="first N prompts of W1 (default: all 64)")
+    tp.add_argument("--max-tokens", type=count, default=None, help="cap each output (default: 128)")
     tp.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache budget per rank")
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
@@ -225,9 +240,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     spec.add_argument("--model", default=None)
     spec.add_argument("--speculative-config", default=None,
                       help="the JSON object to measure (default: ngram, 8 tokens, lookup 2 to 5)")
-    spec.add_argument("--rounds", type=int, default=2, help="turns each engine takes (the best counts)")
-    spec.add_argument("--max-tokens", type=int, default=128, help="tokens per output at most")
-    spec.add_argument("--concurrency", type=int, default=32)
+    spec.add_argument("--rounds", type=count, default=2, help="turns each engine takes (the best counts)")
+    spec.add_argument("--max-tokens", type=count, default=128, help="tokens per output at most")
+    spec.add_argument("--concurrency", type=count, default=32)
     spec.add_argument("--random-target", choices=sorted(SHAPES), default=None,
                       help="a random-weight checkpoint of this shape as the model (e.g. the target of a draft "
                            "model: --speculative-config '{\"model\": \"default\", \"num_speculative_tokens\": 3}')")

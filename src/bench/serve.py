@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from triode.bench.commands import count
 from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
 
 ROUTER_POLICIES = ("round_robin", "cache_aware")  # the policies tests/test_router.py runs
@@ -30,20 +31,20 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model to serve and to run offline (default: SmolLM2)")
     p.add_argument("--model-name", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default="unused")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--num-prompts", type=int, default=None,
+    p.add_argument("--concurrency", type=count, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=count, default=None,
                    help="requests per level (default: max(8, 2 x concurrency))")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="user tokens per request (about)")
-    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=count, default=128, help="user tokens per request (about)")
+    p.add_argument("--output-tokens", type=count, default=128)
     p.add_argument("--kv-cache-memory", default="4GiB", help="for the started server and the offline run")
-    p.add_argument("--max-model-len", type=int, default=1024, help="for the started server and the offline run")
+    p.add_argument("--max-model-len", type=count, default=1024, help="for the started server and the offline run")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="for the started server and the offline run (auto: as triode serve)")
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--peer", choices=["llama.cpp"], default=None,
                    help="the same sweep against llama.cpp's server on the same GGUF file (--model, default: "
                         "the default model's), built once into an environment of its own")
-    p.add_argument("--router", type=int, default=None, metavar="N",
+    p.add_argument("--router", type=count, default=None, metavar="N",
                    help="start N replicas behind vllm-router and sweep one replica directly, then the router "
                         "(N=1: the router's own cost)")
     p.add_argument("--router-policy", default="round_robin", choices=ROUTER_POLICIES,
@@ -55,8 +56,6 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
 def _command(namespace: argparse.Namespace) -> int:
     if namespace.router is not None and (namespace.peer or namespace.base_url):
         raise SystemExit("triode: error: --router starts its own replicas: it takes no --peer or --base-url")
-    if namespace.router is not None and namespace.router < 1:
-        raise SystemExit(f"triode: error: --router needs at least one replica, got {namespace.router}")
     if namespace.peer:
         from triode.bench import peer as bench_peer
 

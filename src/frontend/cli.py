@@ -4,8 +4,11 @@ defaults shared with the Python API and the TRIODE_* variables)."""
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from triode.bench.commands import add_bench_commands, missing_bench_extra
 from triode.bench.serve import add_bench_serve
@@ -108,11 +111,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "scenarios/README.md)")
     if namespace.command == "bench" and (missing := missing_bench_extra()):
         parser.error(f"triode bench needs {', '.join(missing)}: pip install 'triode[bench]'")
+    if getattr(namespace, "json", None) is not None and Path(namespace.json).is_dir():
+        parser.error(f"--json {namespace.json}: is a folder; name the file to write")
+    for option, directory in _output_folders(namespace):
+        try:  # before minutes of measuring, not after
+            directory.mkdir(parents=True, exist_ok=True)
+            if not os.access(directory, os.W_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as e:
+            parser.error(f"{option} {directory}: {e.strerror or e}")
     try:
         return namespace.handler(namespace)
     except TriodeError as e:
         print(f"triode: error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:
+        if not _interrupted(e):
+            raise
+        print("triode: interrupted", file=sys.stderr)
+        return 130
+
+
+def _output_folders(namespace: argparse.Namespace) -> list[tuple[str, Path]]:
+    """The folders a command writes its results into: --output-dir, --json's folder."""
+    folders = []
+    if (output_dir := getattr(namespace, "output_dir", None)) is not None:
+        folders.append(("--output-dir", Path(output_dir)))
+    if (results := getattr(namespace, "json", None)) is not None:
+        folders.append(("--json", Path(results).parent))
+    return folders
+
+
+def _interrupted(error: BaseException) -> bool:
+    """A Ctrl-C, alone or as every exception of a group (trio's, with strict groups)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_interrupted(inner) for inner in error.exceptions)
+    return isinstance(error, KeyboardInterrupt)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ class Scenario:
 
 
 _SECTIONS = ("name", "description", "server", "workload", "fault", "expect")
+MAX_REQUESTS = 100_000
 
 
 def _build(cls: type, raw: Any, path: Path, section: str):
@@ -127,10 +128,26 @@ def _check_workload(workload: Workload, path: Path) -> None:
     # Nothing sent would pass every check: a scenario must play at least one request.
     if workload.requests < 1 or (workload.concurrency < 1 and workload.arrival_rate <= 0):
         raise ScenarioError(f"{path}: [workload] needs requests >= 1 and concurrency >= 1 (or arrival_rate > 0)")
+    if workload.requests > MAX_REQUESTS:  # every request is built before the scenario plays
+        raise ScenarioError(f"{path}: [workload] requests = {workload.requests} is more than {MAX_REQUESTS}")
     for name in ("prompt_tokens", "max_tokens"):
         low, high = getattr(workload, name)
         if not 1 <= low <= high:
             raise ScenarioError(f"{path}: [workload] {name} must be [low, high] with 1 <= low <= high")
+
+
+def _check_fault(fault: Fault, path: Path) -> None:
+    """Counts and times a fault cannot take (each once failed mid-play, or marked the wrong
+    requests: clients = -1 took all but the last)."""
+    for name in ("at", "at_step", "clients", "count", "after_tokens"):
+        if (getattr(fault, name) or 0) < 0:
+            raise ScenarioError(f"{path}: [[fault]] {fault.kind}: {name} must not be negative")
+    if fault.after_chunks < 1 or fault.chunk_interval < 0:
+        raise ScenarioError(f"{path}: [[fault]] {fault.kind}: after_chunks must be at least 1 and "
+                            f"chunk_interval not negative")
+    if fault.until_step is not None and fault.until_step < fault.at_step:
+        raise ScenarioError(f"{path}: [[fault]] {fault.kind}: until_step ({fault.until_step}) comes before "
+                            f"at_step ({fault.at_step})")
 
 
 def _arguments(server: dict[str, Any], name: str, path: Path) -> tuple[str, ...] | None:
@@ -157,6 +174,7 @@ def load_scenario(path: Path) -> Scenario:
         if fault.kind not in EXTERNAL_FAULTS and fault.kind not in ENGINE_FAULTS:
             known = ", ".join((*EXTERNAL_FAULTS, *ENGINE_FAULTS))
             raise ScenarioError(f"{path}: fault kind {fault.kind!r} is not one of {known}")
+        _check_fault(fault, path)
     server = raw.get("server", {})
     if not isinstance(server, dict):
         raise ScenarioError(f"{path}: [server] must be a table")
