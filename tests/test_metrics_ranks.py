@@ -29,14 +29,16 @@ def _two_rank_statistics() -> EngineStatistics:
     )
 
 
+def _samples(metrics: ServerMetrics, label: str) -> dict[tuple[str, str | None], float]:
+    """Every sample /metrics renders, by name and the value of one of its labels."""
+    return {(sample.name, sample.labels.get(label)): sample.value
+            for family in text_string_to_metric_families(metrics.render().decode()) for sample in family.samples}
+
+
 def test_every_rank_reports_its_step_and_collective_seconds():
     metrics = ServerMetrics("m", _two_rank_statistics, max_model_len=512,
                             cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
-    samples = {
-        (sample.name, sample.labels.get("rank")): sample.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for sample in family.samples
-    }
+    samples = _samples(metrics, "rank")
     assert samples["triode:rank_step_seconds_total", "0"] == 3.25
     assert samples["triode:rank_step_seconds_total", "1"] == 3.0
     assert samples["triode:rank_collective_seconds_total", "1"] == 0.75
@@ -90,11 +92,7 @@ def test_speculative_decoding_counters_are_vllms():
     statistics = attrs.evolve(_two_rank_statistics(), spec_decode=spec)
     metrics = ServerMetrics("m", lambda: statistics, max_model_len=512,
                             cache=CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=2**20))
-    samples = {
-        (sample.name, sample.labels.get("position")): sample.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for sample in family.samples
-    }
+    samples = _samples(metrics, "position")
     assert samples["vllm:spec_decode_num_drafts_total", None] == 7
     assert samples["vllm:spec_decode_num_draft_tokens_total", None] == 20
     assert samples["vllm:spec_decode_num_accepted_tokens_total", None] == 12
@@ -129,11 +127,7 @@ def test_a_request_id_used_again_while_the_engine_aborts_the_first_counts_each_o
     metrics.output(first, _output(0, "abort"))  # the engine's abort of the first
     for finish_reason in (None, None, None, "length"):
         metrics.output(second, _output(1, finish_reason))
-    samples = {
-        (sample.name, sample.labels.get("finished_reason")): sample.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for sample in family.samples
-    }
+    samples = _samples(metrics, "finished_reason")
     assert samples["vllm:request_success_total", "abort"] == 1
     assert samples["vllm:request_success_total", "length"] == 1
     assert samples["vllm:generation_tokens_total", None] == 2 + 4
