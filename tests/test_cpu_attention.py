@@ -164,6 +164,7 @@ def _forget_the_library() -> None:
 
 
 @needs_kernel
+@pytest.mark.slow  # a third build of the kernels: about a minute on two cores
 def test_a_cpu_without_avx2_still_builds_the_kernels(monkeypatch, tmp_path):
     """The library for x86-64's baseline (SSE2): the quantized kernels report themselves not
     built, and the rest, decode attention among them, runs (a unit that stopped such a build

@@ -35,6 +35,7 @@ def test_gpu_check_dry_run_passes_every_case():
     assert "invariant linear" in result.stdout and "0 of 19 rows differ from their decode alone" in result.stdout
 
 
+@pytest.mark.slow  # the GPU script's every check on the CPU: half a minute
 def test_gpu_model_check_on_cpu_passes_every_check():
     result = run_script("gpu_model_check.py", "--device", "cpu")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -159,6 +159,7 @@ def test_lora_adapters_decode_the_same_with_prompt_lookup(tiny_model_factory, tm
     assert stats is not None and stats.num_accepted_tokens > 0
 
 
+@pytest.mark.slow  # two ranks of two engines: a quarter of a minute
 def test_tensor_parallel_ranks_verify_alike(tiny_model_factory):
     """Two ranks run every verifying chunk's rows; rank 0 verifies and proposes. With async
     scheduling the ranks also agree on the steps planned ahead between speculating ones."""
