@@ -36,9 +36,10 @@ pytestmark = [pytest.mark.contract, pytest.mark.default_model]
 MAX_TOKENS = 24
 # (TRIODE_CPU_ISA, batch_invariant, quantized_activations): the setting on this CPU's build and
 # on the AVX2 one's float32 loops, and the default where it is invariant without the setting.
-# the AVX2 build's float32 run is the slowest (half a minute): make test-all runs it
+# the AVX2 build's runs are the slowest (20-30 s each): make test-all runs them
 CONFIGURATIONS = [("native", True, "auto"), pytest.param("avx2", True, "float32", marks=pytest.mark.slow)] + [
-    (isa, False, "auto") for isa in ("native", "avx2") if interleaved_kernels_available()]
+    pytest.param(isa, False, "auto", marks=[pytest.mark.slow] if isa == "avx2" else [])
+    for isa in ("native", "avx2") if interleaved_kernels_available()]
 
 
 def greedy() -> SamplingParams:
@@ -139,7 +140,7 @@ sys.stdout.buffer.write(pickle.dumps(Driver(runner).generate(prompts, greedy_par
 """
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
 def test_logprobs_do_not_depend_on_the_thread_count(isa):
     """The same prompts in a runner whose kernels use one thread and one with two (OpenMP's and
     torch's): the C kernels divide rows, heads and output features among threads, never a sum."""

@@ -14,6 +14,7 @@ from triode.bench.overhead import PARTS
 pytestmark = pytest.mark.default_model  # its tokenizer, for the tiny model
 
 
+@pytest.mark.slow  # a quarter of a minute: make test-all runs it
 def test_the_overhead_bench_splits_the_host_cost_of_a_step(tmp_path):
     done = subprocess.run([str(BIN / "triode"), "bench", "step", "--overhead", "--batch-sizes", "1", "4",
                            "--steps", "6", "--repeats", "1", "--output-dir", str(tmp_path)],
