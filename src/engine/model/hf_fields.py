@@ -87,10 +87,8 @@ def check_sizes(raw: dict[str, Any], source: str, *, epsilon: str = "rms_norm_ep
             raise ModelLoadError(f"{name} must be {kind} integer, got {value!r}", path=source)
         if value > _BOUNDS.get(name, value):
             raise ModelLoadError(f"{name}={value} is past any model's (at most {_BOUNDS[name]})", path=source)
-    value = raw.get(epsilon)
-    if epsilon in raw and (not isinstance(value, int | float) or isinstance(value, bool)
-                           or not math.isfinite(value) or value <= 0):
-        raise ModelLoadError(f"{epsilon} must be a positive number, got {value!r}", path=source)
+    if epsilon in raw:
+        _finite(raw[epsilon], epsilon, source, positive=True)
 
 
 def experts(raw: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
