@@ -52,14 +52,16 @@ def test_decode_weight_bytes_and_the_eos_bias(tmp_path, tiny_tokenizer):
     assert no_eos_bias(path) == {"logit_bias": {str(tiny_tokenizer.eos_token_id): -100}}
 
 
-def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path):
+def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path, capsys):
     import argparse
 
     from triode.bench.synthetic_gguf import command
 
     target = tmp_path / "new" / "model.bin"
-    with pytest.raises(SystemExit, match=r"writes a \.gguf file"):
+    with pytest.raises(SystemExit) as exit_:
         command(argparse.Namespace(path=str(target), shape="smollm2-135m", file_type="Q8_0", seed=0))
+    assert exit_.value.code == 2  # a usage error, as argparse's
+    assert "triode: error: write-gguf writes a .gguf file" in capsys.readouterr().err
     assert not target.parent.exists()
 
 
@@ -205,3 +207,35 @@ def test_bad_counts_and_output_folders_are_refused_before_anything_runs(argument
         main(["bench", *(a.format(file=file) for a in arguments)])
     assert exit_.value.code == 2
     assert message.format(file=file) in capsys.readouterr().err
+
+
+def test_an_interrupted_write_gguf_leaves_no_file(tmp_path, monkeypatch, tiny_tokenizer):
+    """A Ctrl-C (or a full disk) half-way used to leave a truncated model at the path, which a
+    later run loaded; now the file appears whole or not at all."""
+    from types import SimpleNamespace
+
+    import triode.engine.inputs
+    import triode.engine.model_files.resolve
+    from triode.bench import synthetic_gguf
+
+    monkeypatch.setattr(triode.engine.model_files.resolve, "resolve_model", lambda *a, **k: SimpleNamespace(path=tmp_path))
+    monkeypatch.setattr(triode.engine.inputs, "load_tokenizer", lambda path: tiny_tokenizer)
+    monkeypatch.setattr(synthetic_gguf, "add_bpe_tokenizer", lambda writer, tokenizer, vocab_size: None)
+    calls = []
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return random_blocks(*args)
+
+    monkeypatch.setattr(synthetic_gguf, "random_blocks", interrupted)
+    target = tmp_path / "model.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        synthetic_gguf.write_synthetic_gguf(target, "smollm2-135m", "Q8_0", progress=False)
+    assert len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(synthetic_gguf, "random_blocks", random_blocks)
+    size = synthetic_gguf.write_synthetic_gguf(target, "smollm2-135m", "Q8_0", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    assert target.stat().st_size == size

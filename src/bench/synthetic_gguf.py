@@ -13,9 +13,12 @@ blocks takes Q8_0 instead. The file is written a tensor at a time.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
+
+from triode.bench.commands import usage_error
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
@@ -98,7 +101,20 @@ def random_blocks(kind: str, rows: int, columns: int, rng: Any) -> Any:
 
 def write_synthetic_gguf(path: Path, shape_name: str, file_type: str, *, seed: int = 0,
                          progress: bool = True) -> int:
-    """Writes the file; returns its size in bytes."""
+    """Writes the file; returns its size in bytes. The file appears whole or not at all: it is
+    written beside ``path`` under a hidden name and renamed into place, so that a Ctrl-C or a
+    full disk leaves no truncated model for a later run to load."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        size = _write(partial, shape_name, file_type, seed=seed, progress=progress)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _write(path: Path, shape_name: str, file_type: str, *, seed: int, progress: bool) -> int:
     import gguf
     import numpy as np
 
@@ -148,18 +164,20 @@ def write_synthetic_gguf(path: Path, shape_name: str, file_type: str, *, seed: i
         else:
             writer.add_tensor_info(name, (dims[0], nbytes // dims[0]), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    written, reported = 0, time.monotonic()
-    for _, dims, kind in plan:
-        data = np.ones(dims, dtype=np.float32) if kind is None else random_blocks(kind, *dims, rng)
-        writer.write_tensor_data(data)
-        written += data.nbytes
-        if progress and time.monotonic() - reported >= _PROGRESS_EVERY_S:
-            reported = time.monotonic()
-            print(f"  {written / total:.0%} of {total / 1e9:.2f} GB written", flush=True)
-    writer.close()
+    try:  # the writer opens the file here
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        written, reported = 0, time.monotonic()
+        for _, dims, kind in plan:
+            data = np.ones(dims, dtype=np.float32) if kind is None else random_blocks(kind, *dims, rng)
+            writer.write_tensor_data(data)
+            written += data.nbytes
+            if progress and time.monotonic() - reported >= _PROGRESS_EVERY_S:
+                reported = time.monotonic()
+                print(f"  {written / total:.0%} of {total / 1e9:.2f} GB written", flush=True)
+    finally:
+        writer.close()
     return path.stat().st_size
 
 
@@ -172,7 +190,7 @@ def _cache_dir() -> str:
 def command(namespace: Any) -> int:
     path = Path(namespace.path)
     if path.suffix.lower() != ".gguf":
-        raise SystemExit(f"triode: error: write-gguf writes a .gguf file; got {str(path)!r}")
+        usage_error(f"write-gguf writes a .gguf file; got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)  # /tmp/syn/... as the docs write it
     started = time.monotonic()
     size = write_synthetic_gguf(path, namespace.shape, namespace.file_type, seed=namespace.seed)
