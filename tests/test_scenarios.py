@@ -140,3 +140,35 @@ async def test_faults_wait_for_streamed_output(autojump_clock):
             await trio.sleep(1)
             progress.note()
     assert reached == [(1, 1), (3, 3)]
+
+
+class _RunnerWhoseServersExit:
+    """ScenarioRunner's interface; every server it starts exits before it is healthy, as with a
+    model that does not load."""
+
+    def __init__(self, *, model, batch_invariant):
+        self.played: list[str] = []
+
+    async def run(self, scenario):
+        from triode.scenarios.server import ServerExited
+
+        self.played.append(scenario.name)
+        raise ServerExited("the server exited with 1:\ntriode: error: the model could not be loaded")
+
+    async def close(self):
+        pass
+
+
+async def test_a_model_that_does_not_load_ends_the_run_after_two_scenarios(monkeypatch, capsys):
+    """It used to play every file, each failing the same way after a server start."""
+    import triode.scenarios.command
+
+    runners = []
+    monkeypatch.setattr(triode.scenarios.command, "ScenarioRunner",
+                        lambda **options: runners.append(_RunnerWhoseServersExit(**options)) or runners[-1])
+    verdicts = await run_all(SCENARIOS, model="/no/such/model")
+    assert len(verdicts) == 2 and len(runners) == 1
+    assert runners[0].played == [v.name for v in verdicts]
+    assert all("could not be loaded" in v.failures[0] for v in verdicts)
+    total = len(load_scenarios(SCENARIOS))
+    assert f"the other {total - 2} were not played" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import trio
 
 from triode.scenarios.judge import Verdict
 from triode.scenarios.runner import ScenarioRunner
+from triode.scenarios.server import ServerExited
 from triode.scenarios.spec import ScenarioError, load_scenarios
 
 _COLUMNS = ("scenario", "verdict", "requests", "lost", "mismatched", "recovery s", "p99 s", "load s", "wall s")
@@ -29,20 +30,30 @@ def _row(verdict: Verdict) -> list[str]:
 
 async def run_all(target: Path, *, model: str | None, only: Collection[str] | None = None,
                   batch_invariant: bool = True) -> list[Verdict]:
-    """Plays the scenario files at ``target`` (those named in ``only``, if given) in order."""
+    """Plays the scenario files at ``target`` (those named in ``only``, if given) in order. Where
+    the first two scenarios' servers both exit before they become healthy (a model that does
+    not load fails every start the same way), the rest are not played: the run ends with those
+    two failures rather than minutes of the same one."""
     scenarios = [s for s in load_scenarios(target) if only is None or s.name in only]
     runner = ScenarioRunner(model=model, batch_invariant=batch_invariant)
     widths = [max(len(c), 12) for c in _COLUMNS]
     widths[0] = max(widths[0], *(len(s.name) for s in scenarios))
     print("  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)), flush=True)
-    verdicts = []
+    verdicts: list[Verdict] = []
+    started, exits = False, 0  # whether a server has started; the exits at start before one did
     try:
         for scenario in scenarios:
+            if not started and exits == _EXITS_BEFORE_GIVING_UP:
+                print(f"    the servers of the first {exits} scenarios exited at start: the other "
+                      f"{len(scenarios) - len(verdicts)} were not played", flush=True)
+                break
             try:
                 verdict = await runner.run(scenario)
+                started = True
             except RuntimeError as e:  # the server could not be started or misbehaved outright
                 verdict = Verdict(name=scenario.name)
                 verdict.fail(str(e))
+                exits += isinstance(e, ServerExited)
             verdicts.append(verdict)
             print("  ".join(c.ljust(w) for c, w in zip(_row(verdict), widths, strict=True)), flush=True)
             for failure in verdict.failures:
@@ -53,6 +64,9 @@ async def run_all(target: Path, *, model: str | None, only: Collection[str] | No
     finally:
         await runner.close()
     return verdicts
+
+
+_EXITS_BEFORE_GIVING_UP = 2
 
 
 def write_json(output: Path, verdicts: list[Verdict]) -> None:

@@ -23,6 +23,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class ServerExited(RuntimeError):
+    """The server ended before it became healthy (a model that does not load, a bad option)."""
+
+
 class ServerProcess:
     def __init__(self, args: Sequence[str], *, fault_plan: str | None = None) -> None:
         self.port = free_port()
@@ -47,7 +51,7 @@ class ServerProcess:
         with trio.move_on_after(limit):
             while True:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+                    raise ServerExited(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
                 if await self.health() == 200:
                     self.load_seconds = trio.current_time() - started
                     return
