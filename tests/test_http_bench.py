@@ -61,7 +61,7 @@ def test_bench_serve_through_the_router_small(tiny_model_factory, tmp_path):
 def test_bench_serve_refuses_a_router_with_a_base_url():
     result = subprocess.run([str(BIN / "triode"), "bench", "serve", "--router", "1", "--base-url", "http://x/v1"],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0 and "--router starts its own replicas" in result.stderr
+    assert result.returncode == 2 and "--router starts its own replicas" in result.stderr
 
 
 def _sse(*events: str, newline: str = "\n") -> bytes:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from triode.engine.config import QUANTIZED_ACTIVATIONS
 
@@ -24,6 +26,13 @@ def count(text: str) -> int:
     if not 1 <= value <= MAX_COUNT:
         raise argparse.ArgumentTypeError(f"{value} is not a count from 1 to {MAX_COUNT}")
     return value
+
+
+def usage_error(message: str) -> NoReturn:
+    """Ends a bench command whose options cannot work together, as argparse ends a bad one: the
+    message on stderr and exit status 2 (a failure while measuring exits 1)."""
+    print(f"triode: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def missing_bench_extra() -> list[str]:

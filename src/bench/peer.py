@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from triode.bench.commands import usage_error
 from triode.bench.llama_server import (
     LLAMA_CPP_SDIST,
     PeerUnavailable,
@@ -111,7 +112,7 @@ def peer_gguf(model: str | None, cache_dir: str) -> Path:
     if model is not None and model != "default":
         path = Path(model).expanduser()
         if path.suffix.lower() != ".gguf" or not path.is_file():
-            raise SystemExit("triode: error: --peer llama.cpp needs a .gguf file as --model (or none: the "
+            usage_error("--peer llama.cpp needs a .gguf file as --model (or none: the "
                              f"default model's), got {model!r}")
         return path.resolve()
     from triode.engine.model_files.resolve import resolve_model

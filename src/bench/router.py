@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx2
 
+from triode.bench.commands import usage_error
 from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
 from triode.scenarios.server import free_port
 
@@ -32,7 +33,7 @@ def router_binary() -> str:
     beside = Path(sys.executable).parent / "vllm-router"
     found = str(beside) if beside.exists() else shutil.which("vllm-router")
     if found is None:
-        raise SystemExit("triode: error: --router needs vllm-router: pip install vllm-router (x86-64 Linux)")
+        usage_error("--router needs vllm-router: pip install vllm-router (x86-64 Linux)")
     return found
 
 

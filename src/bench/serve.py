@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from triode.bench.commands import count
+from triode.bench.commands import count, usage_error
 from triode.bench.sweep import save_sweep_figure, start_server, stop_server, sweep
 
 ROUTER_POLICIES = ("round_robin", "cache_aware")  # the policies tests/test_router.py runs
@@ -55,7 +55,7 @@ def add_bench_serve(benches: argparse._SubParsersAction) -> None:
 
 def _command(namespace: argparse.Namespace) -> int:
     if namespace.router is not None and (namespace.peer or namespace.base_url):
-        raise SystemExit("triode: error: --router starts its own replicas: it takes no --peer or --base-url")
+        usage_error("--router starts its own replicas: it takes no --peer or --base-url")
     if namespace.peer:
         from triode.bench import peer as bench_peer
 
