@@ -1,10 +1,12 @@
 """HTTP tests: ``triode bench serve`` at a tiny scale (it starts its own server, sweeps two
 concurrency levels, runs the same chats offline, and writes its JSON and PNG), and its load
 generator's stream reading against a canned server on 127.0.0.1 (event streams cut at odd
-places, CRLF line ends, an error event, an HTTP error)."""
+places, CRLF line ends, an error event, an HTTP error), and servers that never answer or lack
+the OpenAI routes."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -15,6 +17,7 @@ import trio
 
 from tests.http_server import BIN
 from triode.bench.load import one_request, open_client
+from triode.bench.sweep import FIRST_ANSWER_S, sweep
 
 
 @pytest.mark.slow
@@ -141,3 +144,48 @@ def test_a_bench_without_its_extra_is_refused_before_measuring(monkeypatch, caps
         cli.main(["bench", "step", "--model", "no-such-model"])
     assert exit_info.value.code == 2
     assert "triode bench needs matplotlib: pip install 'triode[bench]'" in capsys.readouterr().err
+
+
+async def _hold_connections(*, task_status=trio.TASK_STATUS_IGNORED):
+    """Accepts connections and never answers, as a wedged server does."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    async def hold(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    await trio.serve_listeners(hold, listeners)
+
+
+async def test_a_server_that_never_answers_ends_the_sweep_in_minutes(autojump_clock):
+    """It used to wait for the client's hour-long timeout before anything was said."""
+    ns = argparse.Namespace(api_key=None, model_name=None, output_tokens=4)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_hold_connections)
+        started = trio.current_time()
+        with pytest.raises(SystemExit, match=rf"did not answer a first request in {FIRST_ANSWER_S} s"):
+            await sweep(ns, f"http://127.0.0.1:{port}/v1", {1: [[{"role": "user", "content": "hi"}]]})
+        assert trio.current_time() - started == pytest.approx(FIRST_ANSWER_S)
+        nursery.cancel_scope.cancel()
+
+
+async def _answer_not_found(*, task_status=trio.TASK_STATUS_IGNORED):
+    """Answers every request 404, as a server without the OpenAI routes does."""
+    async def answer(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(answer, listeners)
+
+
+async def test_a_server_without_the_models_route_is_named():
+    ns = argparse.Namespace(api_key=None, model_name=None, output_tokens=4)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_answer_not_found)
+        with pytest.raises(SystemExit, match=r"did not list its models \(GET /models\): HTTPStatusError"):
+            await sweep(ns, f"http://127.0.0.1:{port}/v1", {1: [[{"role": "user", "content": "hi"}]]})
+        nursery.cancel_scope.cancel()

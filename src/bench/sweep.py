@@ -12,18 +12,33 @@ import time
 from pathlib import Path
 from typing import Any
 
+# A server's first answer may wait on its warm-up (a compile, a cache); one that accepts
+# connections and never answers used to hold the sweep for the client's hour-long timeout.
+FIRST_ANSWER_S = 300
+
 
 async def sweep(ns: argparse.Namespace, base_url: str, levels: dict[int, list], *,
                 request_fields: dict[str, Any] | None = None, label: str = "") -> dict[str, Any]:
-    """Every level of ``levels`` against the server at ``base_url``, after one warm-up request."""
+    """Every level of ``levels`` against the server at ``base_url``, after one warm-up request,
+    which must be answered within FIRST_ANSWER_S."""
+    import httpx2
+    import trio
     from tqdm import tqdm
 
     from triode.bench.load import one_request, open_client, run_level, served_model
 
     async with open_client(base_url, ns.api_key) as client:
-        model = ns.model_name or await served_model(client)
-        # First-request costs.
-        warm = await one_request(client, model, levels[min(levels)][0], 4, request_fields)
+        with trio.move_on_after(FIRST_ANSWER_S) as waited:
+            try:
+                model = ns.model_name or await served_model(client)
+            except (httpx2.HTTPError, ValueError, LookupError) as e:
+                raise SystemExit(f"triode: error: the server at {base_url} did not list its models "
+                                 f"(GET /models): {type(e).__name__}: {e}") from None
+            # First-request costs.
+            warm = await one_request(client, model, levels[min(levels)][0], 4, request_fields)
+        if waited.cancelled_caught:
+            raise SystemExit(f"triode: error: the server at {base_url} did not answer a first request "
+                             f"in {FIRST_ANSWER_S} s")
         if not warm.ok:
             raise SystemExit(f"triode: error: the server at {base_url} failed a request: {warm.error}")
         results = []
