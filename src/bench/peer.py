@@ -112,8 +112,8 @@ def peer_gguf(model: str | None, cache_dir: str) -> Path:
     if model is not None and model != "default":
         path = Path(model).expanduser()
         if path.suffix.lower() != ".gguf" or not path.is_file():
-            usage_error("--peer llama.cpp needs a .gguf file as --model (or none: the "
-                             f"default model's), got {model!r}")
+            usage_error(f"--peer llama.cpp needs a .gguf file as --model (or none: the default model's), "
+                        f"got {model!r}")
         return path.resolve()
     from triode.engine.model_files.resolve import resolve_model
 
