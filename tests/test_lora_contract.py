@@ -130,6 +130,16 @@ def _with_lm_head(directory: str) -> str:
     return directory
 
 
+def _with_a_nan(directory: str) -> str:
+    """The adapter with one NaN among its lora_B weights."""
+    weights = f"{directory}/adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(key for key in tensors if "lora_B" in key)[0]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights)
+    return directory
+
+
 def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_factory, tmp_path, tiny_tokenizer):
     base, adapters = adapters_of("llama")
     source = adapters["r8"].lora_path
@@ -158,19 +168,25 @@ def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_fac
             with pytest.raises(LoRAAdapterError, match=reason) as caught:
                 llm.generate(prompt, params, lora_request=LoRARequest(name, 10 + index, path), use_tqdm=False)
             assert caught.value.adapter == name
-        # files that changed after the check: the workers cannot read them, and the request
-        # ends with "abort" (it used to wait for ever, over HTTP, and LLM.generate raised KeyError)
-        changed = _copy_adapter(source, tmp_path / "changed")
+        # What the workers cannot read, or refuse once read, ends its request with "abort": files
+        # that changed after the check (it used to wait for ever, over HTTP, and LLM.generate
+        # raised KeyError), and a NaN weight (every logit of its requests was NaN).
+        unreadable = {
+            "changed": _copy_adapter(source, tmp_path / "changed"),
+            "nan": _with_a_nan(_copy_adapter(source, tmp_path / "nan")),
+        }
         engine = llm.llm_engine
-        engine.add_request("changed", prompt, params, lora_request=LoRARequest("changed", 30, changed))
+        for index, (name, path) in enumerate(unreadable.items()):
+            engine.add_request(name, prompt, params, lora_request=LoRARequest(name, 30 + index, path))
         (tmp_path / "changed" / "adapter_model.safetensors").unlink()
         outputs = []
         for _ in range(50):
             outputs += engine.step()
             if not engine.has_unfinished_requests():
                 break
-        assert len(outputs) == 1 and outputs[0].finished
-        assert [(c.finish_reason, c.token_ids) for c in outputs[0].outputs] == [("abort", ())]
+        assert sorted(o.request_id for o in outputs) == sorted(unreadable) and all(o.finished for o in outputs)
+        for output in outputs:
+            assert [(c.finish_reason, c.token_ids) for c in output.outputs] == [("abort", ())], output.request_id
         # nothing was disturbed: the engine still serves, with an adapter too
         assert llm.generate(prompt, params, lora_request=adapters["r8"], use_tqdm=False)[0].outputs[0].token_ids
         with pytest.raises(InvalidRequestError, match="names adapter 'r8'"):

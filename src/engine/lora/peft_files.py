@@ -4,7 +4,8 @@ tensor: ``adapter_config.json`` and the safetensors header of ``adapter_model.sa
 The engine process runs these checks before it accepts an adapter (at start-up for
 ``--lora-modules``, on ``/v1/load_lora_adapter``, on a request's first use of a
 ``LoRARequest``), so a wrong adapter is a clear error naming it and the reason, never a worker
-crash; the workers read the same :class:`AdapterFacts` to know which tensor goes where.
+crash; the workers read the same :class:`AdapterFacts` to know which tensor goes where (and
+refuse weights that are not finite once scaled, ending the adapter's requests).
 
 triode applies adapters to the attention projections (q, k, v, o) and the MLP's (gate, up,
 down) of every decoder layer, which is what PEFT's LoRA adapters for the Llama, Qwen, Mistral

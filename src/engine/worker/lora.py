@@ -273,5 +273,10 @@ class WorkerLoRAs:
                         a[:, index * self.max_rank:index * self.max_rank + facts.rank] = a_full.T.to(dtype)
                         b[:facts.rank, column:column + width] = (b_full * facts.scaling).T.to(dtype)
                     column += width
+                if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                    # the adapter's rows would turn every logit of its requests into NaN
+                    raise ValueError(f"layer {layer}'s {name} weights hold NaN or infinite values in {dtype} "
+                                     f"(scaled by lora_alpha / r = {facts.scaling:g})")
                 weights[layer, name] = (a, b)
         return weights
+
