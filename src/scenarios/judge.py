@@ -68,10 +68,13 @@ async def check_server_after(scenario: Scenario, server: ServerProcess, verdict:
     health = await server.health()
     if health != expect.health_at_end:
         verdict.fail(f"/health is {health} at the end, expected {expect.health_at_end}")
-    if health != 200:
-        return
-    metrics = await _settled_metrics(server)
-    pids_seen.update(await server.worker_pids())
+    if health == 200:
+        metrics = await _settled_metrics(server)
+        pids_seen.update(await server.worker_pids())
+    else:  # the engine has ended: /metrics keeps its series, with nothing running
+        metrics = await server.metrics()
+        if "triode:engine_steps_total" not in metrics:
+            verdict.fail("the engine's series left /metrics when it ended")
     if expect.kv_free_at_end and metrics.get("vllm:kv_cache_usage_perc", 0.0) != 0.0:
         verdict.fail(f"KV cache usage {metrics['vllm:kv_cache_usage_perc']} at the end, expected 0")
     if metrics.get("vllm:num_requests_running", 0) or metrics.get("vllm:num_requests_waiting", 0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import trio
 
 from triode.engine.async_llm import AsyncLLM
@@ -42,6 +43,7 @@ class EngineHost:
         self._stop = trio.Event()
         self._done = trio.Event()
         self._metrics: ServerMetrics | None = None
+        self._final_statistics: EngineStatistics | None = None
         self.token_text: TokenText | None = None
         self.generation: GenerationDefaults | None = None  # the loaded model's, once ready
 
@@ -63,7 +65,14 @@ class EngineHost:
         return self._metrics
 
     def statistics(self) -> EngineStatistics | None:
-        return self.llm.statistics() if self.llm is not None else None
+        """The running engine's statistics; once it has died or stopped, its last ones with
+        nothing running, waiting or holding KV blocks (it failed every open request), so that
+        /metrics keeps its series and counters (a dashboard's rates, a router's gauges) rather
+        than dropping them or showing the requests it held when it died."""
+        if self.llm is None:
+            return self._final_statistics
+        statistics = self.llm.statistics()
+        return _at_rest(statistics) if self.health == "dead" else statistics
 
     @property
     def health(self) -> str:
@@ -126,6 +135,11 @@ class EngineHost:
         else:
             self.state = "closed"
         finally:
+            if self.llm is not None:
+                try:
+                    self._final_statistics = _at_rest(self.llm.statistics())
+                except Exception:  # a fault of its own must not hide why the engine ended
+                    log.exception("the engine's last statistics could not be read")
             self.llm = None
             self._done.set()
 
@@ -171,3 +185,9 @@ def _sole_leaf(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
+
+
+def _at_rest(statistics: EngineStatistics) -> EngineStatistics:
+    """An ended engine's statistics: its counters, and no request, KV block or worker."""
+    return attrs.evolve(statistics, num_running=0, num_waiting=0, kv_blocks_free=statistics.kv_blocks_total,
+                        worker_pids=(), running_lora_adapters=(), waiting_lora_adapters=())
