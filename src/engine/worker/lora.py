@@ -279,4 +279,3 @@ class WorkerLoRAs:
                                      f"(scaled by lora_alpha / r = {facts.scaling:g})")
                 weights[layer, name] = (a, b)
         return weights
-
