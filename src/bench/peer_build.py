@@ -45,7 +45,7 @@ def run_logged(command: list[str], out: TextIO, what: str, *, progress: str | No
                 elif match := _PROGRESS.match(line):
                     bar.update(int(match.group(1)) - bar.n)
         except BaseException:  # Ctrl-C: a session of its own does not get it, so it is ended here
-            _end(process, own_session)
+            end_process(process, group=own_session)
             raise
     if bar is not None:
         bar.close()
@@ -53,9 +53,10 @@ def run_logged(command: list[str], out: TextIO, what: str, *, progress: str | No
         raise PeerUnavailable(f"{what} failed (exit code {process.returncode}); see {out.name}")
 
 
-def _end(process: subprocess.Popen, group: bool) -> None:
-    """SIGTERM to the process (and its group), then SIGKILL after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+def end_process(process: subprocess.Popen, *, group: bool = False, grace: float = 10.0) -> None:
+    """SIGTERM to the process (to its whole process group with ``group``), then SIGKILL once
+    ``grace`` seconds have passed; returns when it has exited."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         with contextlib.suppress(ProcessLookupError):
             if group:
                 os.killpg(process.pid, sig)

@@ -5,12 +5,13 @@ them on log-2 concurrency axes)."""
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from triode.bench.peer_build import end_process
 
 # A server's first answer may wait on its warm-up (a compile, a cache); one that accepts
 # connections and never answers used to hold the sweep for the client's hour-long timeout.
@@ -72,12 +73,8 @@ def start_server(ns: argparse.Namespace, log_path: Path) -> tuple[subprocess.Pop
 
 
 def stop_server(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    """SIGTERM, which lets a server drain, and SIGKILL after a minute."""
+    end_process(process, grace=60.0)
 
 
 
