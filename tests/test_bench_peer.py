@@ -147,7 +147,7 @@ def test_the_vllm_comparison_counts_the_same_work_and_names_a_failed_run(tmp_pat
     python.chmod(0o755)
     log = tmp_path / "vllm.log"
     with pytest.raises(PeerUnavailable, match=rf"vLLM failed: .*see {log}"):
-        run_vllm(python, tmp_path, [make_workload("W1")], engine={}, threads=[0], log=log)
+        run_vllm(python, tmp_path, [make_workload("W1", vocab_size=49152)], engine={}, threads=[0], log=log)
     assert "libcudart" in log.read_text()
     # a runner that exits 0 with no result, a cut one, or fewer tokens than asked (a bare
     # FileNotFoundError, JSONDecodeError or AssertionError once, with triode's figures lost)
@@ -156,7 +156,7 @@ def test_the_vllm_comparison_counts_the_same_work_and_names_a_failed_run(tmp_pat
                          (f"""printf '{short}' > "$3\"""", "produced 5 tokens of W1, which asks for 8192")]:
         python.write_text(f"#!/bin/sh\n{body}\n")
         with pytest.raises(PeerUnavailable, match=reason):
-            run_vllm(python, tmp_path, [make_workload("W1")], engine={}, threads=[0], log=log)
+            run_vllm(python, tmp_path, [make_workload("W1", vocab_size=49152)], engine={}, threads=[0], log=log)
 
 
 def test_ctrl_c_ends_a_peer_in_a_session_of_its_own(tmp_path):

@@ -22,9 +22,9 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def w1v_blocks(block_size: int) -> int:
+def w1v_blocks(block_size: int, vocab_size: int) -> int:
     """Blocks W1v's 128 sequences hold at their full lengths."""
-    workload = make_workload("W1v")
+    workload = make_workload("W1v", vocab_size=vocab_size)
     assert len(workload.prompts) == 128
     return sum(blocks_for(len(p) + n, block_size) for p, n in zip(workload.prompts, workload.output_lens, strict=True))
 
@@ -34,14 +34,14 @@ def test_the_default_budget_holds_w1v_whole():
         info = engine.supervisor.info
         assert info is not None and info.kv_cache_memory_bytes > GiB  # the old fixed default
         assert info.kv_cache_sizing.startswith("sized as 0.5 of")
-        assert engine.statistics().kv_blocks_total >= w1v_blocks(info.block_size)
+        assert engine.statistics().kv_blocks_total >= w1v_blocks(info.block_size, engine.vocab_size)
 
 
 @pytest.mark.slow  # 34k prompt tokens: a minute on 2 cores
 def test_the_default_configuration_admits_128_w1v_sequences_at_once():
-    workload = make_workload("W1v")
     with LLMEngine(EngineArgs()) as engine:
         info = engine.supervisor.info
+        workload = make_workload("W1v", vocab_size=engine.vocab_size)
         for index, (prompt, length) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             engine.add_request(f"w1v-{index}", {"prompt_token_ids": list(prompt)},
                                SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True))
@@ -53,7 +53,7 @@ def test_the_default_configuration_admits_128_w1v_sequences_at_once():
         assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (128, 0, 0)
         # Every sequence can grow to its full length without preempting another.
         held = stats.kv_blocks_total - stats.kv_blocks_free
-        assert stats.kv_blocks_free >= w1v_blocks(info.block_size) - held
+        assert stats.kv_blocks_free >= w1v_blocks(info.block_size, engine.vocab_size) - held
         engine.abort_request([f"w1v-{index}" for index in range(128)])
         assert not engine.has_unfinished_requests()
 

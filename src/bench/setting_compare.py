@@ -28,7 +28,7 @@ def run(*, setting: str, model: str | None, workloads: tuple[str, ...] = ("W1", 
     try:
         for _ in range(rounds):
             for name in workloads:
-                workload = make_workload(name)
+                workload = make_workload(name, vocab_size=engines["off"].llm_engine.vocab_size)
                 for mode, llm in engines.items():
                     runs[name][mode].append(run_triode(llm, workload))
     finally:

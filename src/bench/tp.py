@@ -10,13 +10,16 @@ throughput (greedy, ignore_eos) with per-step time and per-step collective time 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from triode.bench.report import machine_description, plot_bars, print_table, write_json
 from triode.bench.throughput import timed_generate
 from triode.bench.workloads import Workload, make_workload
+from triode.engine.config import EngineArgs
 from triode.engine.llm import LLM
+from triode.engine.model_files.resolve import resolve_model
 
 MiB = 1 << 20
 
@@ -81,7 +84,9 @@ def run(
     output_dir: Path = Path("bench-results"),
 ) -> dict:
     print(f"triode bench tp on {machine_description()}")
-    workload = _scaled(make_workload("W1"), num_prompts, max_tokens)
+    args = EngineArgs.from_env(model=model)
+    config = json.loads((resolve_model(args.model, cache_dir=args.resolved_cache_dir()).path / "config.json").read_text())
+    workload = _scaled(make_workload("W1", vocab_size=config["vocab_size"]), num_prompts, max_tokens)
     print(f"workload W1: {len(workload.prompts)} prompts of 128 tokens, "
           f"{workload.total_output_tokens} output tokens; kv_cache_memory {kv_cache_memory} per rank")
     results = {size: measure(model, size, workload, kv_cache_memory) for size in sizes}

@@ -62,6 +62,7 @@ class LLMEngine:
         self.supervisor: WorkerSupervisor = self._loop.handle
         info = self.supervisor.info
         self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.core = EngineCore.from_engine_args(
             args, info, eos_token_ids=model.generation.eos_token_ids,
             publish_kv_events=publisher.publish if publisher is not None else None,
