@@ -124,6 +124,19 @@ def test_compilation_past_the_bound_is_refused_and_remembered(tokenizer_file, ti
     compiler(tokenizer_file, tiny_tokenizer, eos).check(params)
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_refuses_constraints_by_name(tokenizer_file, tiny_tokenizer, eos):
+    """Found by probing: a model whose tokenizer has more tokens than its vocabulary (here 32
+    fewer) made every constrained request fail with llguidance's bare ValueError, an HTTP 500
+    each time; now each is refused naming the field and the reason, from what the first
+    attempt learned."""
+    small = GrammarCompiler(tokenizer_file, vocab_size=len(tiny_tokenizer) - 32, eos_token_ids=eos, timeout_s=10)
+    for fields in ({"json": SCHEMA}, {"regex": "a+"}, {"json": SCHEMA}):
+        with pytest.raises(InvalidRequestError, match="this model's tokenizer cannot constrain its output "
+                                                      r"\(llguidance: vocab size too small") as caught:
+            small.check(StructuredOutputsParams(**fields))
+        assert caught.value.field == "structured_outputs"
+
+
 # --- the worker's grammar state and the logit mask -----------------------------------------
 
 def allowed_ids(bitmask_row: torch.Tensor, vocab: int) -> set[int]:

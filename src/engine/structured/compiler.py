@@ -50,6 +50,7 @@ class GrammarCompiler:
         self._reasoning_parser = reasoning_parser
         self._tokenizer_args = (tokenizer_file, vocab_size, tuple(eos_token_ids))
         self._tokenizer = None
+        self._tokenizer_refused = ""  # llguidance's reason, where it took no view of the tokenizer
         self._tokenizer_lock = threading.Lock()
         self._timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="triode-grammar")
@@ -57,9 +58,18 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _grammar_tokenizer(self):
+        """llguidance's view of the tokenizer, built once. A tokenizer it refuses (one with
+        more tokens than the model's vocabulary) refuses every constraint, naming the reason:
+        the request is fine, this model cannot constrain its output."""
         with self._tokenizer_lock:
-            if self._tokenizer is None:
-                self._tokenizer = open_grammar_tokenizer(*self._tokenizer_args)
+            if self._tokenizer is None and not self._tokenizer_refused:
+                try:
+                    self._tokenizer = open_grammar_tokenizer(*self._tokenizer_args)
+                except ValueError as error:
+                    self._tokenizer_refused = str(error)
+            if self._tokenizer_refused:
+                raise InvalidRequestError(f"{FIELD}: this model's tokenizer cannot constrain its output "
+                                          f"(llguidance: {self._tokenizer_refused})", field=FIELD)
             return self._tokenizer
 
     def check(self, params: StructuredOutputsParams) -> None:
