@@ -66,6 +66,13 @@ def test_a_port_out_of_range_and_a_missing_gpu_are_plain_errors(tiny_model_facto
     server = ServerProcess([str(BIN / "triode"), "serve", model, "--port", "99999"])
     assert server.wait_exit(60) == 2
     assert "--port: 99999 is not a TCP port (0-65535)" in server.output and "Traceback" not in server.output
+    # a size past any float (an OverflowError traceback), and one that is not a size (argparse
+    # said "invalid parse_size value" without the reason)
+    for size in ("1e400GiB", "12 parsecs"):
+        server = ServerProcess([str(BIN / "triode"), "serve", model, "--kv-cache-memory", size])
+        assert server.wait_exit(60) == 2
+        assert f"--kv-cache-memory: '{size}' is not a size (e.g. 4096, 512MiB, 2GiB)" in server.output
+        assert "Traceback" not in server.output
     if torch.cuda.is_available():
         return
     server = ServerProcess([str(BIN / "triode"), "serve", model, "--host", "127.0.0.1", "--port", "0",

@@ -1,6 +1,6 @@
 """Unit tests of the KV cache's automatic budget (worker/kv_budget.py): the sizing rule, the
-memory readings it starts from, the blocks a budget holds, and a zeroed cache that costs only
-what is written."""
+memory readings it starts from, the check of a given budget against them, the sizes a budget is
+written in, the blocks a budget holds, and a zeroed cache that costs only what is written."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from triode.engine.config import EngineArgs
-from triode.engine.errors import InvalidRequestError, KVCacheTooSmallError
+from triode.engine.config import EngineArgs, parse_size
+from triode.engine.errors import InvalidRequestError, KVCacheTooLargeError, KVCacheTooSmallError
 from triode.engine.model.config import ModelConfig
 from triode.engine.worker import kv_budget
 from triode.engine.worker.kv_budget import (
@@ -20,6 +20,7 @@ from triode.engine.worker.kv_budget import (
     activation_bytes,
     automatic_kv_cache_bytes,
     blocks_for_budget,
+    check_given_budget,
 )
 
 GiB = 2**30
@@ -84,6 +85,33 @@ def test_the_setting_is_a_fraction_and_an_explicit_budget_is_kept():
         with pytest.raises(InvalidRequestError, match="gpu_memory_utilization must be in") as error:
             EngineArgs(gpu_memory_utilization=wrong)
         assert error.value.field == "gpu_memory_utilization"
+
+
+def test_sizes_reach_terabytes_and_a_number_past_any_float_is_not_a_size():
+    assert parse_size("1.5TB") == 1_500_000_000_000 and parse_size("2TiB") == 2 << 40
+    for wrong in ("1e400GiB", "inf", "nan", "12 parsecs"):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(wrong)
+
+
+def test_a_given_budget_past_the_memory_there_is_stops_the_start_and_past_what_is_free_warns():
+    """Found by probing: kv_cache_memory=100GiB on a 23 GiB machine failed the load with a bare
+    ENOMEM ("the workers could not load the model"), and 1e30 with an OverflowError; 30GiB
+    started, to run the machine out of memory once the cache filled."""
+    cpu = MemoryReading(total=24 * GiB, available=20 * GiB, on_gpu=False)
+    assert check_given_budget(20 * GiB, cpu, ranks_sharing=1) is None
+    assert check_given_budget(10 * GiB, cpu, ranks_sharing=2) is None
+    warning = check_given_budget(22 * GiB, cpu, ranks_sharing=1)
+    assert warning is not None and "kv_cache_memory=22.00 GiB is more than the 20.00 GiB of memory available" in warning
+    assert "x 2 ranks" in (check_given_budget(11 * GiB, cpu, ranks_sharing=2) or "")
+    for budget, ranks in ((100 * GiB, 1), (13 * GiB, 2), (10**30, 1)):
+        with pytest.raises(KVCacheTooLargeError, match=r"is more than the 24\.00 GiB of memory this machine has "
+                                                       r"\(lower it, or leave it unset"):
+            check_given_budget(budget, cpu, ranks_sharing=ranks)
+    gpu = MemoryReading(total=80 * GiB, available=70 * GiB, on_gpu=True)
+    with pytest.raises(KVCacheTooLargeError, match="memory the device has"):
+        check_given_budget(81 * GiB, gpu, ranks_sharing=1)
+    assert "run the device out of memory" in (check_given_budget(75 * GiB, gpu, ranks_sharing=1) or "")
 
 
 def test_a_budget_becomes_blocks_and_must_hold_one_sequence_of_max_model_len():

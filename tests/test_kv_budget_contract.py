@@ -1,6 +1,6 @@
 """Contract tests of the KV cache sized from memory: the default configuration on the default
-model holds W1v's 128 sequences at once, and a restarted worker keeps the budget the
-scheduler was built for."""
+model holds W1v's 128 sequences at once, a restarted worker keeps the budget the scheduler was
+built for, and a given budget past the machine's memory stops the start."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from triode import EngineArgs, LLMEngine, SamplingParams
+from triode import EngineArgs, KVCacheTooLargeError, LLMEngine, SamplingParams
 from triode.bench.workloads import make_workload
 from triode.engine.worker.kv_budget import read_memory
 
@@ -94,3 +94,10 @@ def test_tensor_parallel_ranks_agree_on_one_automatic_budget(tiny_model_factory)
         engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
         finished = [o for _ in range(16) for o in engine.step() if o.finished]
         assert len(finished) == 1 and len(finished[0].outputs[0].token_ids) == 4
+
+
+def test_a_given_budget_past_the_machines_memory_stops_the_start_naming_both(tiny_model_factory):
+    total = read_memory("cpu").total
+    with pytest.raises(KVCacheTooLargeError, match=r"kv_cache_memory=[0-9.]+ GiB is more than the [0-9.]+ GiB of "
+                                                   r"memory this machine has"):
+        LLMEngine(EngineArgs(model=str(tiny_model_factory("llama")), kv_cache_memory=2 * total, max_model_len=256))

@@ -50,7 +50,7 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[object, attrs.Attribute[Any],
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
-          "mib": 1 << 20, "g": GiB, "gb": 1000**3, "gib": GiB}
+          "mib": 1 << 20, "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
 
 def parse_size(text: str | int) -> int:
@@ -64,7 +64,7 @@ def parse_size(text: str | int) -> int:
     unit = stripped[len(number):].strip()
     try:
         return int(float(number) * _UNITS[unit])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):  # OverflowError: 1e400, an infinite number of bytes
         raise ValueError(f"{text!r} is not a size (e.g. 4096, 512MiB, 2GiB)") from None
 
 

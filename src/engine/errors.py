@@ -23,6 +23,10 @@ class KVCacheTooSmallError(ModelLoadError):
     """The KV-cache budget cannot hold even one sequence of the model's maximum length."""
 
 
+class KVCacheTooLargeError(ModelLoadError):
+    """The KV-cache budget given is more than the memory the machine (or the device) has."""
+
+
 class InvalidRequestError(TriodeError, ValueError):
     """A request or one of its parameters is invalid; ``field`` names the culprit."""
 

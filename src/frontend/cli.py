@@ -12,9 +12,8 @@ from pathlib import Path
 
 from triode.bench.commands import add_bench_commands, missing_bench_extra
 from triode.bench.serve import add_bench_serve
-from triode.engine.config import parse_size
 from triode.engine.errors import TriodeError
-from triode.frontend.engine_flags import add_engine_flags, engine_args_from
+from triode.frontend.engine_flags import add_engine_flags, engine_args_from, size_argument
 from triode.frontend.openai.tool_parsers import TOOL_PARSERS
 from triode.scenarios.command import add_scenario_commands
 
@@ -58,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; "
                             "default: $TRIODE_API_KEY, comma-separated)")
-    serve.add_argument("--max-body-size", type=parse_size, default=None, metavar="SIZE",
+    serve.add_argument("--max-body-size", type=size_argument, default=None, metavar="SIZE",
                        help="largest request body, e.g. 8MiB (default: $TRIODE_MAX_BODY_SIZE or 8MiB)")
     serve.add_argument("--trust-request-chat-template", action="store_true", default=None,
                        help="let requests bring their own chat_template (a Jinja program run for every "

@@ -67,6 +67,15 @@ _HELP = {
 }
 
 
+def size_argument(text: str) -> int:
+    """Bytes from a size flag's text; a wrong one is reported with the reason (argparse says
+    only "invalid ... value" for a ValueError)."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_engine_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     defaults = EngineArgs()
     for field in attrs.fields(EngineArgs):
@@ -81,7 +90,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
         if kind.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif field.name == "kv_cache_memory":
-            parser.add_argument(flag, type=parse_size, default=None, help=help_text)
+            parser.add_argument(flag, type=size_argument, default=None, help=help_text)
         else:
             converter = int if kind.startswith("int") else float if kind.startswith("float") else str
             parser.add_argument(flag, type=converter, default=None, help=help_text)

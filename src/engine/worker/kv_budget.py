@@ -12,7 +12,8 @@ runs in, and what the weights and a step's activations leave of that fraction is
 
 Either way no rank takes more than ``max_num_seqs`` sequences of ``max_model_len`` can fill:
 more would never be used. The reading is logged at start-up; an explicit
-``kv_cache_memory`` is taken as it is. The rule (:func:`automatic_kv_cache_bytes`) is
+``kv_cache_memory`` is taken as it is, unless the machine (or the device) does not have that
+much memory at all (:func:`check_given_budget`). The rule (:func:`automatic_kv_cache_bytes`) is
 sans-IO; :func:`read_memory` is the measurement; :func:`size_kv_cache` puts them together for
 a worker. :func:`blocks_for_budget` turns a budget, given or sized, into the rank's blocks.
 """
@@ -26,7 +27,7 @@ import torch
 
 from triode.engine.config import EngineArgs
 from triode.engine.core.kv_blocks import blocks_in_use_at_most
-from triode.engine.errors import KVCacheTooSmallError
+from triode.engine.errors import KVCacheTooLargeError, KVCacheTooSmallError
 from triode.engine.model.config import ModelConfig
 from triode.engine.worker.distributed import TensorParallelGroup
 from triode.engine.worker.draft_model import draft_kv_share, kv_bytes_per_token
@@ -58,6 +59,25 @@ def automatic_kv_cache_bytes(reading: MemoryReading, *, utilization: float, rank
     else:
         budget = utilization * reading.available / ranks_sharing - activation_bytes
     return max(0, min(int(budget), most_useful_bytes))
+
+
+def check_given_budget(budget: int, reading: MemoryReading, *, ranks_sharing: int) -> str | None:
+    """An explicit budget of every rank that shares the memory of ``reading``: more than that
+    memory's total raises ``KVCacheTooLargeError`` (no step could ever fill it, and its first
+    allocation failed with a bare ENOMEM, or with an overflow, naming the model); more than is
+    available now returns a warning, since the cache's pages are committed only as sequences
+    fill them (it may still fit, and an explicit setting wins)."""
+    wanted = budget * ranks_sharing
+    ranks = f" x {ranks_sharing} ranks" if ranks_sharing > 1 else ""
+    where = "the device" if reading.on_gpu else "this machine"
+    given = f"kv_cache_memory={budget / 2**30:.2f} GiB{ranks}"
+    if wanted > reading.total:
+        raise KVCacheTooLargeError(f"{given} is more than the {reading.total / 2**30:.2f} GiB of memory {where} has "
+                                   f"(lower it, or leave it unset to size the cache from memory)")
+    if wanted > reading.available:
+        return (f"{given} is more than the {reading.available / 2**30:.2f} GiB of memory available once the weights "
+                f"were in: a full cache may run {where} out of memory")
+    return None
 
 
 def activation_bytes(*, max_num_batched_tokens: int, hidden_size: int, intermediate_size: int,

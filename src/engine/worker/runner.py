@@ -28,7 +28,13 @@ from triode.engine.worker.distributed import Partition, TensorParallelGroup, pea
 from triode.engine.worker.grammar import SequenceGrammars
 from triode.engine.worker.host_memory import zeroed_tensor
 from triode.engine.worker.input_staging import InputStaging
-from triode.engine.worker.kv_budget import MemoryReading, blocks_for_budget, size_kv_cache
+from triode.engine.worker.kv_budget import (
+    MemoryReading,
+    blocks_for_budget,
+    check_given_budget,
+    read_memory,
+    size_kv_cache,
+)
 from triode.engine.worker.kv_pages import kv_pages_for
 from triode.engine.worker.lora import WorkerLoRAs
 from triode.engine.worker.models.llama import checkpoint_slices
@@ -142,6 +148,11 @@ class ModelRunner:
                 args, device=self.device, config=self.config, dtype=self.dtype, kv_heads=max_kv_heads,
                 max_model_len=self.max_model_len, reserved_blocks=self._reserved_blocks, parallel=self.parallel)
             self._size_blocks(args, max_kv_heads, reading)
+        elif not self.config.encoder:
+            sharing = self.parallel.size if self.parallel is not None and self.device.type == "cpu" else 1
+            if warning := check_given_budget(self.kv_cache_memory, read_memory(self.device.type, self.device.index),
+                                             ranks_sharing=sharing):
+                logger.warning("%s", warning)
         # An encoder keeps no KV: its blocks only count what the scheduler admits.
         blocks = 0 if self.config.encoder else self.num_blocks + self._reserved_blocks
         shape = (blocks, self.block_size, kv_heads, self.config.head_dim)
