@@ -92,6 +92,11 @@ def test_sizes_reach_terabytes_and_a_number_past_any_float_is_not_a_size():
     for wrong in ("1e400GiB", "inf", "nan", "12 parsecs"):
         with pytest.raises(ValueError, match="is not a size"):
             parse_size(wrong)
+        # the variable's error gives the reason too (it said "not a valid int | None")
+        with pytest.raises(InvalidRequestError, match=f"TRIODE_KV_CACHE_MEMORY: '{wrong}' is not a size") as error:
+            EngineArgs.from_env({"TRIODE_KV_CACHE_MEMORY": wrong})
+        assert error.value.field == "kv_cache_memory"
+    assert EngineArgs.from_env({"TRIODE_KV_CACHE_MEMORY": "2TiB"}).kv_cache_memory == 2 << 40
 
 
 def test_a_given_budget_past_the_memory_there_is_stops_the_start_and_past_what_is_free_warns():

@@ -245,14 +245,17 @@ class EngineArgs:
 def _parse(field: attrs.Attribute[Any], raw: str) -> Any:
     kind = str(field.type)
     name = field.name
+    if name == "kv_cache_memory":
+        try:
+            return parse_size(raw)
+        except ValueError as error:  # its reason, where "not a valid int | None" gave none
+            raise InvalidRequestError(f"TRIODE_KV_CACHE_MEMORY: {error}", field=name) from None
     try:
         if kind.startswith("bool"):
             lowered = raw.strip().lower()
             if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError(raw)
             return lowered in ("1", "true", "yes", "on")
-        if field.name == "kv_cache_memory":
-            return parse_size(raw)
         if kind.startswith("int"):
             return int(raw)
         if kind.startswith("float"):
