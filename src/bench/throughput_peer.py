@@ -64,7 +64,7 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
     config = json.loads((checkpoint / "config.json").read_text())
     workloads = [make_workload(name, vocab_size=config["vocab_size"]) for name in workload_names]
     # measured before any engine starts, with the machine to itself
-    report["ceilings"] = ceilings(checkpoint, workloads, dtype=dtype, defaults=defaults,
+    report["ceilings"] = ceilings(config, workloads, dtype=dtype, defaults=defaults,
                                   default_model=args.model is None)
     same = {"dtype": dtype, "max_model_len": SAME_SETTING_MAX_MODEL_LEN}
     runs = [("same", str(checkpoint), {**same, "kv_cache_memory": SAME_SETTING_KV_BYTES},
@@ -90,18 +90,18 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
     return report
 
 
-def ceilings(checkpoint: Path, workloads: list[Workload], *, dtype: str, defaults: bool,
+def ceilings(config: dict[str, Any], workloads: list[Workload], *, dtype: str, defaults: bool,
              default_model: bool) -> dict[str, Any]:
     """Each comparison's arithmetic ceilings (``roofline``): the peak each engine computes
     at, and the output tokens/s of each workload at that peak. In the same setting both
     engines multiply in ``dtype``; by default vLLM computes in bfloat16 and triode, on the
-    default model, with its quantized kernels."""
+    default model, with its quantized kernels. ``config``: the checkpoint's config.json."""
     from triode.bench.roofline import ModelArithmetic, gemm_peak_flops, quantized_peak_flops
     from triode.engine.worker.placement import resolve_quantized_activations
     from triode.kernels.quant_linear import quantized_kernels_available
 
     print("measuring the arithmetic peaks (the ceilings) ...", flush=True)
-    arithmetic = ModelArithmetic.from_config(json.loads((checkpoint / "config.json").read_text()))
+    arithmetic = ModelArithmetic.from_config(config)
     threads, shapes = usable_cpus(), arithmetic.shapes()
     same = gemm_peak_flops(dtype, shapes, threads=threads)
     peaks = {"same": {"triode": (same, f"{dtype} matrix multiply"), "vllm": (same, f"{dtype} matrix multiply")}}
