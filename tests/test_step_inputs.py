@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triode.engine.worker.block_tables import BlockTables
+from triode.engine.worker.block_tables import MAX_INITIAL_ROWS, BlockTables
 from triode.engine.worker.input_staging import InputStaging
 from triode.engine.worker.step_inputs import StepInputs
 from triode.engine.worker_messages import ScheduledChunk
@@ -35,6 +35,15 @@ def test_rows_are_reused_and_the_tensor_grows():
     assert tables.row("d") == row and tables.lengths[row] == 0 and not tables.table[row].any()
     tables.add("d")  # a sequence that restarts starts with an empty table
     assert tables.lengths[tables.row("d")] == 0
+
+
+def test_rows_past_the_initial_cap_are_allocated_as_sequences_arrive():
+    # max_num_seqs=10**9 asked for 2 TB of tables up front at the default model's length
+    tables = BlockTables(512, rows=10**9)
+    assert tables.table.shape == (MAX_INITIAL_ROWS, 512)
+    for index in range(MAX_INITIAL_ROWS + 1):
+        tables.add(f"s{index}")
+    assert tables.table.shape[0] == 2 * MAX_INITIAL_ROWS and len(tables.lengths) == 2 * MAX_INITIAL_ROWS
 
 
 def test_a_table_longer_than_the_longest_sequence_is_refused():

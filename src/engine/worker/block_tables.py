@@ -17,12 +17,19 @@ import torch
 
 __all__ = ["BlockTables"]
 
+# Rows allocated up front at most: the tensor doubles when more sequences arrive, so a
+# max_num_seqs far beyond what the KV cache holds (10**9: 2 TB of tables at the default
+# model's length) costs nothing until that many sequences run.
+MAX_INITIAL_ROWS = 1024
+
 
 class BlockTables:
     def __init__(self, max_blocks: int, *, rows: int = 64) -> None:
         """``max_blocks``: the longest table a sequence may have (max_model_len over the block
-        size); ``rows``: sequences held before the tensor grows (it doubles)."""
+        size); ``rows``: sequences held before the tensor grows (it doubles), at most
+        :data:`MAX_INITIAL_ROWS`."""
         self.max_blocks = max_blocks
+        rows = min(rows, MAX_INITIAL_ROWS)
         self.table = torch.zeros((rows, max_blocks), dtype=torch.int32)
         self.host = self.table.numpy()  # the same memory
         self.lengths = np.zeros(rows, dtype=np.int64)  # blocks in each row's table
