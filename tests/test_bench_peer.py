@@ -239,3 +239,58 @@ def test_an_interrupted_write_gguf_leaves_no_file(tmp_path, monkeypatch, tiny_to
     size = synthetic_gguf.write_synthetic_gguf(target, "smollm2-135m", "Q8_0", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
     assert target.stat().st_size == size
+
+
+def test_vllm_rounds_alternate_the_engines_and_the_best_of_each_counts(tmp_path, monkeypatch, capsys):
+    """--peer vllm --rounds 3: triode and vLLM take turns, each engine's fastest round is
+    compared, every round is printed; a vLLM that fails in round 3 keeps rounds 1-2, and the
+    next setting tries it again."""
+    import json
+
+    from triode.bench import throughput_peer
+    from triode.bench.peer_build import PeerUnavailable
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps({"vocab_size": 49152}))
+    monkeypatch.setattr(throughput_peer, "ensure_vllm", lambda cache, log: tmp_path / "python")
+    monkeypatch.setattr(throughput_peer, "resolve_model", lambda model, cache_dir: type("M", (), {"path": tmp_path}))
+    monkeypatch.setattr(throughput_peer, "hf_checkpoint", lambda path, dtype, cache: tmp_path / "checkpoint")
+    monkeypatch.setattr(throughput_peer, "vllm_default_options", lambda: {})
+    monkeypatch.setattr(throughput_peer, "ceilings", lambda config, workloads, **_: {
+        name: {"peak_flops": {"triode": 1e12, "vllm": 1e12}, "peak_of": {"triode": "x", "vllm": "x"},
+               "workloads": {"W1v": {"flops": 1e12, "triode_ceiling": 900.0, "vllm_ceiling": 900.0}}}
+        for name in ("same", "defaults")})
+    turns: list[str] = []
+
+    def result(tokens_per_second):
+        return {"startup_seconds": 2.0 + len(turns), "kv_cache_memory_bytes": 4 << 30,
+                "workloads": {"W1v": {"tokens_per_second": tokens_per_second, "output_tokens": 16532,
+                                      "preemptions": 0, "token_ids": [[1]]}}}
+
+    def run_triode(model, workloads, options):
+        turns.append("triode")
+        return result({1: 300.0, 3: 500.0, 5: 400.0}.get(len(turns), 450.0))
+
+    def run_vllm(python, model, workloads, *, engine, threads, log):
+        turns.append("vllm")
+        if len(turns) == 6:
+            raise PeerUnavailable(f"vLLM failed: exit code 1; see {log}")
+        return result({2: 250.0, 4: 200.0}.get(len(turns), 420.0))
+
+    monkeypatch.setattr(throughput_peer, "run_triode", run_triode)
+    monkeypatch.setattr(throughput_peer, "run_vllm", run_vllm)
+    report = throughput_peer.run(model=None, workload_names=("W1v",), dtype="bfloat16", defaults=True,
+                                 output_dir=tmp_path / "out", rounds=3)
+    assert turns == ["triode", "vllm"] * 3 + ["triode", "vllm"] * 3
+    assert len(report["comparisons"]) == 2
+    same = report["comparisons"]["same"]["workloads"]["W1v"]
+    assert same["triode_rounds"] == [300.0, 500.0, 400.0] and same["vllm_rounds"] == [250.0, 200.0]
+    assert (same["triode_tokens_per_second"], same["vllm_tokens_per_second"], same["ratio"]) == (500.0, 250.0, 2.0)
+    assert report["comparisons"]["same"]["triode_startup_seconds"] == 3.0  # the first round's: a fresh start
+    defaults = report["comparisons"]["defaults"]["workloads"]["W1v"]
+    assert defaults["vllm_rounds"] == [420.0] * 3
+    printed = capsys.readouterr().out
+    assert "each engine's best of 3 rounds" in printed
+    assert "300.00 / 250.00" in printed and "400.00 / -" in printed
+    assert "vLLM: left out after that: vLLM failed: exit code 1" in printed
+    assert (tmp_path / "out" / "throughput-vllm-bfloat16.png").stat().st_size > 0

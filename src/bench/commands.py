@@ -95,7 +95,7 @@ def _throughput(namespace: argparse.Namespace) -> int:
 
         setting_compare.run(
             setting="async_scheduling" if namespace.compare_async_scheduling else "batch_invariant",
-            model=namespace.model, workloads=tuple(namespace.workloads), rounds=namespace.rounds,
+            model=namespace.model, workloads=tuple(namespace.workloads), rounds=namespace.rounds or 2,
             dtype=namespace.dtype, output_dir=Path(namespace.output_dir))
         return 0
     if namespace.structured:
@@ -107,7 +107,8 @@ def _throughput(namespace: argparse.Namespace) -> int:
         from triode.bench import throughput_peer
 
         throughput_peer.run(model=namespace.model, workload_names=tuple(namespace.workloads), dtype=namespace.dtype,
-                            defaults=not namespace.skip_defaults, output_dir=Path(namespace.output_dir))
+                            defaults=not namespace.skip_defaults, output_dir=Path(namespace.output_dir),
+                            rounds=namespace.rounds or 1)
         return 0
     from triode.bench import throughput
 
@@ -226,7 +227,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
                          help="triode only, async scheduling off vs on, alternated round by round")
     compare.add_argument("--compare-batch-invariant", action="store_true",
                          help="triode only, --batch-invariant off vs on, alternated round by round")
-    throughput.add_argument("--rounds", type=count, default=2, help="with --compare-*")
+    throughput.add_argument("--rounds", type=count, default=None,
+                            help="turns each setting or engine takes, alternated, the best counting: with "
+                                 "--compare-* (default 2) or --peer (default 1)")
     throughput.add_argument("--shape", choices=sorted(SHAPES), default=None,
                             help="a random-weight checkpoint of this model's shape (in --dtype) instead of --model")
     throughput.add_argument("--output-dir", default="bench-results")
