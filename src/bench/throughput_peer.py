@@ -275,7 +275,8 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
             ours.append(entry["triode_tokens_per_second"])
             theirs.append(entry["vllm_tokens_per_second"] or 0.0)
             ceiling.append(report["ceilings"][name]["workloads"][workload]["triode_ceiling"] or 0.0)
-    plot_bars(path, title=f"Offline output tokens/s against vLLM's CPU build ({report['dtype']} same setting)",
+    best_of = f", each engine's best of {report['rounds']} rounds" if report["rounds"] > 1 else ""
+    plot_bars(path, title=f"Offline output tokens/s against vLLM's CPU build ({report['dtype']}{best_of})",
               y_label="output tokens / s", groups=groups,
               series={"triode": ours, f"vLLM ({VLLM_CPU})": theirs,
                       "triode's ceiling (its arithmetic at the peak measured here)": ceiling})
