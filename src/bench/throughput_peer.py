@@ -23,9 +23,10 @@ speed between runs (an Intel Xeon's AMX matmul ran at 2.6 or 1.0 TFLOP/s, run by
 run of each can compare an engine in a fast stretch with one in a slow one. Every round's
 figures are printed and kept.
 
-Start-up is reported apart from throughput (each engine's first round: a fresh start). The share of sequences whose greedy tokens are
-identical in both engines is printed as a sanity check of the same-setting run (two engines'
-float sums differ in order, so a few sequences diverge late; the work is the same either way).
+Start-up is reported apart from throughput (each engine's first round: a fresh start). The
+share of sequences whose greedy tokens are identical in both engines is printed as a sanity
+check of the same-setting run (two engines' float sums differ in order, so a few sequences
+diverge late; the work is the same either way).
 """
 
 from __future__ import annotations
