@@ -194,6 +194,8 @@ def test_ctrl_c_ends_a_peer_in_a_session_of_its_own(tmp_path):
     (["step", "--steps", "0"], "argument --steps: 0 is not a count"),
     (["spec", "--rounds", "0"], "argument --rounds: 0 is not a count"),
     (["throughput", "--hf-batch-size", "x"], "argument --hf-batch-size: 'x' is not a whole number"),
+    (["throughput", "--rounds", "3"], "--rounds alternates two engines or settings: it takes --peer or --compare-*"),
+    (["throughput", "--peer", "vllm", "--rounds", "0"], "argument --rounds: 0 is not a count"),
     (["step", "--output-dir", "{file}"], "--output-dir {file}: File exists"),
 ])
 def test_bad_counts_and_output_folders_are_refused_before_anything_runs(arguments, message, tmp_path, capsys):

@@ -90,7 +90,10 @@ def _attention(namespace: argparse.Namespace) -> int:
 
 
 def _throughput(namespace: argparse.Namespace) -> int:
-    if namespace.compare_async_scheduling or namespace.compare_batch_invariant:
+    compare = namespace.compare_async_scheduling or namespace.compare_batch_invariant
+    if namespace.rounds is not None and not (compare or namespace.peer):
+        usage_error("--rounds alternates two engines or settings: it takes --peer or --compare-*")
+    if compare:
         from triode.bench import setting_compare
 
         setting_compare.run(
