@@ -80,10 +80,10 @@ def run(*, model: str | None, workload_names: tuple[str, ...], dtype: str, defau
         runs.append(("defaults", args.model, {}, vllm_default_options()))
     for name, triode_model, triode_options, vllm_options in runs:  # triode_model None: the default model
         ours, theirs, vllm_failed = [], [], python is None
+        vllm_model = checkpoint if name == "same" or vllm_failed else hf_checkpoint(model_path, "bfloat16", cache_dir)
         for turn in range(rounds):
             ours.append(run_triode(triode_model, workloads, triode_options))
             if not vllm_failed:
-                vllm_model = checkpoint if name == "same" else hf_checkpoint(model_path, "bfloat16", cache_dir)
                 log = output_dir / f"vllm-{name}-{dtype}{f'-round{turn + 1}' if rounds > 1 else ''}.log"
                 try:
                     theirs.append(run_vllm(python, vllm_model, workloads, engine=vllm_options,
