@@ -33,18 +33,20 @@ logger = logging.getLogger(__name__)
 
 # vLLM's shape: small batches one by one, then steps of 8, then powers of two.
 _SMALL_BUCKETS = (1, 2, 4)
+# The largest batch captured, as vLLM's default: past it a step's arithmetic, not its launches,
+# sets the pace, and every bucket's static buffers and graph memory grow with it (a
+# max_num_seqs of 10**9 would ask a capture of that many rows).
+MAX_CAPTURED_BATCH = 512
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes captured: 1, 2, 4, 8, 16, 24, ... up to 256, then powers of two, each
-    at most ``max_num_seqs`` (which is always one)."""
-    sizes = {b for b in _SMALL_BUCKETS if b <= max_num_seqs}
-    sizes.update(range(8, min(max_num_seqs, 256) + 1, 8))
-    power = 512
-    while power <= max_num_seqs:
-        sizes.add(power)
-        power *= 2
-    sizes.add(max_num_seqs)
+    """The batch sizes captured: 1, 2, 4, 8, 16, 24, ... up to 256, then 512, each at most
+    ``max_num_seqs`` (which is always one, when it is at most ``MAX_CAPTURED_BATCH``); larger
+    decode steps run eagerly."""
+    largest = min(max_num_seqs, MAX_CAPTURED_BATCH)
+    sizes = {b for b in _SMALL_BUCKETS if b <= largest}
+    sizes.update(range(8, min(largest, 256) + 1, 8))
+    sizes.add(largest)
     return tuple(sorted(sizes))
 
 
