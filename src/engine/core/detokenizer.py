@@ -32,6 +32,7 @@ Logprobs name tokens one by one: ``TokenDecoder`` decodes each on its own, once 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,19 @@ class DecodeClock:
     engine's): timed around the decode calls only, so a deferred update costs no clock reads."""
 
     seconds: float = 0.0
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_token_ids(backend: Any) -> frozenset[int]:
+    """The ids of ``backend``'s special added tokens, read once per tokenizer: reading them
+    builds a dict of every added token, which cost a request's detokenizer a quarter of its
+    set-up."""
+    ids = _SPECIAL_IDS.get(backend)
+    if ids is None:
+        ids = _SPECIAL_IDS[backend] = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    return ids
 
 
 def _is_byte_token(token: str | None) -> bool:
@@ -79,9 +93,7 @@ class IncrementalDetokenizer:
         self._clock = clock
         self._skip_special_tokens = params.skip_special_tokens
         # Skipped special tokens vanish before the decoder runs: byte runs join across them.
-        self._skipped_ids = frozenset(
-            i for i, t in backend.get_added_tokens_decoder().items() if t.special
-        ) if params.skip_special_tokens else frozenset()
+        self._skipped_ids = special_token_ids(backend) if params.skip_special_tokens else frozenset()
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
