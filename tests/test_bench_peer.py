@@ -99,6 +99,19 @@ def test_a_peer_that_dies_at_start_is_reported_with_its_log(tmp_path):
     assert "no such model" in log.read_text()
 
 
+def test_a_peer_that_never_answers_is_stopped_at_the_deadline(tmp_path, monkeypatch):
+    from triode.bench import llama_server
+
+    monkeypatch.setattr(llama_server, "_READY_TIMEOUT_S", 1.0)
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\nexec sleep 60\n")  # alive, never listening
+    binary.chmod(0o755)
+    log = tmp_path / "peer.log"
+    with pytest.raises(llama_server.PeerUnavailable, match=rf"did not answer /health within 1 s \(stopped\); see {log}"):
+        llama_server.start_llama_server(binary, tmp_path / "m.gguf", slots=2, slot_tokens=64, threads=1, port=9,
+                                        log_path=log)
+
+
 def test_without_the_peer_triodes_figures_still_print_and_draw(tmp_path, capsys):
     from triode.bench.peer import _plot, _print_comparison
 

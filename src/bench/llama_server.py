@@ -107,8 +107,12 @@ def start_llama_server(binary: Path, gguf_path: Path, *, slots: int, slot_tokens
         process.kill()
         process.wait()
         raise
+    timed_out = process.poll() is None
     process.kill()
     process.wait()
+    if timed_out:
+        raise PeerUnavailable(f"llama-server did not answer /health within {_READY_TIMEOUT_S:.0f} s (stopped); "
+                              f"see {log_path}")
     raise PeerUnavailable(f"llama-server did not start (exit code {process.returncode}); see {log_path}")
 
 
