@@ -5,6 +5,7 @@ undisturbed. One ``triode serve`` with two API keys and a 64 KiB body limit."""
 from __future__ import annotations
 
 import json
+import socket
 
 import anthropic
 import httpx2
@@ -314,3 +315,25 @@ async def test_early_answers_do_not_stall_keep_alive_connections(url):
                 for index in range(800):
                     nursery.start_soon(one, index)
     assert len(statuses) == 800 and set(statuses) <= {400, 401, 404, 405}
+
+
+def test_a_body_over_the_limit_closes_its_connection_and_the_next_request_is_answered(url):
+    """A 413 answers before the rest of the body is read, so the connection cannot carry another
+    request: the answer says so (Connection: close) and the client's next request, on a new
+    connection, is answered (on the same one it hung)."""
+    with httpx2.Client(timeout=10, headers=AUTH) as client:
+        for _ in range(3):
+            big = client.post(f"{url}/tokenize", json={"prompt": "hi", "pad": "x" * 200_000})
+            assert_error(big, 413, code="request_too_large")
+            assert big.headers["connection"] == "close"
+            assert client.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
+    # A client that ignores the header: the server closes its end (the close was once cancelled
+    # midway, and the connection stayed open, answering nothing more).
+    address = httpx2.URL(url)
+    with socket.create_connection((address.host, address.port), timeout=10) as raw:
+        raw.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH['Authorization']}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {10**9}\r\n\r\n".encode())
+        received = b""
+        while chunk := raw.recv(65536):  # a server that never closes: TimeoutError
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 413") and b"connection: close" in received.lower(), received

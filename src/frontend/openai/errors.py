@@ -147,6 +147,10 @@ def register_error_handlers(app: Quart, *, shapes: Mapping[str, ErrorShape] | No
         valid_methods = getattr(error, "valid_methods", None)
         if status == 405 and valid_methods:
             response.headers["Allow"] = ", ".join(valid_methods)
+        if status == 413:
+            # Answered before the rest of the body was read: the connection cannot carry another
+            # request (a client that sent one on it waited forever), so it closes after this.
+            response.headers["Connection"] = "close"
         return response
 
     @app.errorhandler(Exception)

@@ -17,7 +17,7 @@ import sys
 import trio
 from quart import request
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGILifespan
+from quart_trio.asgi import TrioASGIHTTPConnection, TrioASGILifespan
 
 from triode.engine.config import EngineArgs
 from triode.engine.errors import TriodeError
@@ -73,8 +73,27 @@ def _allow_worker_processes() -> None:
         process._config["daemon"] = False
 
 
+class TriodeHTTPConnection(TrioASGIHTTPConnection):
+    """Sends a response's last message shielded from the request's cancellation. hypercorn
+    closes or recycles the connection inside that send, and quart-trio cancels the request as
+    soon as hypercorn tells it the stream closed: unshielded, a close (after a 413, which
+    answers before the body is read) was cut short and never came, and the client's next request
+    on the connection hung."""
+
+    async def __call__(self, receive, send) -> None:
+        async def send_last_shielded(message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await super().__call__(receive, send_last_shielded)
+
+
 class TriodeApp(QuartTrio):
     asgi_lifespan_class = TriodeLifespan
+    asgi_http_class = TriodeHTTPConnection
 
     def log_exception(self, exception_info) -> None:
         # A failure triode raises on purpose (a model that cannot load, say) has a message that
