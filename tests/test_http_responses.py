@@ -206,3 +206,16 @@ def test_errors_in_openais_shape(protocol_server, model):
     openai_error(httpx2.post(url, json={"model": "gpt-5", "input": "x"}), 404, "model", "gpt-5")
     openai_error(httpx2.get(f"{url}/resp_gone"), 404, None, "resp_gone")
     openai_error(httpx2.delete(f"{url}/resp_gone"), 404, None, "resp_gone")
+
+
+def test_a_stream_echoes_a_lone_surrogate_as_json_escapes_it(protocol_server, model):
+    """metadata and user come back as sent, and a lone surrogate has no UTF-8 form: streamed,
+    it ended the stream with an internal error (the whole response carried it already)."""
+    body = json.dumps({"model": model, "input": "Hi", "max_output_tokens": 2, "stream": True, "store": False,
+                       "metadata": {"k": "\ud800"}, "user": "\udc80"})
+    with httpx2.stream("POST", f"{protocol_server.url}/v1/responses", content=body, timeout=60,
+                       headers={"Content-Type": "application/json"}) as response:
+        assert response.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) >= 3 and events[-1]["type"] == "response.incomplete", events[-1]  # its 2 tokens ran out
+    assert events[-1]["response"]["metadata"] == {"k": "\ud800"} and events[-1]["response"]["user"] == "\udc80"

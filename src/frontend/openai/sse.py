@@ -23,9 +23,13 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def encode(data: dict[str, Any], *, event: str | None = None) -> bytes:
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     prefix = f"event: {event}\n" if event else ""
-    return f"{prefix}data: {payload}\n\n".encode()
+    try:
+        return f"{prefix}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (metadata echoed as the client sent it, a tool call's arguments as
+        # the model escaped them) has no UTF-8 form: JSON's own escapes carry it.
+        return f"{prefix}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 async def event_stream(chunks: AsyncGenerator[dict[str, Any], None], *, typed: bool = False,
