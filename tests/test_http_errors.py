@@ -204,6 +204,14 @@ BAD_REQUESTS = [
     ("/tokenize", {"messages": []}, 400, "messages", None),
     ("/detokenize", {"tokens": [1, -5]}, 400, "tokens", None),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens", None),
+    # each was a 500: a RecursionError in the schema's check or in json.loads, a TypeError
+    (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": json.loads('{"type":"object","properties":{"a":' * 100 + "{}" + "}}" * 100)}}},
+     400, "response_format.json_schema.schema", None),
+    (CHAT, {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 990 + "]" * 990}}]}]}, 400, "messages[1].tool_calls[0].function.arguments",
+     None),
+    (CHAT, {"messages": MESSAGES, "structured_outputs": {"choice": 5}}, 400, "structured_outputs.choice", None),
 ]
 
 

@@ -121,6 +121,13 @@ def _copy_adapter(source: str, target, change=None):
     return str(target)
 
 
+def _nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 def _with_lm_head(directory: str) -> str:
     """The adapter with an LM-head LoRA too (a target module triode does not adapt)."""
     weights = f"{directory}/adapter_model.safetensors"
@@ -160,6 +167,8 @@ def test_wrong_adapters_are_clear_errors_naming_them(adapters_of, tiny_model_fac
                         "use_rslora must be true or false, got 'false'"),
         "other-base": (str(build_adapter(other_base, tmp_path / "other-base", rank=4, seed=5)), "another base model"),
         "lm-head": (_with_lm_head(_copy_adapter(source, tmp_path / "lm-head")), "adapts a layer triode does not"),
+        "deep-config": (_copy_adapter(source, tmp_path / "deep-config", lambda c: c.update(notes=_nested(500))),
+                        "nested more than 64 levels deep"),  # a RecursionError, once: HTTP 500
     }
     prompt = {"prompt_token_ids": tiny_tokenizer.encode("Paris")}
     params = SamplingParams(max_tokens=2)

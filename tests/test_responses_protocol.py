@@ -116,6 +116,8 @@ def test_choices_formats_and_reasoning():
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"background": True, "store": False}, "background"),
     ({"background": True, "stream": True}, "background"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}]},
+     "input[0].arguments"),  # a RecursionError, once: HTTP 500
 ])
 def test_bad_bodies_are_400s_naming_the_field(fields, param):
     with pytest.raises(APIError) as caught:

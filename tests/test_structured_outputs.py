@@ -44,6 +44,13 @@ def compiler(tokenizer_file, tiny_tokenizer, eos, timeout_s=10.0) -> GrammarComp
 
 # --- the parameters -------------------------------------------------------------------------
 
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("fields, field", [
     ({}, "structured_outputs"),
     ({"regex": "a+", "choice": ["a"]}, "structured_outputs"),
@@ -58,6 +65,11 @@ def compiler(tokenizer_file, tiny_tokenizer, eos, timeout_s=10.0) -> GrammarComp
     ({"regex": "a", "disable_any_whitespace": "false"}, "structured_outputs.disable_any_whitespace"),
     ({"json": SCHEMA, "disable_additional_properties": 1}, "structured_outputs.disable_additional_properties"),
     ({"json_object": "x"}, "structured_outputs.json_object"),
+    # each was an HTTP 500: a TypeError, a RecursionError in the schema's check or in json.loads
+    *(({"choice": value}, "structured_outputs.choice") for value in (5, True, 1.5, {"a": "b"})),
+    ({"json": _nested_schema(100)}, "structured_outputs.json"),
+    ({"json": json.dumps(_nested_schema(400))}, "structured_outputs.json"),
+    ({"json": "[" * 3000 + "]" * 3000}, "structured_outputs.json"),
 ])
 def test_malformed_params_name_the_field(fields, field):
     with pytest.raises(InvalidRequestError) as caught:

@@ -14,6 +14,7 @@ import pytest
 from triode.frontend.openai.tool_parsers import TOOL_PARSERS, parse
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
+DEEP = "[" * 1100
 
 # (parser, model output, expected content, expected calls as (name, arguments))
 RECORDED = [
@@ -39,6 +40,14 @@ RECORDED = [
                 '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', "Checking.",
      [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
     ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    # nested past json_nesting's bound (a RecursionError, once: HTTP 500): text, not calls
+    *((parser, text, text, []) for parser, text in (
+        ("hermes", "<tool_call>" + DEEP),
+        ("hermes", '<tool_call>{"name": "f", "arguments": "' + DEEP + '"}</tool_call>'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "]" * 1100 + "}}</tool_call>"),
+        ("mistral", "[TOOL_CALLS]" + DEEP + "]" * 1100),
+        ("llama3_json", '{"name": "a", "parameters": ' + DEEP + "]" * 1100 + "}"),
+    )),
 ]
 
 

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from triode.engine import json_nesting
 from triode.engine.errors import InvalidRequestError
 
 Options = TypeVar("Options")
@@ -20,7 +21,7 @@ def from_json_object(cls: type[Options], value: Options | Mapping[str, Any] | st
         return value
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json_nesting.loads(value)
         except json.JSONDecodeError as error:
             raise InvalidRequestError(f"{field}: not JSON: {error}", field=field) from None
     if not isinstance(value, Mapping):

@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from triode.engine import json_nesting
 from triode.engine.errors import InvalidRequestError
 from triode.engine.model.config import ModelConfig
 
@@ -72,7 +73,7 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
+        value = json_nesting.loads(path.read_text())
     except FileNotFoundError:
         raise LoRAAdapterError(name, f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -94,7 +95,7 @@ def _safetensors_header(path: Path, name: str) -> dict[str, Any]:
             if length > size - 8:
                 raise LoRAAdapterError(name, f"{path} is truncated: its header claims {length} bytes, "
                                              f"the file has {size}")
-            header = json.loads(file.read(length))
+            header = json_nesting.loads(file.read(length))
     except FileNotFoundError:
         raise LoRAAdapterError(name, f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

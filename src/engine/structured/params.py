@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from triode.engine import json_nesting
 from triode.engine.errors import InvalidRequestError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -32,7 +33,7 @@ def _schema(value: str | Mapping[str, Any] | bool | None) -> str | Mapping[str, 
     # A JSON string is parsed here so that the error names the field, not the backend.
     if isinstance(value, str):
         try:
-            parsed: str | Mapping[str, Any] | bool | None = json.loads(value)
+            parsed: str | Mapping[str, Any] | bool | None = json_nesting.loads(value)
             return parsed
         except json.JSONDecodeError as error:
             _fail("json", f"is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})")
@@ -42,7 +43,7 @@ def _schema(value: str | Mapping[str, Any] | bool | None) -> str | Mapping[str, 
 def _choices(value: Sequence[str] | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if isinstance(value, str) or not all(isinstance(item, str) for item in value):
+    if not isinstance(value, list | tuple) or not all(isinstance(item, str) for item in value):
         _fail("choice", "must be a list of strings")
     return tuple(value)
 
@@ -78,6 +79,8 @@ class StructuredOutputsParams:
             )
         if self.json is not None and not isinstance(self.json, Mapping | bool):
             _fail("json", f"must be a JSON schema object, got {type(self.json).__name__}")
+        if json_nesting.too_deep(self.json):
+            _fail("json", f"is nested more than {json_nesting.MAX_DEPTH} levels deep")
         if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
             _fail("regex", "must be a non-empty string")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from triode.engine import json_nesting
 from triode.engine.outputs import CompletionOutput, RequestOutput
 from triode.frontend.openai.chat_output import ChatOutput, MessageDelta
 from triode.frontend.openai.errors import APIError
@@ -39,7 +40,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as the object Anthropic's ``input`` is (parsers and the enforced
     schema give JSON objects; anything else is kept under ``arguments``)."""
     try:
-        value = json.loads(arguments or "{}")
+        value = json_nesting.loads(arguments or "{}")
     except json.JSONDecodeError:
         return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": value}

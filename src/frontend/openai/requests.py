@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from triode.engine import json_nesting
 from triode.engine.chat_options import ChatOptions, UnsupportedContentError, joined_text
 from triode.engine.errors import InvalidRequestError
 from triode.engine.model.generation_config import GenerationDefaults
@@ -191,7 +192,7 @@ def _tool_calls(name: str, calls: Any) -> list[dict[str, Any]]:
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = json_nesting.loads(arguments)
             except json.JSONDecodeError as error:
                 raise bad_request(f"{where}.function.arguments: not valid JSON ({error.msg})",
                                   param=f"{where}.function.arguments") from None

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from triode.engine import json_nesting
 from triode.engine.chat_options import checked_tools
 from triode.engine.errors import InvalidRequestError
 from triode.engine.structured.params import StructuredOutputsParams
@@ -67,7 +68,7 @@ class ToolPlan:
     def forced_calls(self, text: str) -> list[ToolCall] | None:
         """The calls in a ``required`` or named output (None if it was cut short)."""
         try:
-            value = json.loads(text)
+            value = json_nesting.loads(text)
         except json.JSONDecodeError:
             return None
         if self.mode == "named":

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from triode.engine import json_nesting
 from triode.engine.chat_options import ChatOptions
 from triode.engine.errors import InvalidRequestError
 from triode.engine.model.generation_config import GenerationDefaults
@@ -228,7 +229,7 @@ def _string(where: str, item: Mapping[str, Any], field: str) -> str:
 
 def _arguments(where: str, item: Mapping[str, Any]) -> dict[str, Any]:
     try:
-        value = json.loads(_string(where, item, "arguments"))
+        value = json_nesting.loads(_string(where, item, "arguments"))
     except json.JSONDecodeError as error:
         raise bad_request(f"{where}.arguments: not valid JSON ({error.msg})", param=f"{where}.arguments") from None
     if not isinstance(value, dict):

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from triode.engine import json_nesting
+
 
 @attrs.frozen
 class ToolCall:
@@ -61,7 +63,7 @@ def call_from_object(value: Any, *, arguments_keys: tuple[str, ...] = ("argument
             break
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = json_nesting.loads(arguments)
         except json.JSONDecodeError:
             return None
     if not isinstance(arguments, Mapping):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from triode.engine import json_nesting
 from triode.engine.structured.streaming_text import split_at
 from triode.frontend.openai.tool_parsers.base import ToolCallParser, call_from_object
 
@@ -52,7 +53,7 @@ class HermesToolParser(ToolCallParser):
 
     def _block(self, block: str, *, closed: bool) -> None:
         try:
-            call = call_from_object(json.loads(block))
+            call = call_from_object(json_nesting.loads(block))
         except json.JSONDecodeError:
             call = None
         if call is not None:

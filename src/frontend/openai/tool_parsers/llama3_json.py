@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from triode.engine import json_nesting
 from triode.frontend.openai.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
 
 PYTHON_TAG = "<|python_tag|>"
@@ -24,7 +25,9 @@ def split_calls(text: str, separator: str = ";") -> list[ToolCall] | None:
             position += 1
         try:
             value, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if json_nesting.too_deep(value):
             return None
         call = call_from_object(value)
         if call is None:

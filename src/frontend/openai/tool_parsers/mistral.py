@@ -10,6 +10,7 @@ import json
 import random
 import string
 
+from triode.engine import json_nesting
 from triode.engine.structured.streaming_text import split_at
 from triode.frontend.openai.tool_parsers.base import ToolCall, ToolCallParser, call_from_object
 
@@ -33,7 +34,7 @@ def _calls(body: str) -> list[ToolCall] | None:
             calls.append(call)
         return calls
     try:
-        value = json.loads(body)
+        value = json_nesting.loads(body)
     except json.JSONDecodeError:
         return None
     items = value if isinstance(value, list) else [value]
