@@ -4,6 +4,7 @@ undisturbed. One ``triode serve`` with two API keys and a 64 KiB body limit."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -335,13 +336,31 @@ def test_a_body_over_the_limit_closes_its_connection_and_the_next_request_is_ans
             assert_error(big, 413, code="request_too_large")
             assert big.headers["connection"] == "close"
             assert client.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
-    # A client that ignores the header: the server closes its end (the close was once cancelled
-    # midway, and the connection stayed open, answering nothing more).
+    # A client that ignores the header: the server closes its end once the body is in (the close
+    # was once cancelled midway, and the connection stayed open, answering nothing more).
     address = httpx2.URL(url)
+    body = json.dumps({"prompt": "hi", "pad": "x" * 100_000}).encode()
     with socket.create_connection((address.host, address.port), timeout=10) as raw:
         raw.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH['Authorization']}\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {10**9}\r\n\r\n".encode())
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         received = b""
         while chunk := raw.recv(65536):  # a server that never closes: TimeoutError
             received += chunk
     assert received.startswith(b"HTTP/1.1 413") and b"connection: close" in received.lower(), received
+
+
+def test_an_asyncio_client_sees_the_413_of_a_body_it_is_still_sending(url):
+    """The 413 goes out as soon as the body passes the limit, and the connection closes once the
+    client has sent the rest (a bounded wait). Closed at once, an asyncio client's write failed
+    and it dropped the connection, 413 and all (ReadError)."""
+
+    async def posts() -> list[int]:
+        async with httpx2.AsyncClient(timeout=10, headers=AUTH) as client:
+            statuses = []
+            for _ in range(3):
+                big = await client.post(f"{url}/tokenize", json={"prompt": "hi", "pad": "x" * 20_000_000})
+                assert_error(big, 413, code="request_too_large")
+                statuses.append((await client.post(f"{url}/tokenize", json={"prompt": "hi"})).status_code)
+            return statuses
+
+    assert asyncio.run(posts()) == [200, 200, 200]

@@ -73,22 +73,40 @@ def _allow_worker_processes() -> None:
         process._config["daemon"] = False
 
 
+# How long a response's end waits for the rest of a request body it answered before reading
+# (a 413), as a server's lingering close does.
+UNREAD_BODY_WAIT_S = 10.0
+
+
 class TriodeHTTPConnection(TrioASGIHTTPConnection):
-    """Sends a response's last message shielded from the request's cancellation. hypercorn
-    closes or recycles the connection inside that send, and quart-trio cancels the request as
-    soon as hypercorn tells it the stream closed: unshielded, a close (after a 413, which
-    answers before the body is read) was cut short and never came, and the client's next request
-    on the connection hung."""
+    """Ends a response only once the request's body has arrived (within UNREAD_BODY_WAIT_S),
+    and sends that last message shielded from the request's cancellation.
+
+    hypercorn closes or recycles the connection inside that last send, and quart-trio cancels
+    the request as soon as hypercorn tells it the stream closed: unshielded, a close (after a
+    413, which answers before the body is read) was cut short and never came, and the client's
+    next request on the connection hung. Closed while the client still sent its body, the
+    client's write failed, and asyncio clients dropped the connection with the 413 unread."""
 
     async def __call__(self, receive, send) -> None:
-        async def send_last_shielded(message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True):
-                    await send(message)
-            else:
+        body_received = trio.Event()
+
+        async def tracked_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_received.set()
+            return message
+
+        async def send_last_after_the_body(message) -> None:
+            if message["type"] != "http.response.body" or message.get("more_body", False):
+                await send(message)
+                return
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(UNREAD_BODY_WAIT_S):
+                    await body_received.wait()  # quart-trio's own task receives it
                 await send(message)
 
-        await super().__call__(receive, send_last_shielded)
+        await super().__call__(tracked_receive, send_last_after_the_body)
 
 
 class TriodeApp(QuartTrio):
