@@ -3,6 +3,8 @@
 A completion with several prompts makes one engine request per prompt; all are submitted
 together, and the response starts only once each has produced its first output, so every
 validation error (prompt too long, queue full...) is still an HTTP status, not a stream error.
+The first such error answers at once: the other prompts' waits end and their requests are
+aborted (a valid prompt's first token could be a whole prefill step away).
 Outputs are then read prompt after prompt: the engine runs them all at once, and each
 request's stream joins the deltas that wait, so nothing is lost by reading them in turn. No
 task outlives the handler or the body generator, and closing them aborts what is left."""
@@ -53,7 +55,7 @@ async def start(host: EngineHost, request: GenerationRequest, base_id: str, *,
         else:
             async with trio.open_nursery() as nursery:
                 for job in jobs:
-                    nursery.start_soon(_first, job)
+                    nursery.start_soon(_first, job, nursery.cancel_scope)
         for job in jobs:
             if job.error is not None:
                 # the engine's request_id is the client's X-Request-Id header
@@ -64,11 +66,14 @@ async def start(host: EngineHost, request: GenerationRequest, base_id: str, *,
     return jobs
 
 
-async def _first(job: Job) -> None:
+async def _first(job: Job, on_error: trio.CancelScope | None = None) -> None:
+    """``on_error``: cancelled when this job fails, ending its siblings' waits."""
     try:
         job.first = await anext(aiter(job.outputs), None)
     except (TriodeError, APIError) as e:
         job.error = e
+        if on_error is not None:
+            on_error.cancel()
     if job.first is None and job.error is None:
         job.error = APIError(500, "the engine ended a request without output", code="internal_error")
 
