@@ -42,7 +42,8 @@ class _Engine:
 
 async def test_the_first_invalid_prompt_answers_at_once_and_aborts_the_others(autojump_clock):
     engine = _Engine()
-    request = GenerationRequest(model=None, params=SamplingParams(), stream=StreamOptions(stream=False, include_usage=False), priority=0,
+    request = GenerationRequest(model=None, params=SamplingParams(), priority=0,
+                                stream=StreamOptions(stream=False, include_usage=False),
                                 prompts=("fine", "bad", "also fine"))
     with pytest.raises(APIError) as caught:
         await generation.start(engine, request, "cmpl-1")  # type: ignore[arg-type]
