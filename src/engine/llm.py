@@ -120,7 +120,8 @@ class LLM:
         # Only final outputs are collected, so the engine need not build the others. One copy
         # per distinct params object: a batch shares one, and each copy validates every field.
         given = _per_prompt(sampling_params, len(prompts), SamplingParams)
-        final_only = {id(p): attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY) for p in {id(p): p for p in given}.values()}
+        distinct = {id(p): p for p in given}
+        final_only = {key: attrs.evolve(p, output_kind=OutputKind.FINAL_ONLY) for key, p in distinct.items()}
         params_list = [final_only[id(p)] for p in given]
         return self._collect(prompts, params_list, use_tqdm=use_tqdm, priority=priority, kind="Generating",
                              loras=loras)
