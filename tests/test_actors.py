@@ -510,6 +510,32 @@ async def test_abort_before_the_request_reaches_the_scheduler_still_ends_it(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_an_aborted_final_only_request_ends_with_every_token_it_sampled(
+    model_dir, autojump_clock, async_scheduling
+):
+    # Its sequence reports its tokens at its end (Sequence.reports_at_end): the abort hands
+    # the output side those it had not seen.
+    group = FakeWorkerGroup()
+    async with open_engine(model_dir, group, async_scheduling=async_scheduling) as llm:
+        finals = []
+
+        async def consume() -> None:
+            params = greedy(500, output_kind=OutputKind.FINAL_ONLY)
+            async for output in llm.generate([1, 2, 3], params, "final"):
+                finals.append(output)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            await trio.sleep(1.0)  # about 20 steps of the fake workers
+            await llm.abort("final")
+        assert len(finals) == 1
+        (completion,) = finals[0].outputs
+        assert completion.finish_reason == "abort"
+        assert len(completion.token_ids) > 5
+        assert completion.token_ids == expected_tokens("final", 3, len(completion.token_ids))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 async def test_stop_strings_end_the_sequence_in_the_scheduler(model_dir, autojump_clock, async_scheduling):
     group = FakeWorkerGroup()
     async with open_engine(model_dir, group, async_scheduling=async_scheduling) as llm:

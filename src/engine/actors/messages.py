@@ -87,6 +87,8 @@ class Aborted:
     with finish_reason "abort"."""
 
     request_ids: tuple[str, ...]
+    # tokens the output side has not seen (sequences that report at their end): applied first
+    unreported: tuple[SequenceUpdate, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

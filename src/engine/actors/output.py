@@ -74,7 +74,9 @@ class OutputActor:
                     await self._to_scheduler.send(StopStringFound(seq_id=seq_id, stop_string=stop_string))
                 for output in step.outputs:
                     self._deliver(output)
-            case Aborted(request_ids=request_ids):
+            case Aborted(request_ids=request_ids, unreported=unreported):
+                for output in self.processor.process(unreported, trio.current_time()).outputs:
+                    self._deliver(output)  # none: these requests want only the final output built below
                 for request_id in request_ids:
                     if (aborted := self.processor.abort(request_id, trio.current_time())) is not None:
                         self._deliver(aborted)

@@ -67,8 +67,10 @@ class SchedulerActor:
                 case NewRequest():
                     self._admit(message)
                 case AbortRequests(request_ids=request_ids):
-                    if self.dead is None and (aborted := self.core.abort_requests(request_ids)):
-                        self._outbox.append(Aborted(request_ids=tuple(aborted)))
+                    if self.dead is None:
+                        unreported = self.core.unreported_updates(request_ids)
+                        if aborted := self.core.abort_requests(request_ids):
+                            self._outbox.append(Aborted(request_ids=tuple(aborted), unreported=tuple(unreported)))
                 case StopStringFound(seq_id=seq_id, stop_string=stop_string):
                     if self.dead is None:
                         self.core.finish_on_stop_string(seq_id, stop_string)

@@ -41,6 +41,7 @@ from triode.engine.core.kv_cache_events import KVCacheEvent
 from triode.engine.core.scheduler import Scheduler
 from triode.engine.core.scheduler_output import SchedulerStats, SequenceUpdate
 from triode.engine.core.sequence import Sequence, SequenceStatus, make_sequences
+from triode.engine.core.step_results import unreported_tokens
 from triode.engine.errors import InvalidRequestError
 from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
@@ -164,6 +165,18 @@ class EngineCore:
                 self.scheduler.abort([s.seq_id for s in family])
                 aborted.append(request_id)
         return aborted
+
+    def unreported_updates(self, request_ids: Iterable[str]) -> list[SequenceUpdate]:
+        """For requests about to be aborted: the tokens their sequences sampled that the output
+        side has not seen (``Sequence.reports_at_end``), as updates without a finish, so that
+        the final output the abort gives carries them."""
+        updates = []
+        for request_id in request_ids:
+            for seq in self.scheduler.families.get(request_id, ()):
+                if tokens := unreported_tokens(seq):
+                    updates.append(SequenceUpdate(seq.seq_id, seq.request_id, seq.index, tokens,
+                                                  num_cached_tokens=seq.num_cached_tokens))
+        return updates
 
     def finish_on_stop_string(self, seq_id: str, stop_string: str) -> None:
         """The output side found ``stop_string`` in the sequence's text: it ends now."""

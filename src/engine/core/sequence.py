@@ -21,7 +21,7 @@ import attrs
 from triode.engine.errors import InvalidRequestError
 from triode.engine.lora.request import LoRARequest
 from triode.engine.pooling_params import PoolingParams
-from triode.engine.sampling_params import SamplingParams
+from triode.engine.sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from triode.engine.spec_decode.policy import SpeculationState
@@ -57,6 +57,18 @@ _FINISH_REASONS = {
 
 class Sequence:
     """Mutable state of one sequence; owned by the scheduler, never shared across actors."""
+
+    # Slots: the scheduler reads these attributes for every sequence of every step.
+    __slots__ = (
+        "all_token_ids", "arrival_time", "block_hashes", "block_ids", "cache_salt",
+        "draft_token_ids", "eos_token_ids", "incarnation", "index", "known_to_worker", "lora",
+        "max_model_len", "max_num_tokens", "num_blocks_sent", "num_cached_blocks",
+        "num_cached_tokens", "num_computed_tokens", "num_in_flight_samples",
+        "num_in_flight_tokens", "num_output_reported", "num_prompt_logprobs_sent",
+        "num_prompt_tokens", "num_released_blocks", "order", "params", "pooling", "priority",
+        "prompt_token_ids", "reports_at_end", "request_id", "seq_id", "speculation", "status",
+        "stop_reason"
+    )
 
     def __init__(
         self,
@@ -126,6 +138,15 @@ class Sequence:
         self.known_to_worker = False
         self.num_blocks_sent = 0
         self.num_prompt_logprobs_sent = 0  # so a recompute does not repeat prompt logprobs
+        # A final-only request's sequence with nothing to find in its text (no stop strings) and
+        # no logprobs reports its first token (the output side stamps the time) and then the
+        # rest at its end: the output side had nothing to do with the tokens between
+        # (``LLM.generate``'s, non-streamed HTTP responses'; 0.3 ms a step at 256 sequences).
+        self.reports_at_end = (
+            pooling is None and params.output_kind == OutputKind.FINAL_ONLY and not params.stop
+            and params.logprobs is None and params.prompt_logprobs is None
+        )
+        self.num_output_reported = 0  # of a sequence that reports at its end
         # Speculative decoding: the tokens the workers proposed to follow all_token_ids (the
         # next step verifies them), and the record that decides how many to ask for.
         self.draft_token_ids: tuple[int, ...] = ()
@@ -201,6 +222,12 @@ class Sequence:
         if num_tokens >= self.max_num_tokens:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def take_unreported_tokens(self) -> tuple[int, ...]:
+        """The output tokens not yet reported (see ``reports_at_end``), now marked reported."""
+        start = self.num_prompt_tokens + self.num_output_reported
+        self.num_output_reported = len(self.all_token_ids) - self.num_prompt_tokens
+        return tuple(self.all_token_ids[start:])
 
     def unsent_prompt_logprobs(
         self, start: int, entries: tuple[TokenLogprobs, ...]

@@ -92,6 +92,10 @@ def apply_step_result(queues: SequenceQueues, speculation: SpeculationPolicy | N
             queues.retire(seq, status)
         elif seq_id in proposals:
             seq.draft_token_ids = proposals[seq_id]
+        if seq.reports_at_end:
+            if status is None and seq.num_output_reported:
+                continue  # the output side learns of this token at the end
+            new_ids = seq.take_unreported_tokens()
         updates.append(tuple.__new__(SequenceUpdate, (  # every field: see worker_messages.records
             seq_id, seq.request_id, seq.index, new_ids,
             logprobs if seq.params.logprobs is not None else (), plp,
@@ -110,5 +114,11 @@ def abort_failed_adapters(queues: SequenceQueues, failed: dict[int, str]) -> lis
         logger.error("LoRA adapter %r could not be read by the workers (%s): request %r aborted",
                      lora.lora_name, failed[lora.lora_int_id], seq.request_id)
     queues.abort([seq.seq_id for seq, _ in ended])
-    return [SequenceUpdate(seq.seq_id, seq.request_id, seq.index, finish_reason="abort",
+    return [SequenceUpdate(seq.seq_id, seq.request_id, seq.index, unreported_tokens(seq), finish_reason="abort",
                            num_cached_tokens=seq.num_cached_tokens) for seq, _ in ended]
+
+
+def unreported_tokens(seq: Sequence) -> tuple[int, ...]:
+    """The tokens of a sequence that reports at its end (``Sequence.reports_at_end``) that the
+    output side has not seen, now marked seen; () for the others, which report every token."""
+    return seq.take_unreported_tokens() if seq.reports_at_end else ()
