@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fake_tokenizer import BracketTokenizer
 from triode.engine.core.engine_core import EngineCore
 from triode.engine.core.kv_blocks import BlockManager
 from triode.engine.core.output_processor import OutputProcessor
@@ -154,21 +155,8 @@ def test_idle_time_counts_only_between_steps_with_work_left():
     assert core.idle_seconds == pytest.approx(0.25)
 
 
-class _Tokenizer:
-    """The two calls the output side makes of a tokenizers.Tokenizer."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f"<{i}>" for i in ids)
-
-    def get_added_tokens_decoder(self):
-        return {}
-
-    def id_to_token(self, token_id):
-        return f"t{token_id}"
-
-
 def test_logprobs_come_out_as_vllm_dicts_with_the_chosen_token_first():
-    processor = OutputProcessor(_Tokenizer())
+    processor = OutputProcessor(BracketTokenizer())
     processor.add_request("r", prompt="p", prompt_token_ids=(1, 2, 3),
                           params=SamplingParams(logprobs=2, prompt_logprobs=1, output_kind=OutputKind.FINAL_ONLY),
                           seq_ids=("r",), arrival_time=0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from tests.fake_tokenizer import BracketTokenizer
 from triode.engine.core.engine_core import EngineCore
 from triode.engine.core.kv_blocks import BlockManager
 from triode.engine.core.output_processor import OutputProcessor
@@ -21,19 +22,6 @@ PROMPT = (1, 2, 3)
 FINAL = SamplingParams(max_tokens=5, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
 
 
-class _Tokenizer:
-    """The calls the output side makes of a tokenizers.Tokenizer."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f"<{i}>" for i in ids)
-
-    def get_added_tokens_decoder(self):
-        return {}
-
-    def id_to_token(self, token_id):
-        return f"t{token_id}"
-
-
 class _Engine:
     """The sans-IO core and the output side, driven as LLMEngine drives them; token ``10 + k``
     is sampled at step ``k`` (and its time is ``k``)."""
@@ -42,7 +30,7 @@ class _Engine:
         scheduler = Scheduler(BlockManager(64, 4, True), max_num_seqs=8, max_num_batched_tokens=64,
                               max_loras=1 if enable_lora else None)
         self.core = EngineCore(scheduler, max_model_len=64, eos_token_ids=(0,))
-        self.outputs = OutputProcessor(_Tokenizer())
+        self.outputs = OutputProcessor(BracketTokenizer())
         self.reported: dict[str, list[tuple[int, ...]]] = {}  # each step's new tokens, per request
         self.finished: dict = {}
         self.step_index = 0
