@@ -5,6 +5,8 @@ accumulator, equals the whole message, with thinking, text and tool_use blocks."
 
 from __future__ import annotations
 
+import json
+
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -21,6 +23,8 @@ from triode.frontend.openai.requests import ChatServing
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 AUTO = ChatServing(tool_call_parser="hermes", enable_auto_tool_choice=True)
+# a schema nested past json_nesting.MAX_DEPTH: refused once tool_choice turns it into a constraint
+DEEP = {**WEATHER, "name": "deep", "input_schema": json.loads('{"type":"object","properties":{"a":' * 100 + "{}" + "}}" * 100)}
 
 
 def body(**fields):
@@ -100,6 +104,8 @@ def test_choices_thinking_prefill_and_output_format():
     ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"tools": [WEATHER, DEEP], "tool_choice": {"type": "tool", "name": "deep"}}, "tools[1].input_schema"),
+    ({"tools": [DEEP], "tool_choice": {"type": "any"}}, "tools"),  # it was structured_outputs.json
     ({"tools": [WEATHER]}, "tool_choice"),  # auto, and the server has no tool-call parser
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "thinking.budget_tokens"),

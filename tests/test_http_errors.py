@@ -88,6 +88,7 @@ def _post(url: str, path: str, body, **kwargs) -> httpx2.Response:
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Hi"}]
+DEEP = json.loads('{"type":"object","properties":{"a":' * 100 + "{}" + "}}" * 100)  # past json_nesting.MAX_DEPTH
 
 BAD_REQUESTS = [
     # (path, body, status, param, code)
@@ -207,12 +208,15 @@ BAD_REQUESTS = [
     ("/detokenize", {"tokens": "abc"}, 400, "tokens", None),
     # each was a 500: a RecursionError in the schema's check or in json.loads, a TypeError
     (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "deep", "schema": json.loads('{"type":"object","properties":{"a":' * 100 + "{}" + "}}" * 100)}}},
+        "name": "deep", "schema": DEEP}}},
      400, "response_format.json_schema.schema", None),
     (CHAT, {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "[" * 990 + "]" * 990}}]}]}, 400, "messages[1].tool_calls[0].function.arguments",
      None),
     (CHAT, {"messages": MESSAGES, "structured_outputs": {"choice": 5}}, 400, "structured_outputs.choice", None),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "deep", "parameters": DEEP}}],
+            "tool_choice": {"type": "function", "function": {"name": "deep"}}}, 400, "tools[0].function.parameters",
+     None),
 ]
 
 

@@ -6,6 +6,8 @@ response; the store's bounds in number and age."""
 
 from __future__ import annotations
 
+import json
+
 import hypothesis
 import hypothesis.strategies as st
 import openai
@@ -25,6 +27,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 AUTO = ChatServing(tool_call_parser="hermes", enable_auto_tool_choice=True)
 CALL = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+# parameters nested past json_nesting.MAX_DEPTH: refused once tool_choice turns them into a constraint
+DEEP = {**WEATHER, "name": "deep", "parameters": json.loads('{"type":"object","properties":{"a":' * 100 + "{}" + "}}" * 100)}
 
 
 def test_items_become_template_messages():
@@ -118,6 +122,8 @@ def test_choices_formats_and_reasoning():
     ({"background": True, "stream": True}, "background"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}]},
      "input[0].arguments"),  # a RecursionError, once: HTTP 500
+    ({"tools": [WEATHER, DEEP], "tool_choice": {"type": "function", "name": "deep"}}, "tools[1].parameters"),
+    ({"tools": [DEEP], "tool_choice": "required"}, "tools"),  # it was structured_outputs.json
 ])
 def test_bad_bodies_are_400s_naming_the_field(fields, param):
     with pytest.raises(APIError) as caught:

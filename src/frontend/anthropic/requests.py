@@ -21,7 +21,7 @@ from triode.engine.chat_options import ChatOptions, checked_tools
 from triode.engine.errors import InvalidRequestError
 from triode.engine.model.generation_config import GenerationDefaults
 from triode.engine.structured.params import StructuredOutputsParams
-from triode.frontend.openai.errors import bad_request, from_engine_error, renamed
+from triode.frontend.openai.errors import APIError, bad_request, from_engine_error, renamed
 from triode.frontend.openai.request_body import Reader, StreamOptions, read_sampling
 from triode.frontend.openai.requests import ChatServing, GenerationRequest
 from triode.frontend.openai.tool_request import ToolPlan
@@ -30,6 +30,8 @@ ENDPOINT = "/v1/messages"
 # Anthropic's sampling fields, and vLLM's extensions that its Messages endpoint reads too.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "min_tokens", "ignore_eos")
 _CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+# chat's field names for a tool, as the Messages API spells them
+_CHAT_TOOL_NAMES = ((".function.parameters", ".input_schema"), (".function.", "."))
 
 
 def parse_messages_request(body: dict[str, Any], defaults: GenerationDefaults | None = None,
@@ -47,7 +49,10 @@ def parse_messages_request(body: dict[str, Any], defaults: GenerationDefaults | 
     stop = reader.raw("stop_sequences")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise reader.fail("stop_sequences", "expected an array of non-empty strings")
-    forced = tools.constraint() if tools is not None else None
+    try:
+        forced = tools.constraint() if tools is not None else None
+    except APIError as error:
+        raise renamed(error, *_CHAT_TOOL_NAMES) from None
     output_format = _output_format(reader)
     if forced is not None and output_format is not None:
         raise bad_request(f"output_config.format: cannot be combined with tool_choice {body.get('tool_choice')}, "
@@ -252,9 +257,8 @@ def read_tools(reader: Reader, serving: ChatServing, *, check_auto: bool = True)
             "parameters": tool["input_schema"]}})
     try:
         tools = checked_tools(functions)
-    except InvalidRequestError as error:  # chat's field names, as the Messages API spells them
-        raise renamed(from_engine_error(error), (".function.parameters", ".input_schema"),
-                      (".function.", ".")) from None
+    except InvalidRequestError as error:
+        raise renamed(from_engine_error(error), *_CHAT_TOOL_NAMES) from None
     choice = choice or {"type": "auto"}
     mode = _CHOICES.get(choice.get("type"))  # type: ignore[arg-type]
     if mode is None:

@@ -39,7 +39,14 @@ class ToolPlan:
     parser: str | None = None  # auto: the --tool-call-parser
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The JSON schema that enforces ``required`` or a named function."""
+        """The JSON schema that enforces ``required`` or a named function; a 400 naming the
+        request's field where the engine refuses it (parameters nested too deep)."""
+        try:
+            return self._constraint()
+        except InvalidRequestError as error:
+            raise from_engine_error(error, self.constraint_names()) from None
+
+    def _constraint(self) -> StructuredOutputsParams | None:
         by_name = {t["function"]["name"]: t["function"] for t in self.tools}
         if self.mode == "named":
             return StructuredOutputsParams(json=_parameters(by_name[self.named]))

@@ -95,7 +95,10 @@ def parse_responses_request(body: dict[str, Any], defaults: GenerationDefaults |
     metadata, user = _metadata(reader), reader.string("user")  # echoed
     tools = _tools(reader, serving)
     constraint = _text_format(reader)
-    forced = tools.constraint() if tools is not None else None
+    try:
+        forced = tools.constraint() if tools is not None else None
+    except APIError as error:  # chat's field names, as the Responses API spells them
+        raise renamed(error, (".function.", ".")) from None
     if forced is not None and constraint is not None:
         raise bad_request(f"text.format: cannot be combined with tool_choice {body.get('tool_choice')!r}, "
                           "which constrains the output itself", param="text.format")
