@@ -23,7 +23,8 @@ FINAL = SamplingParams(max_tokens=5, ignore_eos=True, output_kind=OutputKind.FIN
 
 
 class _Engine:
-    """The sans-IO core and the output side, driven as LLMEngine drives them; token ``10 + k``
+    """The sans-IO core and the output side, driven as the engines drive them (an abort as the
+    output actor takes it: the unreported tokens, then the abort); token ``10 + k``
     is sampled at step ``k`` (and its time is ``k``)."""
 
     def __init__(self, enable_lora: bool = False) -> None:
