@@ -46,3 +46,25 @@ def test_the_first_cpu_alone_is_read_with_or_without_a_closing_blank_line(cpuinf
     assert machine_description().startswith("AMD EPYC family 26 model 2 (AVX2 AVX-512 VNNI BF16), ")
     cpuinfo("model name\t: Some CPU\nflags\t\t: fpu avx2\n")
     assert machine_description().startswith("Some CPU (AVX2), ")
+
+
+def test_a_title_wider_than_the_figure_is_wrapped_within_it():
+    """A long title (the vLLM comparison's, with its rounds) lost both ends in the PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    from triode.bench.report import fit_title
+
+    long = "Offline output tokens/s against vLLM's CPU build (bfloat16, each engine's best of 3 rounds)"
+    for title, lines in ((long, 2), ("Decode step time, context 512", 1)):
+        figure, axis = pyplot.subplots(figsize=(7, 4.5))
+        axis.set_ylabel("output tokens / s")
+        fit_title(figure, axis, title)
+        shown = axis.get_title()
+        extent = axis.title.get_window_extent(figure.canvas.get_renderer())
+        pyplot.close(figure)
+        assert shown.count("\n") + 1 == lines, shown
+        assert shown.replace("\n", " ") == title
+        assert 0 <= extent.x0 and extent.x1 <= figure.get_window_extent().width

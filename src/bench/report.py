@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,12 +80,11 @@ def plot_lines(
     if log_x:
         axis.set_xscale("log", base=2)
     axis.set_xticks(list(x), list(tick_labels) if tick_labels is not None else [str(v) for v in x])
-    axis.set_title(title)
     axis.set_xlabel(x_label)
     axis.set_ylabel(y_label)
     axis.grid(True, alpha=0.3)
     axis.legend()
-    figure.tight_layout()
+    fit_title(figure, axis, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
@@ -110,7 +110,6 @@ def plot_bars(
         bars = axis.bar(positions, values, width=width, label=label)
         axis.bar_label(bars, fmt="%.0f")
     axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], list(groups))
-    axis.set_title(title)
     axis.set_ylabel(y_label)
     # The legend in one row where its labels fit the width, else one label a row; headroom
     # above the tallest bar for it, so that it never hides a bar's label.
@@ -118,10 +117,22 @@ def plot_bars(
     rows = -(-len(series) // columns)
     axis.set_ylim(top=(1.15 + 0.1 * rows) * max((v for values in series.values() for v in values), default=1))
     axis.legend(loc="upper center", ncols=columns)
-    figure.tight_layout()
+    fit_title(figure, axis, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
+
+
+def fit_title(figure: Any, axis: Any, title: str) -> None:
+    """Sets ``title`` on ``axis``, wrapped onto as few lines as keep it within ``figure`` (a
+    title wider than the figure lost both its ends in the PNG), and lays the figure out."""
+    figure.tight_layout()  # where the axis will be: the title is centred on it, not the figure
+    renderer, right = figure.canvas.get_renderer(), figure.get_window_extent().width
+    for width in range(len(title), 9, -1):
+        extent = axis.set_title(textwrap.fill(title, width)).get_window_extent(renderer)
+        if extent.x0 >= 0 and extent.x1 <= right:
+            break
+    figure.tight_layout()
 
 
 def load_hf_reference(model_path: Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
