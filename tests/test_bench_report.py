@@ -1,4 +1,5 @@
-"""unit: how every benchmark names the machine it ran on (``bench/report.py``)."""
+"""unit: the shared output of the benchmarks (``bench/report.py``): how each names the machine it ran
+on, and how its figures keep their titles inside them."""
 
 from __future__ import annotations
 
