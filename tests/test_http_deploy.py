@@ -12,7 +12,8 @@ import openai
 import pytest
 import torch
 
-from tests.http_server import BIN, ServerProcess, alive, children, running, triode_serve, wait_until
+from tests.http_server import BIN, ServerProcess, alive, running, triode_serve, wait_until
+from tests.process_tree import descendants
 
 
 def hypercorn(*flags: str, model, tmp_path, **env: str) -> ServerProcess:
@@ -33,8 +34,7 @@ def test_hypercorn_trio_worker_serves_the_app(tiny_model_factory, tmp_path):
             out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4)
         assert out.usage.completion_tokens <= 4 and out.choices[0].finish_reason in ("stop", "length")
-        processes = children(s.pid)
-        processes |= {pid for worker in processes for pid in children(worker)}
+        processes = descendants(s.pid, helpers=True)
         assert s.stop() == 0
     wait_until(lambda: not any(alive(pid) for pid in processes), timeout=10, what="worker processes to exit")
 

@@ -14,7 +14,8 @@ import openai
 import pytest
 import trio
 
-from tests.http_server import alive, ametric, await_condition, children, running, triode_serve
+from tests.http_server import alive, ametric, await_condition, running, triode_serve
+from tests.process_tree import descendants
 
 LONG = 30000  # tokens: a minute or more on the tiny model, past any drain window here
 
@@ -130,7 +131,7 @@ async def test_sigterm_drains_then_aborts_and_exits_cleanly(model):
                           "--shutdown-timeout", "4")
     url = await trio.to_thread.run_sync(server.wait_ready)
     try:
-        workers = children(server.pid)
+        workers = descendants(server.pid, helpers=True)
         assert workers
         results: dict[str, object] = {}
         streaming = trio.Event()

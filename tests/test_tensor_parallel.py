@@ -26,6 +26,7 @@ import torch
 
 from tests.hf_compare import greedy_params, ours_greedy
 from tests.http_server import free_port
+from tests.process_tree import descendants
 from tests.tp_ranks import Job, run_sharded
 from triode import LLM, EngineArgs, SamplingParams, kernels
 from triode.engine.errors import KVCacheTooSmallError
@@ -113,23 +114,6 @@ def assert_same_generation(ours, reference, *, label: str = "", atol: float = AT
             for top_token, value in got_top.items():
                 if top_token in want_top:
                     assert abs(value - want_top[top_token]) < atol, (label, index, step, top_token)
-
-
-def alive_children() -> set[int]:
-    """Pids of this process's children that are still running (zombies excluded)."""
-    me = str(os.getpid())
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if ppid == me and state != "Z":
-            found.add(int(entry.name))
-    return found
 
 
 def is_running(pid: int) -> bool:
@@ -290,14 +274,14 @@ def test_engine_tp2_matches_tp1_with_prompt_logprobs(tiny_model_factory, prompts
     results = {}
     # With async scheduling every rank gets the plan made ahead with its sampled tokens filled in.
     for size, ahead in ((1, False), (2, False), (2, True)):
-        before = alive_children()
+        before = descendants()
         with LLM(str(path), tensor_parallel_size=size, kv_cache_memory="16MiB", max_model_len=256,
                  async_scheduling=ahead) as llm:
             completions, outputs = _engine_outputs(llm, prompts, params)
             stats = llm.llm_engine.statistics()
             pids = stats.worker_pids
-        assert not (set(pids) & alive_children()), "a rank outlived the engine"
-        assert alive_children() <= before
+        assert not (set(pids) & descendants()), "a rank outlived the engine"
+        assert descendants() <= before
         results[size, ahead] = (
             [(list(c.token_ids), list(c.logprobs)) for c in completions],
             [(o.prompt_token_ids, o.prompt_logprobs) for o in outputs],
@@ -470,16 +454,16 @@ def test_bad_sizes_fail_before_spawning(tiny_model_factory, options, error, mess
     if options.get("device") == "cuda" and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the CUDA devices")
     path = tiny_path(tiny_model_factory, "llama-kv2")
-    before = alive_children()
+    before = descendants()
     with pytest.raises(error, match=message) as info:
         LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, **options)
     assert info.value.field == "tensor_parallel_size"
-    assert alive_children() <= before
+    assert descendants() <= before
 
 
 def test_taken_or_bad_rendezvous_settings_fail_before_spawning(tiny_model_factory, monkeypatch):
     path = tiny_path(tiny_model_factory, "llama-kv2")
-    before = alive_children()
+    before = descendants()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -496,15 +480,15 @@ def test_taken_or_bad_rendezvous_settings_fail_before_spawning(tiny_model_factor
     monkeypatch.setenv("TRIODE_TP_LOCAL_RANKS", "3")
     with pytest.raises(RendezvousError, match=r"from 1 to tensor_parallel_size=2"):
         LLM(str(path), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256)
-    assert alive_children() <= before
+    assert descendants() <= before
 
 
 def test_rank_load_error_fails_the_start_and_leaves_no_rank(tiny_model_factory):
     path = tiny_path(tiny_model_factory, "llama-kv2")
-    before = alive_children()
+    before = descendants()
     with pytest.raises(KVCacheTooSmallError, match="kv_cache_memory"):
         LLM(str(path), tensor_parallel_size=2, kv_cache_memory=4096, max_model_len=256)
-    assert alive_children() <= before
+    assert descendants() <= before
 
 
 def _sum_rank(rank: int, port: int, results) -> None:

@@ -127,6 +127,13 @@ def _throughput(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def _start(namespace: argparse.Namespace) -> int:
+    from triode.bench import worker_start
+
+    worker_start.run(model=namespace.model, rounds=namespace.rounds, output_dir=Path(namespace.output_dir))
+    return 0
+
+
 def _tp(namespace: argparse.Namespace) -> int:
     from triode.bench import tp
 
@@ -248,6 +255,15 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     tp.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache budget per rank")
     tp.add_argument("--output-dir", default="bench-results")
     tp.set_defaults(handler=_tp)
+
+    start = benches.add_parser(
+        "start", help="engine start-up and recovery from a worker SIGKILL: workers forked from the forkserver "
+                      "vs spawned"
+    )
+    start.add_argument("--model", default=None)
+    start.add_argument("--rounds", type=count, default=2, help="turns each start method takes, alternated")
+    start.add_argument("--output-dir", default="bench-results")
+    start.set_defaults(handler=_start)
 
     spec = benches.add_parser(
         "spec", help="speculative decoding vs plain decoding: time between tokens at concurrency 1 (extractive "

@@ -14,19 +14,33 @@ So while a triode task starts a worker, the preparation data multiprocessing sen
 leaves the main module out. The choice is made per task (a context variable, which
 ``trio.to_thread`` carries into the thread where trio-parallel starts the process): the
 user's own multiprocessing, and trio-parallel's default context, are untouched.
+
+Workers fork from multiprocessing's forkserver rather than start a fresh interpreter: it
+imports torch once (about 2 s on these 2-core VMs, most of a tiny model's start), and every
+worker after the first, the restart after a crash included, forks from it with torch
+already imported. The forkserver starts with the first worker, from the environment of that
+moment, and the C libraries torch loads there (libgomp) read their variables then, so
+``WORKER_ENVIRONMENT`` is set before it starts; each worker then adopts the environment its
+engine had when it opened (:mod:`triode.engine.worker.environment`), as a spawned process
+would inherit it. ``TRIODE_WORKER_MULTIPROC_METHOD=spawn`` starts every worker from a fresh
+interpreter instead, for a program that changes libgomp's variables between engines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
+import multiprocessing
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing import spawn
 from typing import Any
 
 import trio_parallel
+
+from triode.engine.worker.environment import adopt
 
 _MAIN_MODULE_KEYS = ("init_main_from_name", "init_main_from_path")
 _starting_engine_worker = contextvars.ContextVar("triode_starting_engine_worker", default=False)
@@ -62,7 +76,7 @@ def starting_engine_workers() -> Iterator[None]:
         _starting_engine_worker.reset(token)
 
 
-# Worker processes inherit this at spawn (torch's libgomp reads it when torch loads). By
+# The forkserver and every worker inherit this (torch's libgomp reads it when torch loads). By
 # default an OpenMP thread spins about 300k times at every barrier before it sleeps; when the
 # worker shares its cores with the server, the engine, a client or another rank, the spinning
 # thread burns the time slice the thread it waits for needs. Measured on 2 cores, 64 decodes
@@ -74,6 +88,11 @@ def starting_engine_workers() -> Iterator[None]:
 # 20000 or 50000 spins do not help: 2000 stays. A user's setting wins (a dedicated server
 # can start with GOMP_SPINCOUNT=300000).
 WORKER_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
+MULTIPROC_METHODS = ("forkserver", "spawn")
+# What the forkserver imports once for every worker: torch only. triode's own modules read
+# their variables (TRIODE_CPU_ISA, TRIODE_KERNELS) when imported, so each worker imports
+# them after it has adopted its engine's environment.
+FORKSERVER_PRELOAD = ("torch",)
 
 
 @contextlib.asynccontextmanager
@@ -81,8 +100,23 @@ async def open_worker_context() -> AsyncIterator[trio_parallel.WorkerContext]:
     """A trio-parallel context whose one process (a rank) lives until the context closes."""
     for name, value in WORKER_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    method = worker_multiproc_method()
+    if method == "forkserver":
+        # Only until the forkserver starts; a user's forkserver already running keeps its own.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    init = functools.partial(adopt, dict(os.environ))
     # On the way out a context reports a worker that was killed (by a fault, or by us after
     # a failed step) as BrokenWorkerError; at shutdown that is not an error.
     with contextlib.suppress(trio_parallel.BrokenWorkerError):
-        async with trio_parallel.open_worker_context(idle_timeout=math.inf, grace_period=5.0) as context:
+        async with trio_parallel.open_worker_context(idle_timeout=math.inf, grace_period=5.0, init=init,
+                                                     worker_type=trio_parallel.WorkerType(method)) as context:
             yield context
+
+
+def worker_multiproc_method() -> str:
+    """``TRIODE_WORKER_MULTIPROC_METHOD``: "forkserver" (the default) or "spawn"."""
+    method = os.environ.get("TRIODE_WORKER_MULTIPROC_METHOD") or "forkserver"
+    if method not in MULTIPROC_METHODS:
+        raise ValueError(f"TRIODE_WORKER_MULTIPROC_METHOD must be one of {', '.join(MULTIPROC_METHODS)}; "
+                         f"got {method!r}")
+    return method
