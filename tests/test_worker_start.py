@@ -16,7 +16,7 @@ import pytest
 
 from tests.process_tree import MULTIPROCESSING_HELPERS
 from triode import LLM, SamplingParams
-from triode.engine.errors import ModelLoadError
+from triode.engine.errors import InvalidRequestError, ModelLoadError
 from triode.engine.worker.environment import adopt
 
 pytestmark = [pytest.mark.contract]
@@ -83,9 +83,10 @@ def test_spawned_workers_start_from_a_fresh_interpreter_with_the_same_outputs(ti
 
 def test_an_unknown_method_is_refused_naming_the_variable(tiny, monkeypatch):
     monkeypatch.setenv("TRIODE_WORKER_MULTIPROC_METHOD", "fork")
-    with pytest.raises(ValueError, match=r"TRIODE_WORKER_MULTIPROC_METHOD must be one of forkserver, "
-                                         r"spawn; got 'fork'"):
+    with pytest.raises(InvalidRequestError, match=r"TRIODE_WORKER_MULTIPROC_METHOD must be one of "
+                                                  r"forkserver, spawn; got 'fork'") as info:
         LLM(tiny, **OPTIONS)
+    assert info.value.field == "TRIODE_WORKER_MULTIPROC_METHOD"
 
 
 def test_adopting_an_environment_sets_and_unsets_variables_for_c_code_too(monkeypatch):

@@ -40,6 +40,7 @@ from typing import Any
 
 import trio_parallel
 
+from triode.engine.errors import InvalidRequestError
 from triode.engine.worker.environment import adopt
 
 _MAIN_MODULE_KEYS = ("init_main_from_name", "init_main_from_path")
@@ -117,6 +118,6 @@ def worker_multiproc_method() -> str:
     """``TRIODE_WORKER_MULTIPROC_METHOD``: "forkserver" (the default) or "spawn"."""
     method = os.environ.get("TRIODE_WORKER_MULTIPROC_METHOD") or "forkserver"
     if method not in MULTIPROC_METHODS:
-        raise ValueError(f"TRIODE_WORKER_MULTIPROC_METHOD must be one of {', '.join(MULTIPROC_METHODS)}; "
-                         f"got {method!r}")
+        raise InvalidRequestError(f"TRIODE_WORKER_MULTIPROC_METHOD must be one of {', '.join(MULTIPROC_METHODS)}; "
+                                  f"got {method!r}", field="TRIODE_WORKER_MULTIPROC_METHOD")
     return method
