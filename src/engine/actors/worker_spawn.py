@@ -103,7 +103,9 @@ async def open_worker_context() -> AsyncIterator[trio_parallel.WorkerContext]:
         os.environ.setdefault(name, value)
     method = worker_multiproc_method()
     if method == "forkserver":
-        # Only until the forkserver starts; a user's forkserver already running keeps its own.
+        # Read when the process's forkserver starts (it replaces a preload list the program set
+        # before); a forkserver the program started already keeps its own, and its workers
+        # then import torch themselves.
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
     init = functools.partial(adopt, dict(os.environ))
     # On the way out a context reports a worker that was killed (by a fault, or by us after
