@@ -1,7 +1,8 @@
 """Contract tests: how worker processes start (triode.engine.actors.worker_spawn). They fork
 from multiprocessing's forkserver, which imported torch once, the restart after a SIGKILL
 too; yet each sees the environment its engine had when it opened, variables set and unset
-since the forkserver started included, as a spawned process would.
+since the forkserver started included, as a spawned process would. A forkserver killed
+while an engine runs leaves its workers serving, and the next worker start makes another.
 ``TRIODE_WORKER_MULTIPROC_METHOD=spawn`` starts them from a fresh interpreter, with the same
 outputs, and an unknown method is refused naming the variable."""
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.http_server import alive
 from tests.process_tree import MULTIPROCESSING_HELPERS
 from triode import LLM, SamplingParams
 from triode.engine.errors import InvalidRequestError, ModelLoadError
@@ -67,6 +69,25 @@ def test_workers_fork_from_the_forkserver_and_take_their_engines_environment(tin
         assert greedy_tokens(llm) == reference
         (pid,) = llm.llm_engine.statistics().worker_pids
         assert parent_of(pid) == forkserver
+
+
+def test_a_killed_forkserver_leaves_its_workers_serving_and_the_next_start_makes_another(tiny, monkeypatch):
+    monkeypatch.delenv("TRIODE_WORKER_MULTIPROC_METHOD", raising=False)
+    with LLM(tiny, **OPTIONS) as llm:
+        reference = greedy_tokens(llm)
+        (pid,) = llm.llm_engine.statistics().worker_pids
+        forkserver = parent_of(pid)
+        os.kill(forkserver, signal.SIGKILL)
+        assert greedy_tokens(llm) == reference
+        assert llm.llm_engine.statistics().worker_restarts == 0
+        os.kill(pid, signal.SIGKILL)
+        assert greedy_tokens(llm) == reference
+        stats = llm.llm_engine.statistics()
+        assert stats.worker_restarts == 1
+        (restarted,) = stats.worker_pids
+        assert parent_of(restarted) not in (forkserver, os.getpid())
+        assert MULTIPROCESSING_HELPERS[0] in command_of(parent_of(restarted))
+    assert not alive(pid)  # the first worker, orphaned when its forkserver died
 
 
 def test_spawned_workers_start_from_a_fresh_interpreter_with_the_same_outputs(tiny, monkeypatch):
