@@ -4,7 +4,7 @@ that it left no process behind.
 This process makes itself the child subreaper (Linux ``prctl``), so a worker process that
 outlives the script it belongs to is re-parented here instead of to init, where it could
 not be seen. Once the command has exited, any child still alive after ``GRACE_SECONDS`` is
-reported on stderr as ``ORPHANS: pid ...`` and killed, and the exit status becomes 99.
+reported on stderr as ``ORPHANS: pid (command line) ...`` and killed, and the exit status becomes 99.
 
 Usage: python tests/script_runner.py COMMAND [ARGS...]
 """
@@ -45,6 +45,13 @@ def _children() -> list[int]:
     return found
 
 
+def _command(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200].strip()
+    except OSError:
+        return "gone"
+
+
 def main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -58,7 +65,7 @@ def main(argv: list[str]) -> int:
     while (orphans := _children()) and time.monotonic() < deadline:
         time.sleep(0.05)
     if orphans:
-        print(f"ORPHANS: {' '.join(map(str, orphans))}", file=sys.stderr, flush=True)
+        print(f"ORPHANS: {' '.join(f'{pid} ({_command(pid)})' for pid in orphans)}", file=sys.stderr, flush=True)
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         return ORPHANS_STATUS
