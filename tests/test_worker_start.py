@@ -45,12 +45,20 @@ def tiny(tiny_model_factory) -> str:
     return str(tiny_model_factory("llama"))
 
 
-def test_workers_fork_from_the_forkserver_and_take_their_engines_environment(tiny, monkeypatch):
+@pytest.fixture(autouse=True)
+def default_method(monkeypatch):
     monkeypatch.delenv("TRIODE_WORKER_MULTIPROC_METHOD", raising=False)
+
+
+def worker_and_parent(llm: LLM) -> tuple[int, int]:
+    (pid,) = llm.llm_engine.statistics().worker_pids
+    return pid, parent_of(pid)
+
+
+def test_workers_fork_from_the_forkserver_and_take_their_engines_environment(tiny, monkeypatch):
     with LLM(tiny, **OPTIONS) as llm:
         reference = greedy_tokens(llm)
-        (pid,) = llm.llm_engine.statistics().worker_pids
-        forkserver = parent_of(pid)
+        pid, forkserver = worker_and_parent(llm)
         assert forkserver != os.getpid() and parent_of(forkserver) == os.getpid()
         assert MULTIPROCESSING_HELPERS[0] in command_of(forkserver)
         os.kill(pid, signal.SIGKILL)
@@ -67,16 +75,13 @@ def test_workers_fork_from_the_forkserver_and_take_their_engines_environment(tin
     monkeypatch.delenv("TRIODE_CPU_ISA")
     with LLM(tiny, **OPTIONS) as llm:
         assert greedy_tokens(llm) == reference
-        (pid,) = llm.llm_engine.statistics().worker_pids
-        assert parent_of(pid) == forkserver
+        assert worker_and_parent(llm)[1] == forkserver
 
 
-def test_a_killed_forkserver_leaves_its_workers_serving_and_the_next_start_makes_another(tiny, monkeypatch):
-    monkeypatch.delenv("TRIODE_WORKER_MULTIPROC_METHOD", raising=False)
+def test_a_killed_forkserver_leaves_its_workers_serving_and_the_next_start_makes_another(tiny):
     with LLM(tiny, **OPTIONS) as llm:
         reference = greedy_tokens(llm)
-        (pid,) = llm.llm_engine.statistics().worker_pids
-        forkserver = parent_of(pid)
+        pid, forkserver = worker_and_parent(llm)
         os.kill(forkserver, signal.SIGKILL)
         assert greedy_tokens(llm) == reference
         assert llm.llm_engine.statistics().worker_restarts == 0
@@ -91,14 +96,13 @@ def test_a_killed_forkserver_leaves_its_workers_serving_and_the_next_start_makes
 
 
 def test_spawned_workers_start_from_a_fresh_interpreter_with_the_same_outputs(tiny, monkeypatch):
-    monkeypatch.delenv("TRIODE_WORKER_MULTIPROC_METHOD", raising=False)
     with LLM(tiny, **OPTIONS) as llm:
         reference = greedy_tokens(llm)
     monkeypatch.setenv("TRIODE_WORKER_MULTIPROC_METHOD", "spawn")
     with LLM(tiny, **OPTIONS) as llm:
         assert greedy_tokens(llm) == reference
-        (pid,) = llm.llm_engine.statistics().worker_pids
-        assert parent_of(pid) == os.getpid()
+        pid, parent = worker_and_parent(llm)
+        assert parent == os.getpid()
         assert not any(helper in command_of(pid) for helper in MULTIPROCESSING_HELPERS)
 
 
