@@ -90,10 +90,10 @@ def starting_engine_workers() -> Iterator[None]:
 # can start with GOMP_SPINCOUNT=300000).
 WORKER_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
 MULTIPROC_METHODS = ("forkserver", "spawn")
-# What the forkserver imports once for every worker: torch, and its own quick exit. triode's
+# What the forkserver imports once for every worker: torch, then its objects frozen. triode's
 # model and kernel modules read their variables (TRIODE_CPU_ISA, TRIODE_KERNELS) when
 # imported, so each worker imports them after it has adopted its engine's environment.
-FORKSERVER_PRELOAD = ("torch", "triode.engine.worker.forkserver_exit")
+FORKSERVER_PRELOAD = ("torch", "triode.engine.worker.forkserver_freeze")
 
 
 @contextlib.asynccontextmanager
