@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 PR_SET_CHILD_SUBREAPER = 36
-GRACE_SECONDS = 1.0
+# The forkserver exits once the script has, and tearing down its interpreter (torch imported)
+# took over a second under load: a process still there after this is left behind.
+GRACE_SECONDS = 5.0
 ORPHANS_STATUS = 99
 
 
