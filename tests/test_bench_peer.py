@@ -6,6 +6,7 @@ itself is built and run only by the benchmark, never here.)"""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -65,17 +66,56 @@ def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path, capsys):
     assert not target.parent.exists()
 
 
-def test_the_peer_is_built_without_amx_where_the_cpu_reports_it(tmp_path):
-    """llama.cpp's AMX matmul died of a general protection fault on such a CPU here."""
-    from triode.bench.llama_server import llama_cpp_build_flags
+def test_amx_is_read_from_the_cpus_flags(tmp_path):
+    from triode.bench.llama_server import cpu_reports_amx
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni amx_tile amx_int8\n")
-    flags = llama_cpp_build_flags(cpuinfo)
-    assert len(flags) == 2 and all("-mno-amx-int8" in flag for flag in flags)
+    assert cpu_reports_amx(cpuinfo)
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni\n")
-    assert llama_cpp_build_flags(cpuinfo) == []
-    assert llama_cpp_build_flags(tmp_path / "missing") == []
+    assert not cpu_reports_amx(cpuinfo)
+    assert not cpu_reports_amx(tmp_path / "missing")
+
+
+# ggml_tile_config_init as llama-cpp-python 0.3.36 vendors it (ggml-cpu/amx/mmq.cpp), shortened.
+_MMQ_AS_SHIPPED = """inline void ggml_tile_config_init(void) {
+    static thread_local bool done = false;
+
+    if (done) {
+        return;
+    }
+
+    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    tc.rows[0] = 8;   tc.colsb[0] = 64;
+    _tile_loadconfig(&tc);
+    done = true;
+}
+"""
+
+
+def test_llamas_amx_tile_configuration_gets_its_barrier_once(tmp_path):
+    """As shipped, GCC drops the stores to the configuration before ldtilecfg and llama.cpp's
+    AMX matmuls die of an illegal instruction on their first request (docs/benchmarks.md)."""
+    from triode.bench.llama_server import fix_amx_tile_config
+
+    mmq = tmp_path / "ggml" / "src" / "ggml-cpu" / "amx" / "mmq.cpp"
+    mmq.parent.mkdir(parents=True)
+    mmq.write_text(_MMQ_AS_SHIPPED)
+    log = io.StringIO()
+    assert fix_amx_tile_config(tmp_path, log)
+    lines = mmq.read_text().splitlines()
+    assert len(lines) == len(_MMQ_AS_SHIPPED.splitlines()) + 1
+    load = lines.index("    _tile_loadconfig(&tc);")
+    assert lines[load - 1].startswith('    __asm__ __volatile__("" : : "r"(&tc) : "memory");')
+    assert "fixed the AMX tile configuration load" in log.getvalue()
+
+    mmq.write_text(_MMQ_AS_SHIPPED.replace("_tile_loadconfig(&tc);", "_tile_loadconfig(&kept_config);"))
+    log = io.StringIO()
+    assert not fix_amx_tile_config(tmp_path, log)
+    assert "_tile_loadconfig(&kept_config);" in mmq.read_text() and "__asm__" not in mmq.read_text()
+    assert "does not apply" in log.getvalue()
+    assert not fix_amx_tile_config(tmp_path / "no-sources", io.StringIO())
 
 
 def test_a_machine_without_cmake_or_a_compiler_is_told_what_to_install(tmp_path, monkeypatch):

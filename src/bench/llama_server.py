@@ -7,6 +7,11 @@ never into triode's environment (about 10 minutes on 2 cores; the compile's prog
 shown, its output goes to a log). It is started with continuous batching, one slot per
 concurrent client, every slot holding ``--max-model-len`` tokens, and every core.
 
+On a CPU with AMX the vendored sources get one fix before the build (``fix_amx_tile_config``):
+as shipped, GCC drops the tile configuration that llama.cpp's AMX matmuls load, and the first
+request dies of an illegal instruction; fixed, llama.cpp runs its own AMX kernels, its fastest
+on such a CPU.
+
 (llama-cpp-python's own server, which earlier comparisons used, runs one request at a time:
 its figures are not llama.cpp's.)
 """
@@ -31,8 +36,8 @@ _READY_TIMEOUT_S = 600.0
 
 def ensure_llama_server(cache_dir: Path, log: Path, cpuinfo: Path = Path("/proc/cpuinfo")) -> Path:
     """The ``llama-server`` binary, built on first use (raises PeerUnavailable)."""
-    flags = llama_cpp_build_flags(cpuinfo)
-    home = cache_dir / "peers" / ("llama-server-" + LLAMA_CPP_SDIST.split("==")[1] + ("-no-amx" if flags else ""))
+    amx = cpu_reports_amx(cpuinfo)
+    home = cache_dir / "peers" / ("llama-server-" + LLAMA_CPP_SDIST.split("==")[1] + ("-amx-fixed" if amx else ""))
     binary = home / "build" / "bin" / "llama-server"
     if binary.exists() and _answers_version(binary):
         return binary
@@ -48,11 +53,13 @@ def ensure_llama_server(cache_dir: Path, log: Path, cpuinfo: Path = Path("/proc/
           f"minutes on 2 cores; log: {log})", flush=True)
     with log.open("w") as out, tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as scratch:
         source = _vendored_sources(Path(scratch), out)
+        if amx:
+            fix_amx_tile_config(source, out)
         configure = ["cmake", "-S", str(source), "-B", str(home / "build"), "-DCMAKE_BUILD_TYPE=Release",
                      "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
                      "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                      # The web UI would be fetched from the network; the API needs none of it.
-                     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", *flags]
+                     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
         run_logged(configure, out, "configuring llama.cpp (CMake)")
         build = ["cmake", "--build", str(home / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)]
         run_logged(build, out, "compiling llama-server", progress="percent")
@@ -68,20 +75,36 @@ def _answers_version(binary: Path) -> bool:
         return False
 
 
-def llama_cpp_build_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
-    """Extra CMake flags for this CPU. ``-march=native`` on a CPU with AMX compiles llama.cpp's
-    AMX matmuls, which died of a general protection fault in ``ggml_backend_amx_mul_mat`` (at
-    its ``ldtilecfg``) on the first request here (an Intel Xeon under KVM with AMX flags),
-    while a correctly configured tile load runs on the same machine. Those CPUs get a build
-    without AMX; AVX-512 and VNNI stay."""
+def cpu_reports_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     try:
-        flags = cpuinfo.read_text().split()
+        return "amx_tile" in cpuinfo.read_text().split()
     except OSError:
-        return []
-    if "amx_tile" not in flags:
-        return []
-    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    return [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+        return False
+
+
+# In ggml_tile_config_init (ggml-cpu/amx/mmq.cpp) the configuration is filled in on the stack
+# and handed to _tile_loadconfig. GCC does not count ldtilecfg as reading it, so it keeps the
+# zeroing and the palette byte and drops every row and column count: the tiles come up
+# unconfigured and the next tile instruction faults (an illegal instruction at tilezero on an
+# Emerald Rapids Xeon, a general protection fault on an earlier Xeon; llama.cpp pull request
+# 26954, open, reports the same). A compiler barrier before the load keeps the stores.
+_TILE_CONFIG_LOAD = "    _tile_loadconfig(&tc);\n"
+_TILE_CONFIG_BARRIER = ('    __asm__ __volatile__("" : : "r"(&tc) : "memory");  '
+                        "// triode: keep tc's stores (GCC drops them before ldtilecfg)\n")
+
+
+def fix_amx_tile_config(source: Path, out) -> bool:
+    """Puts the barrier before llama.cpp's tile configuration load in the sources at
+    ``source``; False (and a line in the log ``out``) where the load is not found as expected,
+    which a llama.cpp that fixed it another way would not have."""
+    path = source / "ggml" / "src" / "ggml-cpu" / "amx" / "mmq.cpp"
+    text = path.read_text() if path.exists() else ""
+    if text.count(_TILE_CONFIG_LOAD) != 1:
+        out.write(f"triode: the AMX tile configuration fix does not apply to {path}; building it as it is\n")
+        return False
+    path.write_text(text.replace(_TILE_CONFIG_LOAD, _TILE_CONFIG_BARRIER + _TILE_CONFIG_LOAD))
+    out.write(f"triode: fixed the AMX tile configuration load in {path}\n")
+    return True
 
 
 def start_llama_server(binary: Path, gguf_path: Path, *, slots: int, slot_tokens: int, threads: int, port: int,
