@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TextIO
 
 from triode.bench.peer_build import PeerUnavailable, run_logged
 
@@ -86,14 +87,15 @@ def cpu_reports_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 # and handed to _tile_loadconfig. GCC does not count ldtilecfg as reading it, so it keeps the
 # zeroing and the palette byte and drops every row and column count: the tiles come up
 # unconfigured and the next tile instruction faults (an illegal instruction at tilezero on an
-# Emerald Rapids Xeon, a general protection fault on an earlier Xeon; llama.cpp pull request
-# 26954, open, reports the same). A compiler barrier before the load keeps the stores.
+# Emerald Rapids Xeon; the general protection fault at ldtilecfg seen on an earlier Xeon was
+# likely the same dropped stores; llama.cpp pull request 26954, open, reports them). A
+# compiler barrier before the load keeps the stores.
 _TILE_CONFIG_LOAD = "    _tile_loadconfig(&tc);\n"
 _TILE_CONFIG_BARRIER = ('    __asm__ __volatile__("" : : "r"(&tc) : "memory");  '
                         "// triode: keep tc's stores (GCC drops them before ldtilecfg)\n")
 
 
-def fix_amx_tile_config(source: Path, out) -> bool:
+def fix_amx_tile_config(source: Path, out: TextIO) -> bool:
     """Puts the barrier before llama.cpp's tile configuration load in the sources at
     ``source``; False (and a line in the log ``out``) where the load is not found as expected,
     which a llama.cpp that fixed it another way would not have."""
