@@ -66,8 +66,8 @@ def test_write_gguf_refuses_a_path_that_is_not_a_gguf_file(tmp_path, capsys):
     assert not target.parent.exists()
 
 
-def test_amx_is_read_from_the_cpus_flags(tmp_path):
-    from triode.bench.llama_server import cpu_reports_amx
+def test_amx_is_read_from_the_cpus_flags_and_named_in_the_report(tmp_path):
+    from triode.bench.llama_server import cpu_reports_amx, llama_server_description
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni amx_tile amx_int8\n")
@@ -75,6 +75,9 @@ def test_amx_is_read_from_the_cpus_flags(tmp_path):
     cpuinfo.write_text("flags : fpu avx2 avx512f avx512_vnni\n")
     assert not cpu_reports_amx(cpuinfo)
     assert not cpu_reports_amx(tmp_path / "missing")
+    assert llama_server_description(cpuinfo) == "llama-server from the llama-cpp-python==0.3.36 sdist"
+    cpuinfo.write_text("flags : fpu avx2 avx512f amx_tile\n")
+    assert llama_server_description(cpuinfo).endswith(", with its AMX kernels (their tile configuration fixed)")
 
 
 # ggml_tile_config_init as llama-cpp-python 0.3.36 vendors it (ggml-cpu/amx/mmq.cpp), shortened.

@@ -83,6 +83,12 @@ def cpu_reports_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         return False
 
 
+def llama_server_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """What ``ensure_llama_server`` builds on this CPU, in words, for the benchmark's report."""
+    fixed = ", with its AMX kernels (their tile configuration fixed)" if cpu_reports_amx(cpuinfo) else ""
+    return f"llama-server from the {LLAMA_CPP_SDIST} sdist{fixed}"
+
+
 # In ggml_tile_config_init (ggml-cpu/amx/mmq.cpp) the configuration is filled in on the stack
 # and handed to _tile_loadconfig. GCC does not count ldtilecfg as reading it, so it keeps the
 # zeroing and the palette byte and drops every row and column count: the tiles come up

@@ -25,9 +25,9 @@ from typing import Any
 
 from triode.bench.commands import usage_error
 from triode.bench.llama_server import (
-    LLAMA_CPP_SDIST,
     PeerUnavailable,
     ensure_llama_server,
+    llama_server_description,
     start_llama_server,
 )
 from triode.engine.cpus import usable_cpus
@@ -90,7 +90,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
             finally:
                 stop_server(peer)
     report = {
-        "model_file": str(gguf_path), "peer": f"llama-server from the {LLAMA_CPP_SDIST} sdist",
+        "model_file": str(gguf_path), "peer": llama_server_description(),
         "peer_error": peer_error,
         "workload": {"prompt_tokens": ns.prompt_tokens, "output_tokens": ns.output_tokens, "greedy": True,
                      "requests_per_level": {c: len(v) for c, v in levels.items()}},
