@@ -28,12 +28,16 @@ def _running() -> dict[int, int]:
     return parents
 
 
-def _is_helper(pid: int) -> bool:
+def command_line(pid: int) -> bytes:
+    """The process's command line, its arguments joined by spaces (empty once it is gone)."""
     try:
-        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ")
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").strip()
     except OSError:
-        return False
-    return any(helper in command for helper in MULTIPROCESSING_HELPERS)
+        return b""
+
+
+def _is_helper(pid: int) -> bool:
+    return any(helper in command_line(pid) for helper in MULTIPROCESSING_HELPERS)
 
 
 def descendants(pid: int | None = None, *, helpers: bool = False) -> set[int]:

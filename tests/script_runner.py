@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script: its own folder is on sys.path.
+from process_tree import command_line
+
 PR_SET_CHILD_SUBREAPER = 36
 # The forkserver exits once the script has, and tearing down its interpreter (torch imported)
 # took over a second under load: a process still there after this is left behind.
@@ -47,13 +50,6 @@ def _children() -> list[int]:
     return found
 
 
-def _command(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200].strip()
-    except OSError:
-        return "gone"
-
-
 def main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -67,7 +63,8 @@ def main(argv: list[str]) -> int:
     while (orphans := _children()) and time.monotonic() < deadline:
         time.sleep(0.05)
     if orphans:
-        print(f"ORPHANS: {' '.join(f'{pid} ({_command(pid)})' for pid in orphans)}", file=sys.stderr, flush=True)
+        described = (f"{pid} ({command_line(pid)[:200].decode(errors='replace') or 'gone'})" for pid in orphans)
+        print(f"ORPHANS: {' '.join(described)}", file=sys.stderr, flush=True)
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         return ORPHANS_STATUS
