@@ -313,7 +313,7 @@ def test_vllm_rounds_alternate_the_engines_and_the_best_of_each_counts(tmp_path,
     monkeypatch.setattr(throughput_peer, "ensure_vllm", lambda cache, log: tmp_path / "python")
     monkeypatch.setattr(throughput_peer, "resolve_model", lambda model, cache_dir: type("M", (), {"path": tmp_path}))
     monkeypatch.setattr(throughput_peer, "hf_checkpoint", lambda path, dtype, cache: tmp_path / "checkpoint")
-    monkeypatch.setattr(throughput_peer, "vllm_default_options", lambda: {})
+    monkeypatch.setattr(throughput_peer, "vllm_default_options", lambda: {"after": len(turns)})
     monkeypatch.setattr(throughput_peer, "ceilings", lambda config, workloads, **_: {
         name: {"peak_flops": {"triode": 1e12, "vllm": 1e12}, "peak_of": {"triode": "x", "vllm": "x"},
                "workloads": {"W1v": {"flops": 1e12, "triode_ceiling": 900.0, "vllm_ceiling": 900.0}}}
@@ -347,8 +347,24 @@ def test_vllm_rounds_alternate_the_engines_and_the_best_of_each_counts(tmp_path,
     assert report["comparisons"]["same"]["triode_startup_seconds"] == 3.0  # the first round's: a fresh start
     defaults = report["comparisons"]["defaults"]["workloads"]["W1v"]
     assert defaults["vllm_rounds"] == [420.0] * 3
+    # vLLM's defaults were read after triode's last round, just before vLLM's
+    assert report["comparisons"]["defaults"]["vllm_options"] == {"after": 11}
     printed = capsys.readouterr().out
     assert "each engine's best of 3 rounds" in printed
     assert "300.00 / 250.00" in printed and "400.00 / -" in printed
     assert "vLLM: left out after that: vLLM failed: exit code 1" in printed
     assert (tmp_path / "out" / "throughput-vllm-bfloat16.png").stat().st_size > 0
+
+
+def test_vllm_default_memory_share_leaves_room_for_its_own_processes(monkeypatch):
+    """vLLM's worker refuses to start when the share it is given is not free by then: the share
+    is what is free less 3 GiB for vLLM's own processes, rounded down, at most vLLM's 0.92."""
+    from triode.bench import throughput_peer
+    from triode.engine.worker import kv_budget
+
+    gib = 1 << 30
+    readings = iter([kv_budget.MemoryReading(total=int(23.54 * gib), available=int(22.5 * gib), on_gpu=False),
+                     kv_budget.MemoryReading(total=256 * gib, available=250 * gib, on_gpu=False)])
+    monkeypatch.setattr(kv_budget, "read_memory", lambda device_type: next(readings))
+    assert throughput_peer.vllm_default_options() == {"gpu_memory_utilization": 0.82}
+    assert throughput_peer.vllm_default_options() == {"gpu_memory_utilization": 0.92}
