@@ -69,3 +69,24 @@ def test_a_title_wider_than_the_figure_is_wrapped_within_it():
         assert shown.count("\n") + 1 == lines, shown
         assert shown.replace("\n", " ") == title
         assert 0 <= extent.x0 and extent.x1 <= figure.get_window_extent().width
+
+
+def test_a_missing_figure_is_labelled_not_drawn_as_zero(tmp_path, monkeypatch):
+    """A peer that failed in one setting was drawn as a bar labelled 0 tok/s: it gets no bar
+    and the label "n/a" now, and the scale is set by the figures there are."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    from triode.bench.report import plot_bars
+
+    closed = []
+    monkeypatch.setattr(pyplot, "close", closed.append)
+    plot_bars(tmp_path / "bars.png", title="t", y_label="tok/s", groups=["same", "defaults"],
+              series={"triode": [512.0, 273.0], "vLLM": [442.0, None]})
+    assert len(closed) == 1
+    axis = closed[0].axes[0]
+    assert [text.get_text() for text in axis.texts] == ["512", "273", "442", "n/a"]
+    assert sorted(patch.get_height() for patch in axis.patches) == [0.0, 273.0, 442.0, 512.0]
+    assert (tmp_path / "bars.png").stat().st_size > 0

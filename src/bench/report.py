@@ -96,8 +96,10 @@ def plot_bars(
     title: str,
     y_label: str,
     groups: Sequence[str],
-    series: dict[str, Sequence[float]],
+    series: dict[str, Sequence[float | None]],
 ) -> None:
+    """Grouped bars, one series a colour, each labelled with its value; a None (a peer that
+    failed, a ceiling not measured) gets no bar and the label "n/a", never a bar of 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,15 +109,15 @@ def plot_bars(
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
         positions = [g + i * width for g in range(len(groups))]
-        bars = axis.bar(positions, values, width=width, label=label)
-        axis.bar_label(bars, fmt="%.0f")
+        bars = axis.bar(positions, [0.0 if v is None else v for v in values], width=width, label=label)
+        axis.bar_label(bars, labels=["n/a" if v is None else f"{v:.0f}" for v in values])
     axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], list(groups))
     axis.set_ylabel(y_label)
     # The legend in one row where its labels fit the width, else one label a row; headroom
     # above the tallest bar for it, so that it never hides a bar's label.
     columns = len(series) if sum(len(label) for label in series) <= 80 else 1
     rows = -(-len(series) // columns)
-    axis.set_ylim(top=(1.15 + 0.1 * rows) * max((v for values in series.values() for v in values), default=1))
+    axis.set_ylim(top=(1.15 + 0.1 * rows) * max((v for values in series.values() for v in values if v is not None), default=1))
     axis.legend(loc="upper center", ncols=columns)
     fit_title(figure, axis, title)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -284,8 +284,8 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
         for workload, entry in comparison["workloads"].items():
             groups.append(f"{workload}\n{name}")
             ours.append(entry["triode_tokens_per_second"])
-            theirs.append(entry["vllm_tokens_per_second"] or 0.0)
-            ceiling.append(report["ceilings"][name]["workloads"][workload]["triode_ceiling"] or 0.0)
+            theirs.append(entry["vllm_tokens_per_second"])
+            ceiling.append(report["ceilings"][name]["workloads"][workload]["triode_ceiling"])
     best_of = f", each engine's best of {report['rounds']} rounds" if report["rounds"] > 1 else ""
     plot_bars(path, title=f"Offline output tokens/s against vLLM's CPU build ({report['dtype']}{best_of})",
               y_label="output tokens / s", groups=groups,
