@@ -297,6 +297,24 @@ def test_random_workloads_planned_ahead_keep_invariants_and_finish(ops, **shape)
             assert len(tokens) <= 16
 
 
+def test_a_recompute_that_needs_the_blocks_its_window_frees_waits_for_its_step_instead_of_preempting_itself():
+    """Found by the property above: after a crash, a sequence of 9 tokens with a 1-token window
+    in 8 one-token blocks recomputes in chunks of 5. Its second chunk, planned while the first
+    was out, found no blocks and preempted the sequence itself, throwing the first away; started
+    over, it did the same every step and never finished. The first chunk's result frees the
+    blocks the window left behind, so the second chunk now waits for it."""
+    ops = [("add", 0, 8, 2, 1, 0, True, 0), ("add", 0, 2, 1, 1, 0, True, 0), ("add", 0, 2, 1, 1, 0, True, 0),
+           ("plan",), ("plan",), ("plan",), ("plan",), ("complete",), ("complete",), ("crash",)]
+    options = _options(extra_blocks=0, block_size=1, max_num_seqs=1, budget=5, threshold=None,
+                       prefix_caching=False, seed=0)
+    outputs, pipeline = _run_workload(ops, steps_in_flight=2, policy="fcfs", window=1, **options)
+    assert len(outputs) == 3
+    assert {seq_id: (len(tokens), status) for seq_id, (tokens, status) in outputs.items()} == {
+        "r0": (8 + 2, SequenceStatus.FINISHED_LENGTH_CAPPED), "r1": (2 + 1, SequenceStatus.FINISHED_LENGTH_CAPPED),
+        "r2": (2 + 1, SequenceStatus.FINISHED_LENGTH_CAPPED)}
+    assert pipeline.scheduler.num_preemptions == 0  # the crash requeued it; nothing preempted it since
+
+
 _plain_ops = st.lists(st.one_of(ADD_OP, ADD_OP, st.tuples(st.just("plan")), st.tuples(st.just("complete"))),
                       min_size=5, max_size=40)
 

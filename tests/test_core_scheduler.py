@@ -153,13 +153,19 @@ def _ends_in_flight(request: Sequence) -> bool:
         request.num_tokens + request.num_in_flight_samples >= request.max_num_tokens)
 
 
+def _waits_for_its_step(scheduler: Scheduler, request: Sequence) -> bool:
+    """Short of blocks, the request would preempt itself (it is last in line), but a step in
+    flight has its tokens: it waits for that step, which may free blocks behind a window."""
+    return bool(request.num_in_flight_tokens) and request is max(scheduler.running, key=scheduler._key)
+
+
 def check_plan(scheduler: Scheduler, plan: StepPlan) -> None:
     num_tokens = sum(c.num_tokens for c in plan.chunks)
     assert num_tokens <= scheduler.max_num_batched_tokens
     scheduled = {c.seq_id for c in plan.chunks}
     if num_tokens < scheduler.max_num_batched_tokens:  # budget left: nobody running was skipped
         assert {r.seq_id for r in scheduler.running if r.seq_id in scheduled
-                or not _ends_in_flight(r)} == scheduled
+                or not (_ends_in_flight(r) or _waits_for_its_step(scheduler, r))} == scheduled
     assert len(plan.chunks) <= scheduler.max_num_seqs
     if scheduler.long_prefill_token_threshold:
         assert all(c.num_tokens <= scheduler.long_prefill_token_threshold for c in plan.chunks)

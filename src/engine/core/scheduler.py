@@ -20,10 +20,13 @@ Up to ``max_steps_in_flight`` plans are out at once: one, or two with async sche
 step N+1 is planned while step N runs. A plan made ahead counts the tokens of the step in
 flight as scheduled: a prefill continues with its next chunk, and a sequence whose token is
 being sampled is fed that token, which the plan leaves to the workers, who sampled it
-(``ScheduledChunk.sampled_input``). Results are applied in plan order (``update_from_output``,
-``core.step_results``; ``requeue_all_running()`` if the worker died). With speculative decoding
-(``spec_decode.scheduling``) no step is planned ahead of one that verifies or proposes tokens:
-what it emits is unknown until its result.
+(``ScheduledChunk.sampled_input``). Short of blocks, a sequence that would be its own victim
+while a step in flight has its tokens waits for a later plan: that step's result may free
+blocks behind a sliding window, and preempting would throw the step away (a recompute that
+needed those blocks did so every step, and never finished). Results are applied in plan
+order (``update_from_output``, ``core.step_results``; ``requeue_all_running()`` if the worker
+died). With speculative decoding (``spec_decode.scheduling``) no step is planned ahead of one
+that verifies or proposes tokens: what it emits is unknown until its result.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class Scheduler(SequenceQueues):
         chunks: dict[str, ScheduledChunk] = {}
         planned: dict[str, PlannedChunk] = {}  # each chunk's record, kept until its result
         new_sequences: list[NewSequence] = []
-        preempted = False
+        short_of_blocks = False  # a running sequence was preempted, or left for a later step
 
         # Running sequences first: decodes and unfinished prefills, in admission order. This
         # loop runs for every sequence of every step: it reads plain attributes, and asks the
@@ -145,14 +148,17 @@ class Scheduler(SequenceQueues):
             needed = num_new + len(drafts)
             fits = seq.num_computed_tokens + seq.num_in_flight_tokens + needed <= len(seq.block_ids) * block_size
             while not fits and bm.allocate_slots(seq, needed) is None:
+                short_of_blocks = True
                 victim = max(self.running, key=self._key)
+                if victim is seq and seq.num_in_flight_tokens:  # it waits for its step (above)
+                    i += 1
+                    break
                 position = self.running.index(victim)
                 del self.running[position]
                 if victim.seq_id in chunks:
                     budget += chunks.pop(victim.seq_id).num_tokens
                     del planned[victim.seq_id]
                 self._preempt(victim)
-                preempted = True
                 if victim is seq:
                     break
                 if position < i:
@@ -162,8 +168,8 @@ class Scheduler(SequenceQueues):
                 budget -= needed
                 i += 1
 
-        # Then waiting ones, unless this step had to preempt (they would only thrash).
-        if not preempted:
+        # Then waiting ones, unless a running one was short of blocks (they would only thrash).
+        if not short_of_blocks:
             slots = AdapterSlots(self.lora_loads, self.max_loras, (s.lora for s in self.running))
             for seq in list(self.waiting):
                 if len(self.running) >= self.max_num_seqs or budget == 0:
