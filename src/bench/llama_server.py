@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from triode.bench.peer_build import PeerUnavailable, run_logged
+from triode.bench.report import cpu_fields
 
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 _READY_TIMEOUT_S = 600.0
@@ -77,10 +78,7 @@ def _answers_version(binary: Path) -> bool:
 
 
 def cpu_reports_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    try:
-        return "amx_tile" in cpuinfo.read_text().split()
-    except OSError:
-        return False
+    return "amx_tile" in cpu_fields(cpuinfo).get("flags", "").split()
 
 
 def llama_server_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

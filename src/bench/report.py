@@ -17,21 +17,26 @@ _CPU_FEATURES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "a
                  "amx_tile": "AMX"}
 
 
-def machine_description() -> str:
-    cpu, flags = platform.processor() or platform.machine(), set()
+def cpu_fields(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, str]:
+    """The first CPU's fields in ``cpuinfo`` ("model name", "flags", ...); empty where it
+    cannot be read."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             lines = f.read().splitlines()
-        first_cpu = lines[:lines.index("")] if "" in lines else lines
-        fields = dict(tuple(part.strip() for part in line.split(":", 1)) for line in first_cpu if ":" in line)
-        cpu = fields.get("model name", cpu)
-        # Under a hypervisor the model name can be as bare as "AMD EPYC": the family and model
-        # tell a Zen 4 (family 25) from a Zen 5 (family 26), whose speeds differ twofold.
-        if "cpu family" in fields and "model" in fields:
-            cpu += f" family {fields['cpu family']} model {fields['model']}"
-        flags = set(fields.get("flags", "").split())
     except OSError:
-        pass
+        return {}
+    first_cpu = lines[:lines.index("")] if "" in lines else lines
+    return dict(tuple(part.strip() for part in line.split(":", 1)) for line in first_cpu if ":" in line)
+
+
+def machine_description() -> str:
+    fields = cpu_fields()
+    cpu = fields.get("model name", platform.processor() or platform.machine())
+    # Under a hypervisor the model name can be as bare as "AMD EPYC": the family and model
+    # tell a Zen 4 (family 25) from a Zen 5 (family 26), whose speeds differ twofold.
+    if "cpu family" in fields and "model" in fields:
+        cpu += f" family {fields['cpu family']} model {fields['model']}"
+    flags = set(fields.get("flags", "").split())
     features = " ".join(name for flag, name in _CPU_FEATURES.items() if flag in flags)
     threads = torch.get_num_threads()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
